@@ -1,0 +1,165 @@
+"""Process-group start-up for every launcher, on CPU (gloo) and GPU (nccl).
+
+MMEngine 0.10.7's ``init_dist`` calls ``torch.cuda.set_device`` for every
+launcher and so dies on a machine without CUDA. This module touches CUDA only
+when the chosen backend needs it.
+"""
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
+BACKENDS = ('gloo', 'nccl')
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as a launcher describes it."""
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def check_launcher(launcher: str) -> str:
+    """Return ``launcher`` if it is known.
+
+    Raises:
+        ValueError: naming the bad value and the allowed launchers.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f'launcher={launcher!r} is not supported; '
+                         f'allowed: {", ".join(LAUNCHERS)}')
+    return launcher
+
+
+def default_backend() -> str:
+    """``'nccl'`` when CUDA is available, ``'gloo'`` otherwise."""
+    return 'nccl' if torch.cuda.is_available() else 'gloo'
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list, as ``scontrol show hostnames``.
+
+    ``'node[003-005,9],gpu1'`` gives ``'node003'``; ``'gpu1,gpu2'`` gives
+    ``'gpu1'``.
+    """
+    first = re.match(r'([^,\[]+)(\[([^\]]+)\])?', nodelist.strip())
+    if first is None:
+        raise ValueError(f'SLURM_NODELIST={nodelist!r} cannot be parsed')
+    prefix, ranges = first.group(1), first.group(3)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(',')[0].split('-')[0]
+
+
+def _require(env: Mapping[str, str], key: str, launcher: str) -> str:
+    if key not in env:
+        raise RuntimeError(f'launcher={launcher!r} needs the environment '
+                           f'variable {key}, which is not set')
+    return env[key]
+
+
+def launch_env(launcher: str,
+               env: Optional[Mapping[str, str]] = None,
+               port: Optional[int] = None) -> LaunchEnv:
+    """Read rank, world size, local rank and master address for a launcher.
+
+    Args:
+        launcher: one of ``'pytorch'``, ``'slurm'``, ``'mpi'``.
+        env: the environment to read (defaults to ``os.environ``).
+        port: master port; overrides ``MASTER_PORT`` from the environment.
+
+    Returns:
+        The process's place in the job.
+    """
+    check_launcher(launcher)
+    env = os.environ if env is None else env
+    if launcher == 'pytorch':
+        keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR')
+        rank, world, local, addr = (_require(env, k, launcher) for k in keys)
+    elif launcher == 'slurm':
+        keys = ('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID')
+        rank, world, local = (_require(env, k, launcher) for k in keys)
+        addr = env.get('MASTER_ADDR') or first_slurm_host(
+            _require(env, 'SLURM_NODELIST', launcher))
+    elif launcher == 'mpi':
+        keys = ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+                'OMPI_COMM_WORLD_LOCAL_RANK')
+        rank, world, local = (_require(env, k, launcher) for k in keys)
+        addr = env.get('MASTER_ADDR', '127.0.0.1')
+    else:
+        raise ValueError("launcher='none' starts no process group")
+    master_port = port or int(env.get('MASTER_PORT', DEFAULT_MASTER_PORT))
+    return LaunchEnv(int(rank), int(world), int(local), addr, master_port)
+
+
+def init_dist(launcher: str,
+              backend: Optional[str] = None,
+              timeout: Union[int, float, datetime.timedelta,
+                             None] = DEFAULT_TIMEOUT_S,
+              port: Optional[int] = None,
+              **kwargs) -> None:
+    """Start the default process group for ``launcher``.
+
+    Args:
+        launcher: ``'none'`` (do nothing), ``'pytorch'`` (torchrun's
+            environment), ``'slurm'`` or ``'mpi'``.
+        backend: ``'gloo'`` or ``'nccl'``; None picks nccl when CUDA is
+            available, gloo otherwise.
+        timeout: collective timeout, seconds or a ``timedelta``.
+        port: master port for slurm/mpi (else ``MASTER_PORT``, else 29500).
+        **kwargs: passed to ``torch.distributed.init_process_group``.
+
+    Raises:
+        ValueError: an unknown launcher or backend.
+        RuntimeError: a variable the launcher needs is missing.
+    """
+    check_launcher(launcher)
+    if launcher == 'none':
+        return
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f'dist_cfg.backend={backend!r} is not supported; '
+                         f'allowed: {", ".join(BACKENDS)}')
+    place = launch_env(launcher, port=port)
+    # MMEngine and torch read these; torchrun sets them, slurm and mpi do not.
+    os.environ.update(
+        RANK=str(place.rank),
+        WORLD_SIZE=str(place.world_size),
+        LOCAL_RANK=str(place.local_rank),
+        MASTER_ADDR=place.master_addr,
+        MASTER_PORT=str(place.master_port))
+    if backend == 'nccl':
+        torch.cuda.set_device(place.local_rank)
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def uses_cuda() -> bool:
+    """Whether this process trains on CUDA (nccl group, or CUDA with none)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_backend() == 'nccl'
+    return torch.cuda.is_available()
+
+
+def local_rank() -> int:
+    """``LOCAL_RANK`` from the environment (0 when unset)."""
+    return int(os.environ.get('LOCAL_RANK', 0))
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now (for tests and local runs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,50 @@
+"""``MMDistributedDataParallel``: torch DDP with MMEngine's step contract."""
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mmpar.dist import local_rank, uses_cuda
+from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers.base import StepMixin
+
+
+@MODEL_WRAPPERS.register_module()
+class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
+    """DDP plus ``train_step``/``val_step``/``test_step``.
+
+    Args:
+        module: the model (an MMEngine ``BaseModel``).
+        sync_strategy: gradient sync under gradient accumulation:
+            ``'single_auto_sync'`` (sync on the last micro-batch only),
+            ``'multi_auto_sync'`` (every micro-batch) or ``'forced_sync'``
+            (no automatic sync; all-reduce and average after the last
+            micro-batch's backward).
+        device_ids: as DDP's; None picks ``[LOCAL_RANK]`` on CUDA and nothing
+            on CPU (DDP rejects device ids for CPU modules).
+        process_group: the data-parallel group; None uses the default group.
+        **kwargs: any other ``DistributedDataParallel`` argument.
+
+    Raises:
+        ValueError: an unknown ``sync_strategy``.
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 sync_strategy: str = 'single_auto_sync',
+                 device_ids: Optional[list] = None,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 **kwargs) -> None:
+        self._init_steps(sync_strategy)
+        if device_ids is None and uses_cuda():
+            device_ids = [local_rank()]
+        super().__init__(
+            module,
+            device_ids=device_ids,
+            process_group=process_group,
+            **kwargs)
+
+    @property
+    def eval_forward_module(self) -> nn.Module:
+        return self.module

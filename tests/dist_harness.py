@@ -1,0 +1,133 @@
+"""Run a function on N gloo processes that live for the whole test session.
+
+Spawning a process and importing torch and MMEngine costs seconds, so each
+world size gets one pool of workers, started on first use and shared by every
+test. A rank that raises, or a job that hangs, fails the calling test with the
+failing rank's traceback; the pool is then torn down and the next test starts a
+fresh one.
+"""
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from typing import Callable, List
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TASK_TIMEOUT_S = 300
+# After one rank fails, how long the others get to finish before the pool is
+# killed (they are usually blocked in a collective the failed rank never
+# joined).
+GRACE_AFTER_FAILURE_S = 10
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS='1')
+    import torch
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        'gloo',
+        init_method=f'file://{init_file}',
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        saved_env = dict(os.environ)
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: B902 - report everything to the test
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+            _reset_topology()
+    dist.destroy_process_group()
+
+
+def _reset_topology() -> None:
+    try:
+        from mmpar.parallel import reset_parallelism
+    except ImportError:
+        return
+    reset_parallelism()
+
+
+class DistPool:
+    """``world_size`` gloo processes that run one function at a time."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context('spawn')
+        fd, self._init_file = tempfile.mkstemp(prefix='mmpar_rdzv_')
+        os.close(fd)
+        os.unlink(self._init_file)
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, self._init_file, self._tasks[rank],
+                      self._results),
+                daemon=True) for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.broken = False
+
+    def run(self, fn: Callable, *args, timeout: float = TASK_TIMEOUT_S,
+            **kwargs) -> List:
+        """Run ``fn(*args, **kwargs)`` on every rank; return results by rank.
+
+        Raises:
+            AssertionError: a rank raised (its traceback is in the message),
+                or the ranks did not all finish within ``timeout`` seconds.
+        """
+        for task_queue in self._tasks:
+            task_queue.put((fn, args, kwargs))
+        results, failures = [None] * self.world_size, {}
+        pending = set(range(self.world_size))
+        while pending:
+            wait = GRACE_AFTER_FAILURE_S if failures else timeout
+            try:
+                rank, ok, payload = self._results.get(timeout=wait)
+            except queue.Empty:
+                break
+            pending.discard(rank)
+            if ok:
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+        if failures or pending:
+            self.close()
+            report = [f'rank {r} raised:\n{tb}' for r, tb in failures.items()]
+            if pending:
+                report.append(f'ranks {sorted(pending)} did not finish '
+                              f'{fn.__name__} (hung or killed)')
+            raise AssertionError('\n'.join(report))
+        return results
+
+    def close(self) -> None:
+        self.broken = True
+        for task_queue in self._tasks:
+            try:
+                task_queue.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
