@@ -1,8 +1,9 @@
 from mmpar.runner.checkpoint import (CheckpointLoadError, PlainCheckpointHook,
                                      load_checkpoint_file)
+from mmpar.runner.nonfinite import NonFiniteLossError, NonFiniteLossHook
 from mmpar.runner.runner import Runner
 
 __all__ = [
     'Runner', 'PlainCheckpointHook', 'CheckpointLoadError',
-    'load_checkpoint_file'
+    'load_checkpoint_file', 'NonFiniteLossHook', 'NonFiniteLossError'
 ]
