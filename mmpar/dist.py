@@ -143,7 +143,34 @@ def init_dist(launcher: str,
         torch.cuda.set_device(place.local_rank)
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
+    store = _restart_safe_store(place, timeout)
+    if store is not None and 'store' not in kwargs:
+        kwargs.update(store=store, rank=place.rank,
+                      world_size=place.world_size)
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def _restart_safe_store(place: LaunchEnv,
+                        timeout: Optional[datetime.timedelta]):
+    """torchrun's store, with keys private to this restart attempt.
+
+    Under torchrun the workers share the agent's TCPStore, which outlives a
+    restart (``--max-restarts``); torch's env:// rendezvous adds no
+    per-attempt prefix, so a restarted gloo group reads the dead workers'
+    addresses and fails with "connectFullMesh ... Connection refused".
+    Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` fixes that.
+    None when not under torchrun's agent.
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    store = dist.TCPStore(
+        place.master_addr,
+        place.master_port,
+        place.world_size,
+        is_master=False,
+        timeout=timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return dist.PrefixStore(f'mmpar/attempt_{attempt}/', store)
 
 
 def uses_cuda() -> bool:

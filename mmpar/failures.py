@@ -28,6 +28,7 @@ PEER_FAILURE_MARKERS = (
     'Broken pipe',
     'NCCL communicator was aborted',
 )
+TIMEOUT_MARKERS = ('Timed out', 'timed out', 'Watchdog caught collective')
 
 
 class ConfigError(ValueError):
@@ -120,7 +121,13 @@ def fail_fast() -> Iterator[None]:
                        f'({first_line}); its traceback is above or in its '
                        'log')
         else:
-            _log_error(f'rank {rank} failed:\n{traceback.format_exc()}')
+            hint = ''
+            if any(marker in str(err) for marker in TIMEOUT_MARKERS):
+                hint = (' (a collective timed out after '
+                        'env_cfg.dist_cfg.timeout: another rank hung or is '
+                        'stuck elsewhere)')
+            _log_error(f'rank {rank} failed{hint}:\n'
+                       f'{traceback.format_exc()}')
             _record_for_torchrun(err)
         raise SystemExit(1) from None
     finally:
