@@ -58,6 +58,16 @@ class NonFiniteLossHook(Hook):
 
     priority = 'VERY_HIGH'
 
+    @classmethod
+    def check_cfg(cls, kwargs: dict) -> None:
+        """Validate hook arguments from a config (before the run starts)."""
+        allowed = ('action', 'max_skips', 'priority')
+        for key in kwargs:
+            if key not in allowed:
+                raise ValueError(f'NonFiniteLossHook takes no argument '
+                                 f'{key!r}; allowed: {", ".join(allowed)}')
+        cls(**{k: v for k, v in kwargs.items() if k != 'priority'})
+
     def __init__(self, action: str = 'stop', max_skips: Optional[int] = None):
         if action not in ACTIONS:
             raise ValueError(f'NonFiniteLossHook action={action!r} is not '

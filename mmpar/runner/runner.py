@@ -16,6 +16,7 @@ from mmengine.runner.checkpoint import (_load_checkpoint,
                                         _load_checkpoint_to_model)
 from torch import nn
 
+from mmpar.config_check import check_config
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.registry import RUNNERS
 from mmpar.runner.checkpoint import PlainCheckpointHook, load_checkpoint_file
@@ -37,6 +38,8 @@ class Runner(MMEngineRunner):
         check_launcher(given.get('launcher', 'none'))
         # MMEngine reads the wrapper config from ``cfg``, not an argument.
         check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
+        if given.get('cfg') is not None:
+            check_config(given['cfg'])
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
