@@ -117,3 +117,30 @@ def test_stop_on_two_ranks_when_one_sees_nan(run_dist):
         assert isinstance(message, str), f'rank {rank} did not stop'
         assert 'iteration 2 (epoch 1) on rank(s) [1]' in message
     assert 'loss=nan' in messages[1] and 'loss=nan' not in messages[0]
+
+
+NAN_MODEL = ("model = dict(type='FaultyViT', fault='nan', fault_rank=0, "
+             'fault_at=3)')
+
+
+@pytest.mark.parametrize('action', ['stop', 'skip'])
+def test_hook_in_a_real_run_of_tools_train(action, tmp_path):
+    """One process, unwrapped model, the loss NaN at iteration 3."""
+    from tests.e2e import load_ckpt, run_tool
+    from tests.test_no_hangs import write_config
+    config = write_config(
+        tmp_path / 'cfg.py', NAN_MODEL,
+        f"custom_hooks = [dict(type='NonFiniteLossHook', action='{action}')]")
+    proc = run_tool(['python', 'tools/train.py', config, '--work-dir',
+                     tmp_path / 'work'], timeout=300, check=False)
+    output = proc.stdout + proc.stderr
+    if action == 'stop':
+        assert proc.returncode == 1
+        assert ('NonFiniteLossError: non-finite loss at iteration 3 (epoch 1)'
+                ' on rank(s) [0]') in output, output[-3000:]
+        assert 'loss=nan' in output
+    else:
+        assert proc.returncode == 0, output[-3000:]
+        assert 'skipped the optimizer step at iteration 3 (epoch 1)' in output
+        state = load_ckpt(tmp_path / 'work' / 'epoch_1.pth')['state_dict']
+        assert all(torch.isfinite(v).all() for v in state.values())
