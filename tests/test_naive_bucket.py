@@ -353,3 +353,34 @@ def test_no_sync_on_non_final_micro_batch(run_dist, kind):
         cfg = dict(WRAPPER_CFGS[kind], sync_strategy=sync_strategy)
         assert run_dist(_grads_equal_after_first_micro_batch,
                         cfg) == [synced, synced]
+
+
+def _grads_after_edits(grad_dtype, batches):
+    # torch semantics without zero_grad: a second backward accumulates onto
+    # whatever .grad holds, including the user's edits.
+    if grad_dtype is None:
+        model = wrapper = make_model()
+    else:
+        model = make_model()
+        wrapper = MMBucketDataParallel(model, bucket_cap_mb=0.001,
+                                       grad_dtype=grad_dtype)
+        batches = [
+            shard_batch(b, dist.get_rank(), dist.get_world_size())
+            for b in batches
+        ]
+    wrapper(**batches[0], mode='loss')['loss'].backward()
+    net = model.net
+    net[0].weight.grad = None
+    net[2].weight.grad.mul_(0.5)
+    net[4].weight.grad = torch.ones_like(net[4].weight)
+    wrapper(**batches[1], mode='loss')['loss'].backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('grad_dtype', ['float32', 'float64'])
+def test_bucket_respects_grad_edits_between_backwards(run_dist, grad_dtype):
+    # float32: .grad is a view of the bucket; float64: .grad is a copy.
+    batches = make_batches(num_batches=2, batch_size=8)
+    expected = _grads_after_edits(None, batches)
+    for grads in run_dist(_grads_after_edits, grad_dtype, batches):
+        assert_states_close(grads, expected, atol=ATOL, rtol=RTOL)
