@@ -40,8 +40,8 @@ from mmpar.wrappers import (MMBucketDataParallel,  # noqa: E402
 SECTION = '## Data-parallel wrappers'
 # name: (depth, width, batch per rank)
 MODELS = {
-    '(a) 160 x Linear(128, 128)': (160, 128, 16),
-    '(b) 4 x Linear(1024, 1024)': (4, 1024, 32),
+    '(a) 128 x Linear(64, 64)': (128, 64, 16),
+    '(b) 4 x Linear(1024, 1024)': (4, 1024, 16),
 }
 WRAPPERS = ('torch DDP', 'MMDistributedDataParallel', 'MMNaiveDataParallel',
             'MMBucketDataParallel')

@@ -9,10 +9,13 @@ Gradient life cycle, per parameter:
 
 * forward (grad enabled) *absorbs* ``.grad`` into the bucket: None means the
   user zeroed it (set_to_none), so the slice is zeroed; a tensor the wrapper
-  did not write, or wrote and the user changed, is copied in. ``.grad`` is
-  then None so autograd hands over a fresh gradient;
-* backward: the post-accumulate hook adds ``.grad`` to the slice and drops
-  ``.grad``; a complete bucket launches its all-reduce;
+  did not write, or wrote and the user changed, is copied in. Then ``.grad``
+  is the bucket slice itself when the parameter's dtype is ``grad_dtype``
+  (autograd accumulates into it in place, no copy: DDP's
+  ``gradient_as_bucket_view``), else None;
+* backward: the post-accumulate hook adds a gradient that is not already in
+  the slice (the other dtypes) and drops ``.grad``; a complete bucket launches
+  its all-reduce;
 * end of backward (a callback on the autograd engine): launch the buckets
   still waiting (their unused parameters contribute zeros), wait, divide by
   the group size and write ``.grad`` back in the parameter's dtype.
@@ -105,11 +108,13 @@ class _Bucket:
             offset += param.numel()
         self.flags = self.buffer[offset:]
         # A parameter's dtype equals grad_dtype: `.grad` *is* the buffer
-        # slice, so in-place edits (clipping, zero_grad(set_to_none=False))
-        # land in the buffer with no copy.
+        # slice, so autograd's accumulation and in-place edits (clipping,
+        # zero_grad(set_to_none=False)) land in the buffer with no copy.
         self.aliased = [p.dtype == dtype for p in params]
         self.used = [False] * len(params)  # slice holds gradient data
-        self.written = [None] * len(params)  # the `.grad` we last set
+        # For the other parameters: the `.grad` copy we last wrote and its
+        # version counter, to tell whether the user changed it since.
+        self.written = [None] * len(params)
         self.versions = [0] * len(params)
         self.num_pending = len(params)
         self.handle = None
@@ -195,20 +200,24 @@ class MMBucketDataParallel(PythonDataParallel):
                 if any(bucket.used):
                     bucket.buffer.zero_()
                     bucket.used = [False] * len(grads)
+                for param, view, aliased in zip(bucket.params, bucket.views,
+                                                bucket.aliased):
+                    if aliased:
+                        param.grad = view
                 continue
             for slot, (param, grad) in enumerate(zip(bucket.params, grads)):
+                view = bucket.views[slot]
+                if grad is view:  # edits, if any, are already in the bucket
+                    continue
                 if grad is None:
                     if bucket.used[slot]:
-                        bucket.views[slot].zero_()
+                        view.zero_()
                         bucket.used[slot] = False
-                    continue
-                unchanged = grad is bucket.written[slot] and (
-                    bucket.aliased[slot]
-                    or grad._version == bucket.versions[slot])
-                if not unchanged:
-                    bucket.views[slot].copy_(grad)
+                elif not (grad is bucket.written[slot]
+                          and grad._version == bucket.versions[slot]):
+                    view.copy_(grad)
                     bucket.used[slot] = True
-                param.grad = None
+                param.grad = view if bucket.aliased[slot] else None
         self._absorbed = True
 
     # -- backward ----------------------------------------------------------------
@@ -225,9 +234,11 @@ class MMBucketDataParallel(PythonDataParallel):
                 self._in_backward = True
                 self._syncing = self.require_backward_grad_sync
                 Variable._execution_engine.queue_callback(self._end_backward)
-            bucket.views[slot].add_(param.grad)
+            view = bucket.views[slot]
+            if param.grad is not view:  # else autograd added into the bucket
+                view.add_(param.grad)
+                param.grad = view if bucket.aliased[slot] else None
             bucket.used[slot] = True
-            param.grad = None
             if self._syncing:
                 bucket.num_pending -= 1
                 if bucket.num_pending == 0:
@@ -272,14 +283,17 @@ class MMBucketDataParallel(PythonDataParallel):
     def _write_grads(self) -> None:
         for bucket in self._buckets:
             for slot, param in enumerate(bucket.params):
-                if not bucket.used[slot]:
-                    bucket.written[slot] = None
-                    continue
                 view = bucket.views[slot]
-                grad = view if bucket.aliased[slot] else view.to(param.dtype)
-                param.grad = grad
-                bucket.written[slot] = grad
-                bucket.versions[slot] = grad._version
+                if not bucket.used[slot]:  # no rank produced a gradient
+                    param.grad = None
+                elif bucket.aliased[slot]:
+                    if param.grad is not view:
+                        param.grad = view
+                else:
+                    grad = view.to(param.dtype)
+                    param.grad = grad
+                    bucket.written[slot] = grad
+                    bucket.versions[slot] = grad._version
         self._absorbed = False
 
     def all_reduce_grads(self) -> None:
