@@ -38,6 +38,21 @@ from mmpar.wrappers import (MMBucketDataParallel,  # noqa: E402
                             MMDistributedDataParallel, MMNaiveDataParallel)
 
 SECTION = '## Data-parallel wrappers'
+NOTES = '''Reading the table:
+
+- `python benchmarks/bench_data_parallel.py --out docs/benchmarks.md`
+  regenerates this section (about 2 minutes on this machine).
+- torch DDP and `MMDistributedDataParallel` run the same C++ reducer; the gap
+  between their rows is the measurement noise of this shared machine.
+- torch DDP makes 2 calls: its first bucket is capped at 1 MiB, the rest at
+  25 MiB. `MMBucketDataParallel` fits either model in one 25 MiB bucket; its
+  bytes include one flag per parameter (4 bytes each) that tells the ranks
+  which parameters got a gradient.
+- `MMNaiveDataParallel` makes one blocking call per parameter tensor: with
+  many small tensors the per-call latency dominates; with few large ones it
+  can even win here, since nothing competes with backward for the 2 cores.
+- Every wrapper reduces each gradient byte exactly once, so all reach the
+  ring all-reduce lower bound of 2(N-1)/N x gradient bytes sent per rank.'''
 # name: (depth, width, batch per rank)
 MODELS = {
     '(a) 128 x Linear(64, 64)': (128, 64, 16),
@@ -190,6 +205,7 @@ def format_table(rows, world_size):
                          r[0]: r[5]
                          for r in rows
                      }.items()) + '.')
+    lines += ['', NOTES]
     return '\n'.join(lines)
 
 

@@ -45,7 +45,8 @@ def check_grad_dtype(grad_dtype: Union[str, torch.dtype]) -> torch.dtype:
     """
     if isinstance(grad_dtype, str) and grad_dtype in GRAD_DTYPES:
         return GRAD_DTYPES[grad_dtype]
-    if isinstance(grad_dtype, torch.dtype) and grad_dtype in GRAD_DTYPES.values():
+    if (isinstance(grad_dtype, torch.dtype)
+            and grad_dtype in GRAD_DTYPES.values()):
         return grad_dtype
     raise ValueError(f'grad_dtype={grad_dtype!r} is not supported; allowed: '
                      f'{", ".join(GRAD_DTYPES)} (as names or torch dtypes)')
@@ -151,10 +152,11 @@ class MMBucketDataParallel(PythonDataParallel):
                  sync_strategy: str = 'single_auto_sync') -> None:
         # Validate before the constructor's collectives: a bad argument must
         # not leave the other ranks waiting in a broadcast.
-        self.check_cfg(dict(bucket_cap_mb=bucket_cap_mb, grad_dtype=grad_dtype))
+        checked = self.check_cfg(
+            dict(bucket_cap_mb=bucket_cap_mb, grad_dtype=grad_dtype))
         super().__init__(module, process_group, sync_strategy)
-        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
-        self.grad_dtype = check_grad_dtype(grad_dtype)
+        self.bucket_cap_mb = checked['bucket_cap_mb']
+        self.grad_dtype = checked['grad_dtype']
         params = [p for p in module.parameters() if p.requires_grad]
         cap_bytes = self.bucket_cap_mb * 2**20
         itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
@@ -178,11 +180,17 @@ class MMBucketDataParallel(PythonDataParallel):
         """Validate wrapper arguments up front (used by the builder).
 
         Returns:
-            A copy of ``kwargs`` with ``grad_dtype`` as a torch dtype.
+            A copy of ``kwargs`` with ``bucket_cap_mb`` as a float and
+            ``grad_dtype`` as a torch dtype.
+
+        Raises:
+            ValueError: a bad ``bucket_cap_mb`` or ``grad_dtype``, naming the
+                allowed values.
         """
         kwargs = dict(kwargs)
         if 'bucket_cap_mb' in kwargs:
-            check_bucket_cap_mb(kwargs['bucket_cap_mb'])
+            kwargs['bucket_cap_mb'] = check_bucket_cap_mb(
+                kwargs['bucket_cap_mb'])
         if 'grad_dtype' in kwargs:
             kwargs['grad_dtype'] = check_grad_dtype(kwargs['grad_dtype'])
         return kwargs
@@ -220,7 +228,7 @@ class MMBucketDataParallel(PythonDataParallel):
                 param.grad = view if bucket.aliased[slot] else None
         self._absorbed = True
 
-    # -- backward ----------------------------------------------------------------
+    # -- backward ---------------------------------------------------------
     def _make_hook(self, bucket: _Bucket, slot: int):
 
         def hook(param: torch.Tensor) -> None:
