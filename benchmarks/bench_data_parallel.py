@@ -154,7 +154,7 @@ def run_rank(rank, world_size, init_file, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init_file}',
                             rank=rank, world_size=world_size)
-    rows = []
+    rows, param_gaps = [], {}
     for model_name, (depth, width, batch) in MODELS.items():
         data = make_data(width, batch, seed=rank)
         built = {name: build(name, depth, width) for name in WRAPPERS}
@@ -169,6 +169,13 @@ def run_rank(rank, world_size, init_file, args, queue):
                                           args.steps // args.rounds)
         grad_bytes = sum(p.numel() * p.element_size()
                          for p in built['torch DDP'][0].module.parameters())
+        # Same start, data and step count: the wrappers must end with the
+        # same parameters, or their timings compare different work.
+        ddp_params = [p for p in built['torch DDP'][0].module.parameters()]
+        param_gap = max(
+            (p - q).abs().max().item() for name in WRAPPERS[1:]
+            for p, q in zip(built[name][0].module.parameters(), ddp_params))
+        param_gaps[model_name] = param_gap
         del built
         for name in WRAPPERS:
             # A step is as slow as its slowest rank.
@@ -178,11 +185,11 @@ def run_rank(rank, world_size, init_file, args, queue):
             rows.append((model_name, name, statistics.median(
                 step_times.tolist()), calls, nbytes, grad_bytes))
     if rank == 0:
-        queue.put(rows)
+        queue.put((rows, param_gaps))
     dist.destroy_process_group()
 
 
-def format_table(rows, world_size):
+def format_table(rows, param_gaps, world_size):
     ring = 2 * (world_size - 1) / world_size
     lines = [
         '| model | wrapper | median step (ms) | vs torch DDP | all-reduce '
@@ -205,6 +212,10 @@ def format_table(rows, world_size):
                          r[0]: r[5]
                          for r in rows
                      }.items()) + '.')
+    lines.append('')
+    lines.append('Largest parameter difference to torch DDP after the run '
+                 '(same start, data and steps): ' + ', '.join(
+                     f'{m} {g:.1e}' for m, g in param_gaps.items()) + '.')
     lines += ['', NOTES]
     return '\n'.join(lines)
 
@@ -258,7 +269,7 @@ def main():
     mp.start_processes(run_rank, args=(args.world_size, init_file, args,
                                        queue),
                        nprocs=args.world_size, start_method='spawn')
-    table = format_table(queue.get(), args.world_size)
+    table = format_table(*queue.get(), args.world_size)
     body = f'Machine: {machine_description(args, load)}\n\n{table}'
     print(body)
     if args.out:
