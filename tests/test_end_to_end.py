@@ -68,18 +68,5 @@ def test_resume_on_two_ranks_is_bit_exact(two_epochs_on_two_ranks,
     assert_same_training_state(
         load_ckpt(resumed / 'epoch_3.pth'), load_ckpt(straight / 'epoch_3.pth'))
 
-
-def test_single_process_resume_continues(tmp_path):
-    run_tool([
-        'python', 'tools/train.py', DEFAULT_CONFIG, '--work-dir', tmp_path,
-        '--cfg-options',
-        EPOCHS.format(1)
-    ])
-    proc = run_tool([
-        'python', 'tools/train.py', DEFAULT_CONFIG, '--work-dir', tmp_path,
-        '--resume', '--cfg-options',
-        EPOCHS.format(2)
-    ])
-    assert 'resumed epoch: 1' in proc.stdout + proc.stderr
-    ckpt = load_ckpt(tmp_path / 'epoch_2.pth')
-    assert ckpt['meta']['epoch'] == 2
+# `python tools/train.py CONFIG --resume` on one process is exercised by
+# tests/test_atomic_checkpoint.py::test_kill_during_save_then_resume.

@@ -75,6 +75,15 @@ class Runner(MMEngineRunner):
             return torch.device('cuda', local_rank())
         return torch.device('cpu')
 
+    def build_train_loop(self, loop):
+        """MMEngine's, except that ``by_epoch=False`` without a ``type``
+        builds mmpar's fast-resuming ``IterBasedTrainLoop``."""
+        if isinstance(loop, dict) and 'type' not in loop and \
+                loop.get('by_epoch') is False:
+            loop = {k: v for k, v in loop.items() if k != 'by_epoch'}
+            loop['type'] = 'mmpar.IterBasedTrainLoop'
+        return super().build_train_loop(loop)
+
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
         super().register_hooks(default_hooks, custom_hooks)
         self.register_hook(PlainCheckpointHook())
