@@ -1,0 +1,223 @@
+"""Parallel topology: layout (pure), validation, real gloo groups, plan tool."""
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mmpar.parallel import (DIMS, ParallelismError, check_sizes,
+                            default_dp_group, default_group_info,
+                            init_parallelism, parallel_group_info,
+                            parallel_layout, parallelism_is_initialized,
+                            reset_parallelism)
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_WORLD = 16
+
+
+def valid_layouts(max_world=MAX_WORLD):
+    for world in range(1, max_world + 1):
+        for mp in range(1, world + 1):
+            for pp in range(1, world // mp + 1):
+                if world % (mp * pp) == 0:
+                    yield world, mp, pp
+
+
+def brute_force_groups(world, mp, pp):
+    """Groups by definition: enumerate the (dp, pp, mp) grid, mp fastest.
+
+    Two ranks share an mp group when their (dp, pp) coordinates match, a pp
+    group when (dp, mp) match, a dp group when (pp, mp) match.
+    """
+    dp = world // (mp * pp)
+    coords = list(itertools.product(range(dp), range(pp), range(mp)))
+    keep = dict(mp=(0, 1), pp=(0, 2), dp=(1, 2))  # coordinates held fixed
+    groups = {}
+    for kind, fixed in keep.items():
+        by_key = {}
+        for rank, coord in enumerate(coords):
+            by_key.setdefault(tuple(coord[i] for i in fixed), []).append(rank)
+        groups[kind] = {r: sorted(g) for g in by_key.values() for r in g}
+    return groups
+
+
+# -- layout: pure, every valid (world, mp, pp) up to 16 -----------------------
+def test_layout_matches_brute_force_for_every_valid_layout():
+    checked = 0
+    for world, mp, pp in valid_layouts():
+        layout = parallel_layout(world, mp, pp)
+        expected = brute_force_groups(world, mp, pp)
+        sizes = dict(mp=mp, pp=pp, dp=world // (mp * pp))
+        for kind in DIMS:
+            listed = layout.groups[kind]
+            # The groups of one kind partition the world, each of its size.
+            assert sorted(r for g in listed for r in g) == list(range(world))
+            assert all(len(g) == sizes[kind] for g in listed)
+            for rank in range(world):
+                group = layout.group_of(kind, rank)
+                assert group == expected[kind][rank], (world, mp, pp, kind,
+                                                       rank)
+                assert group in listed
+        checked += 1
+    assert checked > 100  # every layout, not an empty loop
+
+
+def test_layout_of_issue_example():
+    layout = parallel_layout(8, 2, 2)
+    assert layout.groups == dict(
+        mp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        pp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        dp=[[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+@pytest.mark.parametrize('world', [4, 8, 16])
+def test_rank_one_is_not_in_pp_group_of_rank_zero(world):
+    # The widely copied formula puts rank 1 in pp group [0, 2] when mp=2.
+    layout = parallel_layout(world, 2, 2)
+    assert layout.group_of('pp', 1) == [1, 3]
+    assert layout.group_of('pp', 0) == [0, 2]
+
+
+# -- validation ----------------------------------------------------------------
+@pytest.mark.parametrize('world,mp,pp,numbers', [
+    (6, 4, 1, ('6', 'model_parallelism=4')),
+    (8, 2, 3, ('8', '2 * 3 = 6')),
+    (4, 1, 3, ('4', '1 * 3 = 3')),
+    (4, 0, 1, ('model_parallelism=0', )),
+    (4, 1, True, ('pipeline_parallelism=True', )),
+])
+def test_bad_sizes_name_the_numbers(world, mp, pp, numbers):
+    with pytest.raises(ParallelismError) as err:
+        check_sizes(world, mp, pp)
+    for text in numbers:
+        assert text in str(err.value)
+
+
+def test_model_parallelism_above_world_is_clamped_with_warning():
+    with pytest.warns(UserWarning, match='model_parallelism=8 is larger'):
+        layout = parallel_layout(4, 8)
+    assert (layout.mp, layout.pp, layout.dp) == (4, 1, 1)
+
+
+def test_init_without_process_group_raises():
+    assert not dist.is_initialized()
+    with pytest.raises(ParallelismError, match='not initialised'):
+        init_parallelism(2)
+    with pytest.raises(ParallelismError, match='not initialised'):
+        parallel_group_info()
+    reset_parallelism()  # safe when nothing was initialised
+    assert default_dp_group() is None
+    info = default_group_info()
+    assert (info.world_size, info.rank, info.global_ranks) == (1, 0, [0])
+    x = torch.ones(3)
+    assert info.reduce(x) is x and info.gather(x) is x and info.split(x) is x
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of 8 ranks in this process; this is rank 5."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group('fake', store=FakeStore(), rank=5, world_size=8)
+    yield
+    reset_parallelism()
+
+
+def test_init_twice_raises_until_reset(fake_world):
+    topology = init_parallelism(2, 2)
+    assert parallelism_is_initialized()
+    assert parallel_group_info() is topology
+    with pytest.raises(ParallelismError, match='already initialised'):
+        init_parallelism(2, 2)
+    reset_parallelism()
+    assert not parallelism_is_initialized()
+    assert init_parallelism(4).mp.global_ranks == [4, 5, 6, 7]
+
+
+def test_fake_world_groups_and_mesh(fake_world):
+    topology = init_parallelism(2, 2)
+    assert topology.mp.global_ranks == [4, 5] and topology.mp.rank == 1
+    assert topology.pp.global_ranks == [5, 7] and topology.pp.rank == 0
+    assert topology.dp.global_ranks == [1, 5] and topology.dp.rank == 1
+    assert default_dp_group() is topology.dp.group
+    mesh = topology.mesh
+    assert mesh.mesh_dim_names == DIMS
+    assert mesh.mesh.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert tuple(mesh.get_coordinate()) == (1, 0, 1)
+    for dim in DIMS:
+        assert mesh[dim].get_group() is getattr(topology, dim).group
+
+
+def test_bad_sizes_raise_before_any_group(fake_world):
+    with pytest.raises(ParallelismError, match='not divisible'):
+        init_parallelism(3)
+    assert not parallelism_is_initialized()
+
+
+# -- real gloo groups at world size 4 -------------------------------------------
+def _groups_and_collectives(mp, pp):
+    rank = dist.get_rank()
+    topology = init_parallelism(mp, pp)
+    out = {}
+    for kind in DIMS:
+        info = getattr(topology, kind)
+        # Each member contributes its global rank: the sum proves who joined.
+        total = info.reduce(torch.tensor([float(rank)]))
+        pending = info.reduce(torch.tensor([1.0]), async_op=True)
+        full = torch.arange(4.0 * info.world_size).reshape(info.world_size, 4)
+        part = info.split(full, dim=0)
+        gathered = info.gather(part, dim=0)
+        gathered_async = info.gather(part.t(), dim=1, async_op=True).wait()
+        out[kind] = dict(
+            ranks=info.global_ranks,
+            rank=info.rank,
+            world_size=info.world_size,
+            total=total.item(),
+            count=pending.wait().item(),
+            part=part.tolist(),
+            roundtrip=torch.equal(gathered, full)
+            and torch.equal(gathered_async, full.t()))
+    out['mesh'] = tuple(topology.mesh.get_coordinate())
+    out['dp_group_ok'] = default_dp_group() is topology.dp.group
+    return out
+
+
+@pytest.mark.parametrize('mp,pp', [(2, 1), (2, 2), (1, 2), (4, 1)])
+def test_gloo_groups_match_layout(run_dist, mp, pp):
+    layout = parallel_layout(4, mp, pp)
+    results = run_dist(_groups_and_collectives, mp, pp, world_size=4)
+    for rank, got in enumerate(results):
+        assert got['mesh'] == layout.coords(rank) and got['dp_group_ok']
+        for kind in DIMS:
+            ranks = layout.group_of(kind, rank)
+            group_rank = ranks.index(rank)
+            assert got[kind]['ranks'] == ranks
+            assert got[kind]['rank'] == group_rank
+            assert got[kind]['world_size'] == len(ranks)
+            assert got[kind]['total'] == sum(ranks)
+            assert got[kind]['count'] == len(ranks)
+            assert got[kind]['part'] == [list(range(4 * group_rank,
+                                                    4 * group_rank + 4))]
+            assert got[kind]['roundtrip']
+
+
+def _ddp_grads_over_dp_group():
+    from mmpar.wrappers import MMDistributedDataParallel
+    from tests.toy import make_batches, make_model
+    topology = init_parallelism(2)
+    wrapper = MMDistributedDataParallel(make_model())
+    assert wrapper.process_group is topology.dp.group
+    # Every rank feeds different data; only dp peers should average.
+    batch = make_batches(num_batches=1, seed=10 + dist.get_rank())[0]
+    wrapper(batch['inputs']).pow(2).mean().backward()
+    return wrapper.module.net[0].weight.grad
+
+
+def test_ddp_reduces_over_dp_group_by_default(run_dist):
+    grads = run_dist(_ddp_grads_over_dp_group, world_size=4)
+    # dp groups are [0, 2] and [1, 3].
+    assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])
+    assert not torch.allclose(grads[0], grads[1])
