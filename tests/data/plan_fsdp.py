@@ -1,0 +1,7 @@
+_base_ = './plan_ddp.py'
+optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-3), _delete_=True)
+parallel = dict(use_fsdp=True, sharding_strategy='FULL_SHARD')
+model_wrapper_cfg = dict(
+    type='MMFullyShardedDataParallel',
+    sharding_strategy='FULL_SHARD',
+    auto_wrap_policy=dict(type='module_class', module_classes=['PlanBlock']))
