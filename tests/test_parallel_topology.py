@@ -1,4 +1,5 @@
 """Parallel topology: layout (pure), validation, real gloo groups, plan tool."""
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -16,6 +17,8 @@ from mmpar.parallel import (DIMS, ParallelismError, check_sizes,
                             reset_parallelism)
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings(
+    'ignore:`torch.jit.interface` is deprecated:DeprecationWarning')
 MAX_WORLD = 16
 
 
@@ -221,3 +224,174 @@ def test_ddp_reduces_over_dp_group_by_default(run_dist):
     # dp groups are [0, 2] and [1, 3].
     assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])
     assert not torch.allclose(grads[0], grads[1])
+
+
+# -- the `parallel` config section ------------------------------------------------
+def test_parallel_config_defaults_and_values():
+    from mmpar.parallel.config import ParallelConfig
+    assert ParallelConfig.from_cfg(None) == ParallelConfig()
+    cfg = ParallelConfig.from_cfg(
+        dict(model_parallelism=2, use_fsdp=True, cpu_offload=True,
+             sharding_strategy='HYBRID_SHARD'))
+    assert (cfg.model_parallelism, cfg.pipeline_parallelism) == (2, 1)
+    assert cfg.fsdp_kwargs == dict(
+        cpu_offload=True, sharding_strategy='HYBRID_SHARD',
+        sync_module_states=True)
+
+
+@pytest.mark.parametrize('section,named', [
+    (dict(model_paralelism=2), ('model_paralelism=2', 'allowed:',
+                                'model_parallelism')),
+    (dict(model_parallelism='2'), ("model_parallelism='2'", 'int >= 1')),
+    (dict(pipeline_parallelism=True), ('pipeline_parallelism=True', )),
+    (dict(pipeline_parallelism=0), ('pipeline_parallelism=0', )),
+    (dict(use_fsdp='yes'), ("use_fsdp='yes'", 'True or False')),
+    (dict(use_fsdp=True, sharding_strategy='FULL'),
+     ("sharding_strategy='FULL'", 'FULL_SHARD', 'HYBRID_SHARD')),
+    (dict(cpu_offload=True), ('cpu_offload=True', 'use_fsdp=False')),
+    ([1, 2], ('parallel=[1, 2]', )),
+])
+def test_parallel_config_errors_name_key_value_allowed(section, named):
+    from mmpar.parallel.config import ParallelConfig
+    with pytest.raises(ValueError) as err:
+        ParallelConfig.from_cfg(section)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_default_wrapper_cfg():
+    from mmpar.parallel.config import default_wrapper_cfg
+    assert default_wrapper_cfg(None) == dict(type='MMDistributedDataParallel')
+    section = dict(use_fsdp=True, cpu_offload=True)
+    first = default_wrapper_cfg(section)
+    assert first == dict(type='MMFullyShardedDataParallel', cpu_offload=True,
+                         sharding_strategy='FULL_SHARD',
+                         sync_module_states=True)
+    first['cpu_offload'] = False  # a new dict each call
+    assert default_wrapper_cfg(section)['cpu_offload'] is True
+    assert section == dict(use_fsdp=True, cpu_offload=True)
+
+
+def test_setup_parallelism_single_process_warns_and_skips():
+    from mmpar.parallel.config import setup_parallelism
+    assert setup_parallelism(None) is None
+    with pytest.warns(UserWarning, match='single-process'):
+        assert setup_parallelism(dict(model_parallelism=2)) is None
+    assert not parallelism_is_initialized()
+
+
+def test_setup_parallelism_builds_and_reuses(fake_world):
+    from mmpar.parallel.config import setup_parallelism
+    topology = setup_parallelism(dict(model_parallelism=2))
+    assert topology.layout.shape == (4, 1, 2)
+    assert setup_parallelism(dict(model_parallelism=2)) is topology
+    with pytest.raises(ParallelismError, match='already initialised'):
+        setup_parallelism(dict(model_parallelism=4))
+
+
+# -- the plan tool ----------------------------------------------------------------
+DATA = ROOT / 'tests' / 'data'
+
+
+def run_plan_tool(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'plan.py'), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_tool_fsdp_at_world_8():
+    proc = run_plan_tool(str(DATA / 'plan_fsdp.py'), '--world-size', '8')
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert 'dp groups: [0, 1, 2, 3, 4, 5, 6, 7]' in out
+    assert 'wrapper: MMFullyShardedDataParallel' in out
+    assert 'FSDP units (5;' in out and 'blocks.3' in out
+    # ceil(2410 / 8) + 4 * ceil(8416 / 8) = 302 + 4 * 1052
+    assert 'params                                      4,510' in out
+    assert 'optimizer state (AdamW: 2 x params)          9,020' in out
+
+
+def test_plan_tool_bad_sizes_exit_nonzero_naming_key(capsys):
+    # In-process (the subprocess path is covered above): saves a start-up.
+    spec = importlib.util.spec_from_file_location('plan_tool',
+                                                  ROOT / 'tools' / 'plan.py')
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    code = tool.main([
+        str(DATA / 'plan_ddp.py'), '--world-size', '6', '--cfg-options',
+        'parallel.model_parallelism=4'
+    ])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ''
+    assert err.startswith('error: ')
+    assert 'model_parallelism=4' in err and 'world size 6' in err
+
+
+def plan_of(name, world_size, rank=0, **options):
+    from mmengine.config import Config
+    from mmpar.parallel.plan import make_plan
+    cfg = Config.fromfile(str(DATA / name))
+    cfg.merge_from_dict(options)
+    return make_plan(cfg, world_size, rank)
+
+
+def test_plan_ddp_groups_and_memory():
+    from mmpar.parallel.plan import format_plan
+    plan = plan_of('plan_ddp.py', 8, rank=1,
+                   **{'parallel.model_parallelism': 2,
+                      'parallel.pipeline_parallelism': 2})
+    text = format_plan(plan)
+    assert 'pp groups: [0, 2] [1, 3] [4, 6] [5, 7]' in text
+    assert 'rank 1: mp [0, 1], pp [1, 3], dp [1, 5]' in text
+    assert plan.wrapper_type == 'MMDistributedDataParallel'
+    assert plan.wrapper_args['process_group'] == 'dp group [1, 5]'
+    numel = plan.param_numel
+    assert plan.memory == [('params', numel, 4 * numel),
+                           ('grads', numel, 4 * numel),
+                           ('optimizer state (SGD: 1 x params)', numel,
+                            4 * numel)]
+    assert not dist.is_initialized()  # the fake world is torn down
+
+
+@pytest.mark.parametrize('strategy,mp,shard', [('FULL_SHARD', 2, 4),
+                                               ('HYBRID_SHARD', 2, 2),
+                                               ('NO_SHARD', 1, 1)])
+def test_plan_fsdp_units_cover_every_param(strategy, mp, shard):
+    plan = plan_of('plan_fsdp.py', 8,
+                   **{'parallel.model_parallelism': mp,
+                      'model_wrapper_cfg.sharding_strategy': strategy})
+    assert plan.shard_size == shard
+    assert sum(u.numel for u in plan.units) == plan.param_numel
+    assert [u.name for u in plan.units] == ['(root)'] + [
+        f'blocks.{i}' for i in range(4)]
+    per_rank = sum(-(-u.numel // shard) for u in plan.units)
+    assert plan.memory[0] == ('params', per_rank, 4 * per_rank)
+
+
+@pytest.mark.parametrize('options,named', [
+    ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
+                                cpu_offload=True)},
+     'model_wrapper_cfg.cpu_offload=True is an FSDP option'),
+    ({'parallel.use_fsdp': True,
+      'model_wrapper_cfg': dict(type='MMDistributedDataParallel')},
+     'parallel.use_fsdp=True'),
+    ({'model_wrapper_cfg': dict(
+        type='MMFullyShardedDataParallel',
+        auto_wrap_policy=dict(type='module_class', module_classes=['Nope']))},
+     'model_wrapper_cfg.auto_wrap_policy='),
+    ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
+                                auto_wrap_policy='no_such_policy')},
+     "auto_wrap_policy='no_such_policy' is not a known policy"),
+    ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
+                                bucket_cap=3)},
+     "unexpected keyword argument 'bucket_cap'"),
+    ({'parallel.pipeline_parallelism': 3},
+     'pipeline_parallelism = 1 * 3 = 3'),
+])
+def test_plan_rejects_bad_combinations(options, named):
+    from mmpar.parallel.plan import PlanError
+    with pytest.raises(PlanError) as err:
+        plan_of('plan_ddp.py', 8, **options)
+    assert named in str(err.value)
+    assert not dist.is_initialized()
