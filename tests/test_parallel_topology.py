@@ -395,3 +395,27 @@ def test_plan_rejects_bad_combinations(options, named):
         plan_of('plan_ddp.py', 8, **options)
     assert named in str(err.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize('policy_cfg', [
+    dict(type='module_class', module_classes=['PlanBlock']),
+    dict(type='size_based', min_num_params=5000),
+])
+def test_plan_fsdp_units_match_real_fsdp(fake_world, policy_cfg):
+    # Real torch FSDP1 on the fake 8-rank group: its flat parameters are
+    # what the plan's arithmetic must reproduce, unit by unit.
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from mmpar.parallel.plan import fsdp_units, resolve_policy
+    from tests.data.plan_model import PlanToyNet
+    policy, _ = resolve_policy(policy_cfg)
+    torch.manual_seed(0)
+    planned = fsdp_units(PlanToyNet(), policy, shard_size=8)
+    wrapped = FSDP(PlanToyNet(), auto_wrap_policy=policy,
+                   device_id=torch.device('cpu'), use_orig_params=False)
+    real = [(type(m.module).__name__, m._flat_param._unpadded_unsharded_size
+             .numel(), m._flat_param.numel())
+            for m in FSDP.fsdp_modules(wrapped)]
+    assert sorted((u.cls, u.numel, u.numel_per_rank) for u in planned) == \
+        sorted(real)
+    assert len(planned) > 1

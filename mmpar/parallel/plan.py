@@ -303,6 +303,14 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg, wrapper_cls,
         f'dp group {topology.dp.global_ranks}')
     if world_size == 1:
         plan.notes.append('world size 1: the Runner does not wrap the model')
+    if explicit:
+        # The parallel section's FSDP options only shape the default wrapper.
+        unused = [f'parallel.{key}={value!r}'
+                  for key, value in parallel.fsdp_kwargs.items()
+                  if value != getattr(ParallelConfig, key)]
+        if unused:
+            plan.notes.append(f'{", ".join(unused)} not used: '
+                              'model_wrapper_cfg is given and wins')
     if layout.mp > 1 or layout.pp > 1:
         plan.notes.append(
             'counts are for the model as built: splitting it over the mp/pp '
