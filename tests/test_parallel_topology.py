@@ -419,3 +419,53 @@ def test_plan_fsdp_units_match_real_fsdp(fake_world, policy_cfg):
     assert sorted((u.cls, u.numel, u.numel_per_rank) for u in planned) == \
         sorted(real)
     assert len(planned) > 1
+
+
+def test_stale_topology_is_dropped_with_its_default_group(fake_world):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    init_parallelism(2)
+    dist.destroy_process_group()  # takes every subgroup with it
+    dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=4)
+    assert not parallelism_is_initialized()
+    assert default_dp_group() is None
+    assert init_parallelism(2).dp.global_ranks == [0, 2]
+
+
+# -- the Runner -------------------------------------------------------------------
+VIT_CONFIG = ROOT / 'configs' / 'vit_digits' / 'vit_digits.py'
+
+
+def _runner_wrapper_groups(work_dir, parallel):
+    from mmengine.config import Config
+
+    from mmpar.runner import Runner
+    cfg = Config.fromfile(str(VIT_CONFIG))
+    cfg.update(work_dir=work_dir, launcher='pytorch', parallel=parallel)
+    runner = Runner.from_cfg(cfg)
+    topology = parallel_group_info()
+    return dict(
+        wrapper=type(runner.model).__name__,
+        topology_is_global=runner.topology is topology,
+        reduces_over_dp=runner.model.process_group is topology.dp.group,
+        dp_ranks=topology.dp.global_ranks)
+
+
+def test_runner_builds_topology_and_wraps_over_dp_group(run_dist, tmp_path):
+    results = run_dist(_runner_wrapper_groups, str(tmp_path),
+                       dict(model_parallelism=2), world_size=4)
+    for rank, got in enumerate(results):
+        assert got == dict(wrapper='MMDistributedDataParallel',
+                           topology_is_global=True, reduces_over_dp=True,
+                           dp_ranks=[rank % 2, rank % 2 + 2])
+
+
+def test_runner_rejects_bad_parallel_section_up_front(tmp_path):
+    from mmengine.config import Config
+
+    from mmpar.runner import Runner
+    cfg = Config.fromfile(str(VIT_CONFIG))
+    cfg.update(work_dir=str(tmp_path), parallel=dict(model_paralelism=2))
+    with pytest.raises(ValueError, match='parallel.model_paralelism=2 is not '
+                       'a known key; allowed: model_parallelism'):
+        Runner.from_cfg(cfg)
+    assert not list(tmp_path.iterdir())  # failed before any work

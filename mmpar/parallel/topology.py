@@ -35,9 +35,24 @@ class ParallelTopology:
     dp: GroupInfo
     mesh: DeviceMesh
     created_groups: tuple  # every group this rank is a member of
+    world_group: dist.ProcessGroup  # the default group they were made in
 
 
 _current: Optional[ParallelTopology] = None
+
+
+def _live() -> Optional[ParallelTopology]:
+    """The topology, or None once its default group has been destroyed.
+
+    Destroying the default group destroys every subgroup; a topology that
+    outlived it (a test, or a second run in one process) must not hand out
+    dead groups.
+    """
+    global _current
+    if _current is not None and not (dist.is_initialized() and
+                                     dist.group.WORLD is _current.world_group):
+        _current = None
+    return _current
 
 
 def _require_process_group() -> None:
@@ -79,7 +94,7 @@ def init_parallelism(model_parallelism: int = 1,
     """
     global _current
     _require_process_group()
-    if _current is not None:
+    if _live() is not None:
         raise ParallelismError(
             'parallelism is already initialised (mp='
             f'{_current.layout.mp}, pp={_current.layout.pp}, dp='
@@ -103,13 +118,13 @@ def init_parallelism(model_parallelism: int = 1,
         mesh=torch.arange(world_size).reshape(layout.shape),
         mesh_dim_names=DIMS)
     _current = ParallelTopology(layout, mine['mp'], mine['pp'], mine['dp'],
-                                mesh, tuple(created))
+                                mesh, tuple(created), dist.group.WORLD)
     return _current
 
 
 def parallelism_is_initialized() -> bool:
     """Whether :func:`init_parallelism` has run (and not been reset)."""
-    return _current is not None
+    return _live() is not None
 
 
 def parallel_group_info() -> ParallelTopology:
@@ -118,7 +133,7 @@ def parallel_group_info() -> ParallelTopology:
     Raises:
         ParallelismError: :func:`init_parallelism` has not run.
     """
-    if _current is None:
+    if _live() is None:
         raise ParallelismError(
             'parallelism is not initialised; call init_parallelism() first')
     return _current
@@ -144,7 +159,7 @@ def default_dp_group() -> Optional[dist.ProcessGroup]:
         This rank's data-parallel group when the topology is initialised,
         else None (which torch reads as the default, whole-world group).
     """
-    return None if _current is None else _current.dp.group
+    return None if _live() is None else _current.dp.group
 
 
 def reset_parallelism() -> None:
@@ -154,8 +169,8 @@ def reset_parallelism() -> None:
     without the others (the test harness calls it after every task).
     """
     global _current
-    topology, _current = _current, None
-    if topology is None or not dist.is_initialized():
+    topology, _current = _live(), None
+    if topology is None:
         return
     for group in topology.created_groups:
         dist.destroy_process_group(group)
