@@ -161,9 +161,9 @@ def test_bad_sizes_raise_before_any_group(fake_world):
 
 
 # -- real gloo groups at world size 4 -------------------------------------------
-def _groups_and_collectives(mp, pp):
+def _groups_and_collectives(mp, pp, backends):
     rank = dist.get_rank()
-    topology = init_parallelism(mp, pp)
+    topology = init_parallelism(mp, pp, **backends)
     out = {}
     for kind in DIMS:
         info = getattr(topology, kind)
@@ -188,10 +188,13 @@ def _groups_and_collectives(mp, pp):
     return out
 
 
-@pytest.mark.parametrize('mp,pp', [(2, 1), (2, 2), (1, 2), (4, 1)])
-def test_gloo_groups_match_layout(run_dist, mp, pp):
+@pytest.mark.parametrize('mp,pp,backends', [
+    (2, 1, {}), (2, 2, dict(mp_backend='gloo', pp_backend='gloo',
+                            dp_backend='gloo')), (1, 2, {}), (4, 1, {})])
+def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
     layout = parallel_layout(4, mp, pp)
-    results = run_dist(_groups_and_collectives, mp, pp, world_size=4)
+    results = run_dist(_groups_and_collectives, mp, pp, backends,
+                       world_size=4)
     for rank, got in enumerate(results):
         assert got['mesh'] == layout.coords(rank) and got['dp_group_ok']
         for kind in DIMS:
