@@ -1,5 +1,4 @@
-"""Parallel topology: layout (pure), validation, real gloo groups, plan tool."""
-import importlib.util
+"""Parallel topology: layout, validation, gloo groups, config, plan tool."""
 import itertools
 import os
 import subprocess
@@ -85,7 +84,7 @@ def test_rank_one_is_not_in_pp_group_of_rank_zero(world):
     assert layout.group_of('pp', 0) == [0, 2]
 
 
-# -- validation ----------------------------------------------------------------
+# -- validation ---------------------------------------------------------------
 @pytest.mark.parametrize('world,mp,pp,numbers', [
     (6, 4, 1, ('6', 'model_parallelism=4')),
     (8, 2, 3, ('8', '2 * 3 = 6')),
@@ -160,7 +159,7 @@ def test_bad_sizes_raise_before_any_group(fake_world):
     assert not parallelism_is_initialized()
 
 
-# -- real gloo groups at world size 4 -------------------------------------------
+# -- real gloo groups at world size 4 -----------------------------------------
 def _groups_and_collectives(mp, pp, backends):
     rank = dist.get_rank()
     topology = init_parallelism(mp, pp, **backends)
@@ -229,7 +228,7 @@ def test_ddp_reduces_over_dp_group_by_default(run_dist):
     assert not torch.allclose(grads[0], grads[1])
 
 
-# -- the `parallel` config section ------------------------------------------------
+# -- the `parallel` config section --------------------------------------------
 def test_parallel_config_defaults_and_values():
     from mmpar.parallel.config import ParallelConfig
     assert ParallelConfig.from_cfg(None) == ParallelConfig()
@@ -292,7 +291,7 @@ def test_setup_parallelism_builds_and_reuses(fake_world):
         setup_parallelism(dict(model_parallelism=4))
 
 
-# -- the plan tool ----------------------------------------------------------------
+# -- the plan tool ------------------------------------------------------------
 DATA = ROOT / 'tests' / 'data'
 
 
@@ -316,12 +315,9 @@ def test_plan_tool_fsdp_at_world_8():
 
 
 def test_plan_tool_bad_sizes_exit_nonzero_naming_key(capsys):
-    # In-process (the subprocess path is covered above): saves a start-up.
-    spec = importlib.util.spec_from_file_location('plan_tool',
-                                                  ROOT / 'tools' / 'plan.py')
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    code = tool.main([
+    # tools/plan.py's main, in-process (the subprocess path is tested above).
+    from mmpar.parallel.plan import main
+    code = main([
         str(DATA / 'plan_ddp.py'), '--world-size', '6', '--cfg-options',
         'parallel.model_parallelism=4'
     ])
@@ -434,32 +430,29 @@ def test_stale_topology_is_dropped_with_its_default_group(fake_world):
     assert init_parallelism(2).dp.global_ranks == [0, 2]
 
 
-# -- the Runner -------------------------------------------------------------------
+# -- the Runner ---------------------------------------------------------------
 VIT_CONFIG = ROOT / 'configs' / 'vit_digits' / 'vit_digits.py'
 
 
-def _runner_wrapper_groups(work_dir, parallel):
+def test_runner_builds_topology_and_wraps_over_dp_group(fake_world,
+                                                       tmp_path,
+                                                       monkeypatch):
+    # Rank 5 of a fake 8-rank world: the real Runner start-up and DDP
+    # wrapper, in one process (gloo reduction over dp: the DDP test above).
     from mmengine.config import Config
 
     from mmpar.runner import Runner
+    for var in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'):  # else MMEngine warns
+        monkeypatch.setenv(var, '1')
     cfg = Config.fromfile(str(VIT_CONFIG))
-    cfg.update(work_dir=work_dir, launcher='pytorch', parallel=parallel)
+    cfg.update(work_dir=str(tmp_path), launcher='pytorch',
+               parallel=dict(model_parallelism=2))
     runner = Runner.from_cfg(cfg)
     topology = parallel_group_info()
-    return dict(
-        wrapper=type(runner.model).__name__,
-        topology_is_global=runner.topology is topology,
-        reduces_over_dp=runner.model.process_group is topology.dp.group,
-        dp_ranks=topology.dp.global_ranks)
-
-
-def test_runner_builds_topology_and_wraps_over_dp_group(run_dist, tmp_path):
-    results = run_dist(_runner_wrapper_groups, str(tmp_path),
-                       dict(model_parallelism=2), world_size=4)
-    for rank, got in enumerate(results):
-        assert got == dict(wrapper='MMDistributedDataParallel',
-                           topology_is_global=True, reduces_over_dp=True,
-                           dp_ranks=[rank % 2, rank % 2 + 2])
+    assert runner.topology is topology
+    assert topology.dp.global_ranks == [1, 3, 5, 7]
+    assert type(runner.model).__name__ == 'MMDistributedDataParallel'
+    assert runner.model.process_group is topology.dp.group
 
 
 def test_runner_rejects_bad_parallel_section_up_front(tmp_path):

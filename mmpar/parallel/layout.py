@@ -47,7 +47,7 @@ class ParallelLayout:
         return (self.dp, self.pp, self.mp)
 
     def group_of(self, kind: str, rank: int) -> List[int]:
-        """The ``kind`` group (``'mp'``, ``'pp'`` or ``'dp'``) holding ``rank``."""
+        """The ``kind`` (``mp``, ``pp`` or ``dp``) group holding ``rank``."""
         dp_index, pp_index, mp_index = self.coords(rank)
         if kind == 'mp':
             # mp groups are listed by (dp, pp) position.

@@ -6,15 +6,17 @@ backend lets one process act as rank ``r`` of ``N``, so ``init_parallelism``
 and (for DDP) the real wrapper are built exactly as in training, while
 collectives do nothing.
 """
+import argparse
 import copy
 import functools
 import inspect
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch.distributed as dist
-from mmengine.config import Config
+from mmengine.config import Config, DictAction
 from mmengine.registry import DefaultScope
 from torch import nn
 from torch.distributed.fsdp.wrap import (_recursive_wrap,
@@ -23,7 +25,8 @@ from torch.distributed.fsdp.wrap import (_recursive_wrap,
 
 from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
                                    default_wrapper_cfg)
-from mmpar.parallel.layout import DIMS, ParallelismError, ParallelLayout
+from mmpar.parallel.layout import (DIMS, ParallelismError, ParallelLayout,
+                                   check_sizes)
 from mmpar.parallel.topology import init_parallelism, reset_parallelism
 from mmpar.registry import FSDP_WRAP_POLICIES, MODELS, SCOPE
 
@@ -249,6 +252,11 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
     if not 0 <= rank < world_size:
         raise PlanError(f'--rank={rank} is outside --world-size={world_size}')
     parallel = ParallelConfig.from_cfg(cfg.get('parallel'))
+    try:  # sizes first: cheaper than building the model, and the likelier slip
+        check_sizes(world_size, parallel.model_parallelism,
+                    parallel.pipeline_parallelism)
+    except ParallelismError as err:
+        raise PlanError(f'parallel: {err}') from err
     explicit = cfg.get('model_wrapper_cfg') is not None
     wrapper_cfg = copy.deepcopy(
         dict(cfg.model_wrapper_cfg) if explicit else
@@ -420,3 +428,33 @@ def format_plan(plan: Plan) -> str:
                  f'{_fmt_bytes(total_bytes):>11}')
     lines += [f'note: {note}' for note in plan.notes]
     return '\n'.join(lines)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description='Dry-run a config at world size N (no processes, no GPU)')
+    parser.add_argument('config', help='config file')
+    parser.add_argument('--world-size', type=int, required=True)
+    parser.add_argument(
+        '--rank', type=int, default=0,
+        help='the rank whose groups and memory are shown')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config keys, e.g. parallel.use_fsdp=True')
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``tools/plan.py``: print the plan, or ``error: ...`` and return 2."""
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    try:
+        plan = make_plan(cfg, args.world_size, args.rank)
+    except (ParallelismError, ValueError) as err:  # PlanError is a ValueError
+        print(f'error: {err}', file=sys.stderr)
+        return 2
+    print(f'plan for {args.config}')
+    print(format_plan(plan))
+    return 0
