@@ -377,11 +377,16 @@ def test_plan_fsdp_units_cover_every_param(strategy, mp, shard):
      'parallel.use_fsdp=True'),
     ({'model_wrapper_cfg': dict(
         type='MMFullyShardedDataParallel',
-        auto_wrap_policy=dict(type='module_class', module_classes=['Nope']))},
-     'model_wrapper_cfg.auto_wrap_policy='),
+        fsdp_auto_wrap_policy=dict(type='size_based', min_num_params=10**9))},
+     'model_wrapper_cfg.fsdp_auto_wrap_policy='),
+    ({'model_wrapper_cfg': dict(
+        type='MMFullyShardedDataParallel',
+        fsdp_auto_wrap_policy=dict(type='module_class',
+                                   module_classes=['Nope']))},
+     'model_wrapper_cfg.fsdp_auto_wrap_policy'),
     ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
-                                auto_wrap_policy='no_such_policy')},
-     "auto_wrap_policy='no_such_policy' is not a known policy"),
+                                fsdp_auto_wrap_policy='no_such_policy')},
+     'model_wrapper_cfg.fsdp_auto_wrap_policy'),
     ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
                                 bucket_cap=3)},
      "unexpected keyword argument 'bucket_cap'"),
@@ -407,10 +412,10 @@ def test_plan_fsdp_units_match_real_fsdp(fake_world, policy_cfg):
 
     from mmpar.parallel.plan import fsdp_units, resolve_policy
     from tests.data.plan_model import PlanToyNet
-    policy, _ = resolve_policy(policy_cfg)
-    torch.manual_seed(0)
-    planned = fsdp_units(PlanToyNet(), policy, shard_size=8)
-    wrapped = FSDP(PlanToyNet(), auto_wrap_policy=policy,
+    model = PlanToyNet()
+    policy, _ = resolve_policy(policy_cfg, model)
+    planned = fsdp_units(model, policy, shard_size=8)
+    wrapped = FSDP(model, auto_wrap_policy=policy,
                    device_id=torch.device('cpu'), use_orig_params=False)
     real = [(type(m.module).__name__, m._flat_param._unpadded_unsharded_size
              .numel(), m._flat_param.numel())

@@ -32,15 +32,20 @@ from mmpar.registry import FSDP_WRAP_POLICIES, MODELS, SCOPE
 
 # Arguments only FSDP takes: on a DDP wrapper they are a mistake.
 FSDP_ONLY_KEYS = ('cpu_offload', 'sharding_strategy', 'sync_module_states',
-                  'auto_wrap_policy', 'mixed_precision', 'backward_prefetch',
-                  'forward_prefetch', 'limit_all_gathers', 'use_orig_params',
-                  'ignored_modules', 'param_init_fn', 'device_mesh')
+                  'fsdp_auto_wrap_policy', 'auto_wrap_policy',
+                  'hybrid_shard_size', 'activation_checkpointing',
+                  'mixed_precision', 'backward_prefetch', 'forward_prefetch',
+                  'limit_all_gathers', 'use_orig_params', 'ignored_modules',
+                  'param_init_fn', 'reshard_after_forward', 'mp_policy')
 # Optimizer state per parameter element, in parameter-sized tensors.
 OPTIMIZER_STATE_FACTORS = dict(
     Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adagrad=1, Lion=1)
-# Built-in policies the plan understands when mmpar's FSDP_WRAP_POLICIES has
-# no entry of that name: torch's size rule, and wrap-by-class-name.
+# Policies the plan understands itself when mmpar's FSDP wrappers (and their
+# policy resolver) are not in this checkout.
 BUILTIN_POLICIES = ('size_based', 'module_class')
+# Where a wrapper config names its wrap policy: mmpar's FSDP wrappers, then
+# MMEngine's / torch's spelling.
+POLICY_KEYS = ('fsdp_auto_wrap_policy', 'auto_wrap_policy')
 
 
 class PlanError(ValueError):
@@ -75,10 +80,20 @@ class Plan:
     notes: List[str] = field(default_factory=list)
 
 
+def _type_name(wrapper_type) -> str:
+    return getattr(wrapper_type, '__name__', str(wrapper_type))
+
+
 def is_fsdp_type(wrapper_type) -> bool:
-    name = wrapper_type if isinstance(wrapper_type,
-                                      str) else wrapper_type.__name__
-    return 'FullySharded' in name or name.upper().startswith('FSDP')
+    """FSDP1 (``...FullyShardedDataParallel``) or FSDP2 (``...FullyShard``)."""
+    name = _type_name(wrapper_type)
+    return 'FullyShard' in name or name.upper().startswith('FSDP')
+
+
+def is_fsdp2_type(wrapper_type) -> bool:
+    """``fully_shard`` wrappers: each parameter sharded on its own."""
+    name = _type_name(wrapper_type)
+    return 'FullyShard' in name and 'FullySharded' not in name
 
 
 def check_wrapper_against_parallel(wrapper_cfg: dict, explicit: bool,
@@ -91,7 +106,7 @@ def check_wrapper_against_parallel(wrapper_cfg: dict, explicit: bool,
     wrapper_type = wrapper_cfg.get('type', DDP_WRAPPER)
     if is_fsdp_type(wrapper_type):
         return
-    name = getattr(wrapper_type, '__name__', wrapper_type)
+    name = _type_name(wrapper_type)
     for key in FSDP_ONLY_KEYS:
         if key in wrapper_cfg:
             raise PlanError(
@@ -105,20 +120,22 @@ def check_wrapper_against_parallel(wrapper_cfg: dict, explicit: bool,
             'model_wrapper_cfg is absent: drop one of them')
 
 
-def resolve_policy(policy_cfg) -> Tuple[Optional[Callable], Optional[str]]:
-    """Turn ``auto_wrap_policy`` (name, dict or None) into a callable.
+def resolve_policy(policy_cfg, model: Optional[nn.Module] = None,
+                   key: str = 'fsdp_auto_wrap_policy'
+                   ) -> Tuple[Optional[Callable], Optional[str]]:
+    """Turn a wrap-policy config (name, dict, callable or None) into a callable.
 
-    A name (or ``dict(type=name, **kwargs)``) is looked up in mmpar's
-    ``FSDP_WRAP_POLICIES`` first (entries take torch's policy signature;
-    kwargs are bound), then among :data:`BUILTIN_POLICIES`:
-    ``size_based`` (``min_num_params``) and ``module_class``
-    (``module_classes``: class names to wrap).
+    mmpar's own resolver (``mmpar.wrappers.policies.resolve_wrap_policy``,
+    the one the FSDP wrappers use) decides when it exists, so the plan and
+    training agree. Without it, the plan understands ``size_based``
+    (``min_num_params``) and ``module_class`` (``module_classes``: class
+    names) itself.
 
     Returns:
         ``(policy, description)``; ``(None, None)`` for no policy.
 
     Raises:
-        PlanError: an unknown policy name or bad arguments.
+        PlanError: an unknown policy or bad arguments, naming ``key``.
     """
     if policy_cfg is None:
         return None, None
@@ -130,40 +147,46 @@ def resolve_policy(policy_cfg) -> Tuple[Optional[Callable], Optional[str]]:
         kwargs = dict(policy_cfg)
         name = kwargs.pop('type')
     else:
-        raise PlanError(f'model_wrapper_cfg.auto_wrap_policy={policy_cfg!r}'
-                        ' is not allowed; allowed: a policy name or '
+        raise PlanError(f'model_wrapper_cfg.{key}={policy_cfg!r} is not '
+                        'allowed; allowed: a policy name or '
                         'dict(type=NAME, **kwargs)')
-    description = name + ''.join(f', {k}={v!r}' for k, v in kwargs.items())
+    description = f'{getattr(name, "__name__", name)}' + ''.join(
+        f', {k}={v!r}' for k, v in kwargs.items())
     try:
-        registered = FSDP_WRAP_POLICIES.get(name)
-    except ImportError:  # mmpar.wrappers.policies not in this checkout
-        registered = None
-    if registered is not None:
-        return functools.partial(registered, **kwargs), description
+        from mmpar.wrappers.policies import resolve_wrap_policy
+    except ImportError:  # no FSDP wrappers in this checkout
+        return _builtin_policy(name, kwargs, key), description
+    try:
+        return resolve_wrap_policy(policy_cfg, model), description
+    except (TypeError, ValueError) as err:
+        raise PlanError(f'model_wrapper_cfg.{key}: {err}') from err
+
+
+def _builtin_policy(name, kwargs: dict, key: str) -> Callable:
     if name == 'size_based':
-        min_num_params = kwargs.get('min_num_params', int(1e8))
         return functools.partial(
             size_based_auto_wrap_policy,
-            min_num_params=int(min_num_params)), description
+            min_num_params=int(kwargs.get('min_num_params', int(1e8))))
     if name == 'module_class':
         classes = frozenset(kwargs.get('module_classes', ()))
         return functools.partial(
             lambda_auto_wrap_policy,
-            lambda_fn=lambda m: type(m).__name__ in classes), description
-    known = sorted(set(FSDP_WRAP_POLICIES.module_dict) | set(BUILTIN_POLICIES))
-    raise PlanError(f'model_wrapper_cfg.auto_wrap_policy={name!r} is not a '
-                    f'known policy; allowed: {", ".join(known)}')
+            lambda_fn=lambda m: type(m).__name__ in classes)
+    raise PlanError(f'model_wrapper_cfg.{key}={name!r} is not a known '
+                    f'policy; allowed: {", ".join(BUILTIN_POLICIES)}')
 
 
 def fsdp_units(model: nn.Module, policy: Optional[Callable],
-               shard_size: int) -> List[FsdpUnit]:
+               shard_size: int, per_param: bool = False) -> List[FsdpUnit]:
     """The FSDP units ``policy`` makes of ``model``, root first.
 
     Runs ``torch.distributed.fsdp.wrap._recursive_wrap`` (what FSDP1 runs for
     a callable policy) with a wrapper that only records the module, so the
-    units are torch's own choice. Each unit's flat parameter holds the
-    parameters not inside a nested unit; FSDP pads it to a multiple of the
-    shard size, so a rank holds ``ceil(numel / shard_size)``.
+    units are torch's own choice. Each unit holds the parameters not inside a
+    nested unit. FSDP1 flattens them into one parameter padded to a multiple
+    of the shard size: a rank holds ``ceil(numel / shard_size)``. FSDP2
+    (``per_param``) shards every parameter along dim 0, padded per parameter:
+    a rank holds ``ceil(rows / shard_size) * row_numel`` for each.
     """
     chosen = []
 
@@ -184,10 +207,17 @@ def fsdp_units(model: nn.Module, policy: Optional[Callable],
             owner.setdefault(param, unit)
     units = []
     for unit in roots:
-        numel = sum(p.numel() for p, u in owner.items() if u is unit)
+        params = [p for p, u in owner.items() if u is unit]
+        numel = sum(p.numel() for p in params)
+        if per_param:
+            per_rank = sum(
+                math.ceil(p.shape[0] / shard_size) * (p.numel() // p.shape[0])
+                if p.dim() else p.numel() for p in params)
+        else:
+            per_rank = math.ceil(numel / shard_size)
         units.append(
             FsdpUnit(names[unit] or '(root)', type(unit).__name__, numel,
-                     math.ceil(numel / shard_size)))
+                     per_rank))
     return units
 
 
@@ -267,7 +297,6 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
     wrapper_type = wrapper_cfg.get('type', DDP_WRAPPER)
     fsdp = is_fsdp_type(wrapper_type)
     try:
-        check_wrapper_cfg(wrapper_cfg)
         wrapper_cls = wrapper_class(wrapper_type)
     except ValueError as err:
         # The FSDP wrapper may not exist in this checkout; plan it from
@@ -275,6 +304,11 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
         if not fsdp:
             raise PlanError(str(err)) from err
         wrapper_cls = None
+    if wrapper_cls is not None:
+        try:  # the wrapper's own up-front checks (check_cfg)
+            check_wrapper_cfg(wrapper_cfg)
+        except (TypeError, ValueError) as err:
+            raise PlanError(f'model_wrapper_cfg: {err}') from err
     _fake_world(world_size, rank)
     try:
         topology = init_parallelism(parallel.model_parallelism,
@@ -299,8 +333,7 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg, wrapper_cls,
         world_size=world_size,
         rank=dist.get_rank(),
         layout=layout,
-        wrapper_type=getattr(wrapper_cfg.get('type', DDP_WRAPPER), '__name__',
-                             wrapper_cfg.get('type', DDP_WRAPPER)),
+        wrapper_type=_type_name(wrapper_cfg.get('type', DDP_WRAPPER)),
         wrapper_source='model_wrapper_cfg' if explicit else
         f'default for parallel.use_fsdp={parallel.use_fsdp}',
         wrapper_args=resolved_wrapper_args(wrapper_cls, kwargs),
@@ -367,12 +400,14 @@ def _plan_fsdp(plan: Plan, model: nn.Module, kwargs: dict,
             f'over dp group {topology.dp.global_ranks}')
     else:
         plan.shard_size = topology.dp.world_size
-    policy_cfg = kwargs.get('auto_wrap_policy')
-    policy, plan.policy = resolve_policy(policy_cfg)
-    plan.units = fsdp_units(model, policy, plan.shard_size)
+    key = next((k for k in POLICY_KEYS if k in kwargs), POLICY_KEYS[0])
+    policy_cfg = kwargs.get(key)
+    policy, plan.policy = resolve_policy(policy_cfg, model, key)
+    plan.units = fsdp_units(model, policy, plan.shard_size,
+                            per_param=is_fsdp2_type(plan.wrapper_type))
     if policy is not None and len(plan.units) == 1:
         raise PlanError(
-            f'model_wrapper_cfg.auto_wrap_policy={policy_cfg!r} wraps no '
+            f'model_wrapper_cfg.{key}={policy_cfg!r} wraps no '
             f'module of {plan.model_cls}: only the root would be an FSDP '
             'unit')
     if kwargs.get('cpu_offload'):

@@ -4,4 +4,5 @@ parallel = dict(use_fsdp=True)
 model_wrapper_cfg = dict(
     type='MMFullyShardedDataParallel',
     sharding_strategy='FULL_SHARD',
-    auto_wrap_policy=dict(type='module_class', module_classes=['PlanBlock']))
+    fsdp_auto_wrap_policy=dict(
+        type='module_class', module_classes=['PlanBlock']))
