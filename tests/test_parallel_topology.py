@@ -353,13 +353,14 @@ def test_plan_ddp_groups_and_memory():
     assert not dist.is_initialized()  # the fake world is torn down
 
 
-@pytest.mark.parametrize('strategy,mp,shard', [('FULL_SHARD', 2, 4),
-                                               ('HYBRID_SHARD', 2, 2),
-                                               ('NO_SHARD', 1, 1)])
-def test_plan_fsdp_units_cover_every_param(strategy, mp, shard):
+@pytest.mark.parametrize('strategy,mp,hybrid_size,shard', [
+    ('FULL_SHARD', 2, None, 4), ('HYBRID_SHARD', 2, None, 2),
+    ('HYBRID_SHARD', 1, 4, 4), ('NO_SHARD', 1, None, 1)])
+def test_plan_fsdp_units_cover_every_param(strategy, mp, hybrid_size, shard):
     plan = plan_of('plan_fsdp.py', 8,
                    **{'parallel.model_parallelism': mp,
-                      'model_wrapper_cfg.sharding_strategy': strategy})
+                      'model_wrapper_cfg.sharding_strategy': strategy,
+                      'model_wrapper_cfg.hybrid_shard_size': hybrid_size})
     assert plan.shard_size == shard
     assert sum(u.numel for u in plan.units) == plan.param_numel
     assert [u.name for u in plan.units] == ['(root)'] + [
@@ -390,6 +391,10 @@ def test_plan_fsdp_units_cover_every_param(strategy, mp, shard):
     ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
                                 bucket_cap=3)},
      "unexpected keyword argument 'bucket_cap'"),
+    ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
+                                sharding_strategy='HYBRID_SHARD',
+                                hybrid_shard_size=3)},
+     'model_wrapper_cfg.hybrid_shard_size=3 is not allowed'),
     ({'parallel.pipeline_parallelism': 3},
      'pipeline_parallelism = 1 * 3 = 3'),
 ])

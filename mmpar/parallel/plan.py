@@ -393,11 +393,7 @@ def _plan_fsdp(plan: Plan, model: nn.Module, kwargs: dict,
     if strategy == 'NO_SHARD':
         plan.shard_size = 1
     elif strategy in ('HYBRID_SHARD', '_HYBRID_SHARD_ZERO2'):
-        # mmpar's HSDP shards within the mp group, replicates across dp.
-        plan.shard_size = topology.mp.world_size
-        plan.wrapper_args['process_group'] = (
-            f'shard over mp group {topology.mp.global_ranks}, replicate '
-            f'over dp group {topology.dp.global_ranks}')
+        _plan_hybrid(plan, kwargs.get('hybrid_shard_size'), topology)
     else:
         plan.shard_size = topology.dp.world_size
     key = next((k for k in POLICY_KEYS if k in kwargs), POLICY_KEYS[0])
@@ -413,6 +409,40 @@ def _plan_fsdp(plan: Plan, model: nn.Module, kwargs: dict,
     if kwargs.get('cpu_offload'):
         plan.notes.append('cpu_offload=True: params and grads live in CPU '
                           'memory (counts unchanged)')
+
+
+def _plan_hybrid(plan: Plan, explicit_size, topology) -> None:
+    """HSDP: shard within the mp group, replicate across the dp group.
+
+    An explicit ``hybrid_shard_size`` wins (shard groups of that many
+    consecutive ranks).
+    """
+    world = topology.layout.world_size
+    if explicit_size is not None:
+        if isinstance(explicit_size, bool) or not isinstance(
+                explicit_size, int) or explicit_size < 1 or \
+                world % explicit_size:
+            raise PlanError(
+                f'model_wrapper_cfg.hybrid_shard_size={explicit_size!r} is '
+                f'not allowed; allowed: an int >= 1 dividing the world size '
+                f'{world}')
+        plan.shard_size = explicit_size
+        start = plan.rank // explicit_size * explicit_size
+        plan.wrapper_args['process_group'] = (
+            f'shard over {list(range(start, start + explicit_size))}, '
+            'replicate over '
+            f'{list(range(plan.rank % explicit_size, world, explicit_size))}')
+        return
+    plan.shard_size = topology.mp.world_size
+    plan.wrapper_args['process_group'] = (
+        f'shard over mp group {topology.mp.global_ranks}, replicate over dp '
+        f'group {topology.dp.global_ranks}')
+    if plan.shard_size == 1 and world > 1:
+        plan.notes.append(
+            'HYBRID_SHARD with parallel.model_parallelism=1 shards within '
+            'one-rank groups: nothing is sharded; set '
+            'parallel.model_parallelism or model_wrapper_cfg.'
+            'hybrid_shard_size')
 
 
 def _fmt_bytes(num: int) -> str:
