@@ -387,7 +387,7 @@ def test_plan_fsdp_units_cover_every_param(strategy, mp, hybrid_size, shard):
      'model_wrapper_cfg.fsdp_auto_wrap_policy'),
     ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
                                 fsdp_auto_wrap_policy='no_such_policy')},
-     'model_wrapper_cfg.fsdp_auto_wrap_policy'),
+     "fsdp_auto_wrap_policy='no_such_policy'"),
     ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
                                 bucket_cap=3)},
      "unexpected keyword argument 'bucket_cap'"),
