@@ -475,3 +475,25 @@ def test_runner_rejects_bad_parallel_section_up_front(tmp_path):
                        'a known key; allowed: model_parallelism'):
         Runner.from_cfg(cfg)
     assert not list(tmp_path.iterdir())  # failed before any work
+
+
+def test_plan_fsdp2_units_match_real_fully_shard(fake_world):
+    # FSDP2 on the fake world's dp mesh dim (rank 5, mp=2 pp=2: dp [1, 5]).
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from mmpar.parallel.plan import fsdp_units, resolve_policy
+    from tests.data.plan_model import PlanBlock, PlanToyNet
+    topology = init_parallelism(2, 2)
+    model = PlanToyNet()
+    policy, _ = resolve_policy(
+        dict(type='module_class', module_classes=['PlanBlock']), model)
+    planned = fsdp_units(model, policy, shard_size=2, per_param=True)
+    for block in model.blocks:
+        fully_shard(block, mesh=topology.mesh['dp'])
+    fully_shard(model, mesh=topology.mesh['dp'])
+    real_units = [n or '(root)' for n, m in model.named_modules()
+                  if isinstance(m, FSDPModule)]
+    assert [u.name for u in planned] == real_units
+    assert all(isinstance(model.blocks[i], PlanBlock) for i in range(4))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    assert sum(u.numel_per_rank for u in planned) == local
