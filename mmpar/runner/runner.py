@@ -5,10 +5,11 @@ through mmpar's ``MODEL_WRAPPERS``, plain-data checkpoints, and validation of
 the launcher and wrapper config before any process-group work.
 """
 import inspect
+import os.path as osp
 from typing import Callable, Optional, Union
 
 import torch
-from mmengine.dist import is_distributed
+from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
 from mmengine.runner import Runner as MMEngineRunner
@@ -18,8 +19,13 @@ from torch import nn
 
 from mmpar.config_check import check_config
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
+from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
+                                   default_wrapper_cfg, setup_parallelism)
 from mmpar.registry import RUNNERS
-from mmpar.runner.checkpoint import PlainCheckpointHook, load_checkpoint_file
+from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
+                                     collect_checkpoint,
+                                     find_latest_complete_checkpoint,
+                                     load_checkpoint_file)
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
@@ -38,6 +44,7 @@ class Runner(MMEngineRunner):
         check_launcher(given.get('launcher', 'none'))
         # MMEngine reads the wrapper config from ``cfg``, not an argument.
         check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
+        ParallelConfig.from_cfg((given.get('cfg') or {}).get('parallel'))
         if given.get('cfg') is not None:
             check_config(given['cfg'])
         super().__init__(*args, **kwargs)
@@ -52,6 +59,9 @@ class Runner(MMEngineRunner):
                     "available; allowed here: 'gloo', or leave it unset")
             init_dist(self.launcher, **dist_cfg)
         super().setup_env(env_cfg)
+        # mp / pp / dp groups from the `parallel` section; wrappers reduce
+        # over the dp group (mmpar.parallel.default_dp_group).
+        self.topology = setup_parallelism(self.cfg.get('parallel'))
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict],
                    model: nn.Module) -> nn.Module:
@@ -64,8 +74,12 @@ class Runner(MMEngineRunner):
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
-        if model_wrapper_cfg is None and self.cfg.get('find_unused_parameters'):
-            model_wrapper_cfg = dict(find_unused_parameters=True)
+        if model_wrapper_cfg is None:
+            # `parallel.use_fsdp` picks FSDP or DDP when no wrapper is given.
+            model_wrapper_cfg = default_wrapper_cfg(self.cfg.get('parallel'))
+            if self.cfg.get('find_unused_parameters') and \
+                    model_wrapper_cfg['type'] == DDP_WRAPPER:
+                model_wrapper_cfg['find_unused_parameters'] = True
         return build_model_wrapper(model_wrapper_cfg, model)
 
     @staticmethod
@@ -73,6 +87,15 @@ class Runner(MMEngineRunner):
         if uses_cuda():
             return torch.device('cuda', local_rank())
         return torch.device('cpu')
+
+    def build_train_loop(self, loop):
+        """MMEngine's, except that ``by_epoch=False`` without a ``type``
+        builds mmpar's fast-resuming ``IterBasedTrainLoop``."""
+        if isinstance(loop, dict) and 'type' not in loop and \
+                loop.get('by_epoch') is False:
+            loop = {k: v for k, v in loop.items() if k != 'by_epoch'}
+            loop['type'] = 'mmpar.IterBasedTrainLoop'
+        return super().build_train_loop(loop)
 
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
         super().register_hooks(default_hooks, custom_hooks)
@@ -100,3 +123,46 @@ class Runner(MMEngineRunner):
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
+
+    def save_checkpoint(self,
+                        out_dir: str,
+                        filename: str,
+                        file_client_args: Optional[dict] = None,
+                        save_optimizer: bool = True,
+                        save_param_scheduler: bool = True,
+                        meta: Optional[dict] = None,
+                        by_epoch: bool = True,
+                        backend_args: Optional[dict] = None) -> None:
+        """Save a checkpoint atomically; called on every rank.
+
+        MMEngine's version runs on rank 0 only, which cannot gather sharded
+        (FSDP) state. Here all ranks build the checkpoint, rank 0 writes it
+        to a temporary file and renames it into place, and the ranks meet
+        at a barrier, so ``last_checkpoint`` (written by CheckpointHook after
+        this returns) only ever names a complete file.
+        """
+        if file_client_args is not None or backend_args is not None:
+            raise ValueError('mmpar saves checkpoints to local paths only; '
+                             'remove file_client_args / backend_args from '
+                             'the CheckpointHook config')
+        checkpoint = collect_checkpoint(self, meta, by_epoch, save_optimizer,
+                                        save_param_scheduler)
+        if is_main_process():
+            self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+            atomic_save(checkpoint, osp.join(out_dir, filename))
+        barrier()
+
+    def load_or_resume(self) -> None:
+        """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
+        checkpoint, not whatever ``last_checkpoint`` names."""
+        if self._resume and self._load_from is None and not self._has_loaded:
+            latest = find_latest_complete_checkpoint(self.work_dir)
+            if latest is None:
+                self.logger.info('No complete checkpoint in the work dir: '
+                                 'training starts from scratch.')
+                return
+            self.logger.info(f'Auto resumed from the latest checkpoint '
+                             f'{latest}.')
+            self.resume(latest)
+            return
+        super().load_or_resume()

@@ -1,9 +1,11 @@
 """Model wrappers: one per file, all sharing :mod:`mmpar.wrappers.base`."""
 from mmpar.wrappers.base import SYNC_STRATEGIES, StepMixin
+from mmpar.wrappers.bucket import MMBucketDataParallel
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 from mmpar.wrappers.ddp import MMDistributedDataParallel
+from mmpar.wrappers.naive import MMNaiveDataParallel
 
 __all__ = [
     'SYNC_STRATEGIES', 'StepMixin', 'build_model_wrapper', 'check_wrapper_cfg',
-    'MMDistributedDataParallel'
+    'MMDistributedDataParallel', 'MMNaiveDataParallel', 'MMBucketDataParallel'
 ]
