@@ -264,6 +264,35 @@ def check_checkpoint_paths(cfg: Any) -> None:
               'existing checkpoint file, or None')
 
 
+def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
+    """The world size the launcher's environment announces, if it does."""
+    from mmpar.dist import launch_env
+    if launcher in (None, 'none'):
+        return 1
+    try:
+        return launch_env(launcher).world_size
+    except (RuntimeError, ValueError):
+        return None  # not started by that launcher (yet): checked later
+
+
+def check_parallel(parallel: Any, launcher: Optional[str]) -> None:
+    """The ``parallel`` section, and its sizes against the world size."""
+    from mmpar.parallel.config import ParallelConfig
+    from mmpar.parallel.layout import ParallelismError, check_sizes
+    config = ParallelConfig.from_cfg(parallel)
+    world_size = _launch_world_size(launcher)
+    if parallel is None or world_size is None:
+        return
+    try:
+        check_sizes(world_size, config.model_parallelism,
+                    config.pipeline_parallelism)
+    except ParallelismError as err:
+        raise ConfigError(
+            f'parallel: {err}; allowed: model_parallelism * '
+            f'pipeline_parallelism dividing the world size {world_size}'
+        ) from None
+
+
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -315,6 +344,7 @@ def check_config(cfg: Any) -> None:
     check_hooks(cfg, scope)
     check_dist_cfg(cfg.get('env_cfg'))
     check_wrapper_args(cfg.get('model_wrapper_cfg'))
+    check_parallel(cfg.get('parallel'), cfg.get('launcher'))
     check_checkpoint_paths(cfg)
     log_level = cfg.get('log_level', 'INFO')
     if isinstance(log_level, str) and log_level.upper() not in LOG_LEVELS:

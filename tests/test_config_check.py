@@ -33,6 +33,29 @@ CASES = {
     'non-bool find_unused_parameters': ({
         'model_wrapper_cfg': dict(find_unused_parameters='yes')
     }, ["find_unused_parameters='yes'", 'True, False']),
+    'negative bucket_cap_mb (bucketed DP)': ({
+        'model_wrapper_cfg': dict(type='MMBucketDataParallel', bucket_cap_mb=-1)
+    }, ['bucket_cap_mb=-1', 'a number of MiB > 0']),
+    'grad_dtype fp12 (bucketed DP)': ({
+        'model_wrapper_cfg': dict(type='MMBucketDataParallel',
+                                  grad_dtype='fp12')
+    }, ["grad_dtype='fp12'", 'float32, float64, bfloat16']),
+    'DDP-only key on naive DP': ({
+        'model_wrapper_cfg': dict(type='MMNaiveDataParallel', bucket_cap_mb=25)
+    }, ['model_wrapper_cfg.bucket_cap_mb=25',
+        'MMNaiveDataParallel takes no argument', 'sync_strategy']),
+    'unknown parallel key': ({
+        'parallel': dict(mp=2)
+    }, ['parallel.mp=2', 'model_parallelism, pipeline_parallelism']),
+    'string model_parallelism': ({
+        'parallel': dict(model_parallelism='2')
+    }, ["parallel.model_parallelism='2'", 'an int >= 1']),
+    'unknown sharding strategy': ({
+        'parallel': dict(use_fsdp=True, sharding_strategy='FULLY')
+    }, ["parallel.sharding_strategy='FULLY'", 'FULL_SHARD, SHARD_GRAD_OP']),
+    "cpu_offload='yes'": ({
+        'parallel': dict(use_fsdp=True, cpu_offload='yes')
+    }, ["parallel.cpu_offload='yes'", 'True or False']),
     'wrapper cfg not a dict': ({
         'model_wrapper_cfg': 'ddp'
     }, ['model_wrapper_cfg must be a dict', 'str']),
@@ -180,6 +203,23 @@ def test_bad_config_is_rejected_with_key_value_and_allowed(case, base_cfg):
     message = str(info.value)
     for text in expected:
         assert text in message, f'{case}: {text!r} not in {message!r}'
+
+
+def test_topology_sizes_must_divide_the_world_size(base_cfg, monkeypatch):
+    # As torchrun would announce a 2-process job.
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+    cfg = _apply(base_cfg, {
+        'launcher': 'pytorch',
+        'parallel': dict(pipeline_parallelism=3)
+    })
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    assert 'world size 2 is not divisible' in str(info.value)
+    assert 'pipeline_parallelism' in str(info.value)
+    check_config(_apply(cfg, {'parallel.pipeline_parallelism': 2}))
 
 
 def test_check_does_not_change_the_config(base_cfg):
