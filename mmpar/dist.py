@@ -173,6 +173,23 @@ def _restart_safe_store(place: LaunchEnv,
     return dist.PrefixStore(f'mmpar/attempt_{attempt}/', store)
 
 
+def collective_timeout() -> Optional[datetime.timedelta]:
+    """The default group's collective timeout (None without a group).
+
+    ``torch.distributed.new_group`` gives a new group torch's default timeout
+    (30 minutes for gloo), not the default group's, so a group made after
+    start-up would ignore ``env_cfg.dist_cfg.timeout`` and a hung rank would
+    block its peers for half an hour. Pass this to ``new_group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    device = torch.device('cuda' if uses_cuda() else 'cpu')
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None  # a backend without options: torch's default applies
+
+
 def uses_cuda() -> bool:
     """Whether this process trains on CUDA (nccl group, or CUDA with none)."""
     if dist.is_available() and dist.is_initialized():

@@ -65,3 +65,30 @@ def test_hanging_rank_ends_job_after_collective_timeout(tmp_path):
     assert 'rank 0 failed (a collective timed out after ' \
         'env_cfg.dist_cfg.timeout' in output, output[-4000:]
     assert 'Timed out waiting 5000ms' in output[output.index('Root Cause'):]
+
+
+def _group_timeouts():
+    import torch
+    import torch.distributed as dist
+
+    from mmpar.dist import collective_timeout
+    from mmpar.parallel import init_parallelism, reset_parallelism
+    reset_parallelism()
+    topology = init_parallelism()
+    cpu = torch.device('cpu')
+    try:
+        return collective_timeout(), [
+            info.group._get_backend(cpu).options._timeout
+            for info in (topology.mp, topology.pp, topology.dp)
+        ], dist.group.WORLD._get_backend(cpu).options._timeout
+    finally:
+        reset_parallelism()
+
+
+def test_topology_groups_keep_the_configured_timeout(run_dist):
+    """Groups made after start-up use the default group's timeout (the
+    harness's 120 s), not torch's 30-minute default for new groups."""
+    for configured, group_timeouts, world in run_dist(_group_timeouts):
+        assert configured == world
+        assert configured.total_seconds() == 120
+        assert group_timeouts == [world] * 3
