@@ -18,6 +18,7 @@ LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 BACKENDS = ('gloo', 'nccl')
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_S = 1800
+MIN_STORE_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -164,12 +165,16 @@ def _restart_safe_store(place: LaunchEnv,
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
     attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    # Start-up (imports, peers arriving) may take longer than a short
+    # collective timeout; the store only serves the rendezvous.
+    store_timeout = max(timeout or datetime.timedelta(0),
+                        datetime.timedelta(seconds=MIN_STORE_TIMEOUT_S))
     store = dist.TCPStore(
         place.master_addr,
         place.master_port,
         place.world_size,
         is_master=False,
-        timeout=timeout or datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        timeout=store_timeout)
     return dist.PrefixStore(f'mmpar/attempt_{attempt}/', store)
 
 

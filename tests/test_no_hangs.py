@@ -4,11 +4,16 @@ Each test injects a fault on rank 1 of a 2-process ``tools/dist_train.sh``
 run (tests/fault_injection.py, loaded through ``custom_imports``). A job that
 hung would hit the subprocess timeout and fail the test.
 """
+import os
+import signal
+import subprocess
+
 import pytest
 
-from tests.e2e import ROOT, DEFAULT_CONFIG, run_tool
+from tests.e2e import DEFAULT_CONFIG, ROOT, tool_env
 
-JOB_TIMEOUT_S = 300
+# Far above a healthy run (~10-30 s here); reaching it means the job hung.
+JOB_TIMEOUT_S = 180
 FAULTS = {
     # where: config lines that inject it
     'hook': "custom_hooks = [dict(type='RaiseInHook', rank=1, at_iter=3)]",
@@ -29,11 +34,22 @@ def write_config(path, *lines) -> str:
     return str(path)
 
 
-def dist_train(config, work_dir):
-    return run_tool(['bash', 'tools/dist_train.sh', config, 2, '--work-dir',
-                     work_dir],
-                    timeout=JOB_TIMEOUT_S,
-                    check=False)
+def dist_train(config, work_dir) -> subprocess.CompletedProcess:
+    """``dist_train.sh`` on 2 processes; a hung job fails the test and is
+    killed with all its workers (its own session), leaving no orphans."""
+    args = ['bash', 'tools/dist_train.sh', config, '2', '--work-dir',
+            str(work_dir)]
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=tool_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f'the job hung: still running after {JOB_TIMEOUT_S} s\n'
+                    f'{err[-3000:]}')
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize('where', sorted(FAULTS))
