@@ -341,10 +341,17 @@ def check_config(cfg: Any) -> None:
         if scheduler is not None:
             check_type(f'param_scheduler[{index}]', scheduler,
                        PARAM_SCHEDULERS, scope)
-    check_hooks(cfg, scope)
     check_dist_cfg(cfg.get('env_cfg'))
-    check_wrapper_args(cfg.get('model_wrapper_cfg'))
-    check_parallel(cfg.get('parallel'), cfg.get('launcher'))
+    # Checks that live next to what they check (hooks' and wrappers'
+    # check_cfg, the parallel section) raise ValueError or TypeError.
+    try:
+        check_hooks(cfg, scope)
+        check_wrapper_args(cfg.get('model_wrapper_cfg'))
+        check_parallel(cfg.get('parallel'), cfg.get('launcher'))
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
     check_checkpoint_paths(cfg)
     log_level = cfg.get('log_level', 'INFO')
     if isinstance(log_level, str) and log_level.upper() not in LOG_LEVELS:

@@ -16,6 +16,9 @@ CASES = {
          'cannot be imported']),
     'nccl without CUDA': (['env_cfg.dist_cfg.backend=nccl'],
                           ["env_cfg.dist_cfg.backend='nccl'", 'needs CUDA']),
+    'unknown wrapper': (['model_wrapper_cfg.type=MMNope'],
+                        ["model_wrapper_cfg.type='MMNope'",
+                         'MMDistributedDataParallel']),
     'typo in train_cfg': (['train_cfg.max_epoch=3'],
                           ["unknown key 'max_epoch'", 'max_epochs']),
 }

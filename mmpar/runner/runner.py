@@ -42,11 +42,11 @@ class Runner(MMEngineRunner):
     def __init__(self, *args, **kwargs):
         given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         check_launcher(given.get('launcher', 'none'))
+        if given.get('cfg') is not None:
+            check_config(given['cfg'])  # the whole config, ConfigError
         # MMEngine reads the wrapper config from ``cfg``, not an argument.
         check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
         ParallelConfig.from_cfg((given.get('cfg') or {}).get('parallel'))
-        if given.get('cfg') is not None:
-            check_config(given['cfg'])
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
