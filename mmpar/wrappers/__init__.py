@@ -2,8 +2,10 @@
 from mmpar.wrappers.base import SYNC_STRATEGIES, StepMixin
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 from mmpar.wrappers.ddp import MMDistributedDataParallel
+from mmpar.wrappers.fsdp import MMFullyShardedDataParallel
+from mmpar.wrappers.fully_shard import MMFullyShard
 
 __all__ = [
     'SYNC_STRATEGIES', 'StepMixin', 'build_model_wrapper', 'check_wrapper_cfg',
-    'MMDistributedDataParallel'
+    'MMDistributedDataParallel', 'MMFullyShardedDataParallel', 'MMFullyShard'
 ]
