@@ -5,14 +5,27 @@ MMEngine's after (a child registry falls back to its parent). Because
 ``MODEL_WRAPPERS`` is a child of MMEngine's, ``mmengine.model.is_model_wrapper``
 and MMEngine's hooks recognise every wrapper registered here.
 """
+from mmengine.registry import DATA_SAMPLERS as MMENGINE_DATA_SAMPLERS
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
+from mmengine.registry import EVALUATOR as MMENGINE_EVALUATOR
+from mmengine.registry import FUNCTIONS as MMENGINE_FUNCTIONS
 from mmengine.registry import HOOKS as MMENGINE_HOOKS
 from mmengine.registry import LOOPS as MMENGINE_LOOPS
 from mmengine.registry import METRICS as MMENGINE_METRICS
 from mmengine.registry import MODEL_WRAPPERS as MMENGINE_MODEL_WRAPPERS
 from mmengine.registry import MODELS as MMENGINE_MODELS
+from mmengine.registry import LOG_PROCESSORS as MMENGINE_LOG_PROCESSORS
+from mmengine.registry import \
+    OPTIM_WRAPPER_CONSTRUCTORS as MMENGINE_OPTIM_WRAPPER_CONSTRUCTORS
 from mmengine.registry import OPTIM_WRAPPERS as MMENGINE_OPTIM_WRAPPERS
+from mmengine.registry import OPTIMIZERS as MMENGINE_OPTIMIZERS
+from mmengine.registry import PARAM_SCHEDULERS as MMENGINE_PARAM_SCHEDULERS
 from mmengine.registry import RUNNERS as MMENGINE_RUNNERS
+from mmengine.registry import TRANSFORMS as MMENGINE_TRANSFORMS
+from mmengine.registry import VISBACKENDS as MMENGINE_VISBACKENDS
+from mmengine.registry import VISUALIZERS as MMENGINE_VISUALIZERS
+from mmengine.registry import \
+    WEIGHT_INITIALIZERS as MMENGINE_WEIGHT_INITIALIZERS
 from mmengine.registry import Registry
 
 SCOPE = 'mmpar'
@@ -48,6 +61,28 @@ RUNNERS = Registry(
     parent=MMENGINE_RUNNERS,
     scope=SCOPE,
     locations=['mmpar.runner'])
+
+# Children with nothing of mmpar's in them yet: they let a config with
+# default_scope='mmpar' build MMEngine's samplers, optimizers, schedulers and
+# visualisers without a "failed to search registry with scope" warning.
+DATA_SAMPLERS = Registry(
+    'data sampler', parent=MMENGINE_DATA_SAMPLERS, scope=SCOPE)
+TRANSFORMS = Registry('transform', parent=MMENGINE_TRANSFORMS, scope=SCOPE)
+OPTIMIZERS = Registry('optimizer', parent=MMENGINE_OPTIMIZERS, scope=SCOPE)
+OPTIM_WRAPPER_CONSTRUCTORS = Registry(
+    'optimizer wrapper constructor',
+    parent=MMENGINE_OPTIM_WRAPPER_CONSTRUCTORS,
+    scope=SCOPE)
+PARAM_SCHEDULERS = Registry(
+    'parameter scheduler', parent=MMENGINE_PARAM_SCHEDULERS, scope=SCOPE)
+EVALUATOR = Registry('evaluator', parent=MMENGINE_EVALUATOR, scope=SCOPE)
+VISUALIZERS = Registry('visualizer', parent=MMENGINE_VISUALIZERS, scope=SCOPE)
+VISBACKENDS = Registry('vis_backend', parent=MMENGINE_VISBACKENDS, scope=SCOPE)
+LOG_PROCESSORS = Registry(
+    'log_processor', parent=MMENGINE_LOG_PROCESSORS, scope=SCOPE)
+WEIGHT_INITIALIZERS = Registry(
+    'weight initializer', parent=MMENGINE_WEIGHT_INITIALIZERS, scope=SCOPE)
+FUNCTIONS = Registry('function', parent=MMENGINE_FUNCTIONS, scope=SCOPE)
 
 # Named FSDP auto-wrap policies: callables with torch's policy signature
 # ``(module, recurse, nonwrapped_numel, **kwargs) -> bool``. Registering them by

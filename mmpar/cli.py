@@ -1,0 +1,108 @@
+"""Argument parsing and config preparation behind ``tools/train.py`` and
+``tools/test.py``; kept here so tests can reach it."""
+import argparse
+import os
+import os.path as osp
+from typing import List, Optional
+
+from mmengine.config import Config, DictAction
+
+from mmpar.dist import LAUNCHERS
+
+AMP_WRAPPER = 'mmpar.AmpOptimWrapper'
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--work-dir', help='where logs and checkpoints go')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        action=DictAction,
+        help='override config keys, e.g. train_cfg.max_epochs=3')
+    parser.add_argument(
+        '--launcher', choices=LAUNCHERS, default='none', help='job launcher')
+    # torchrun passes --local-rank (older launchers --local_rank).
+    parser.add_argument('--local-rank', '--local_rank', type=int, default=0)
+
+
+def parse_train_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description='Train a model with mmpar')
+    parser.add_argument('config', help='config file')
+    parser.add_argument(
+        '--resume',
+        nargs='?',
+        const='auto',
+        help='resume: the newest checkpoint in the work dir (no value or '
+        '"auto"), or a checkpoint path')
+    parser.add_argument(
+        '--amp', action='store_true', help='mixed precision (bf16 on CPU)')
+    _add_common(parser)
+    return parser.parse_args(argv)
+
+
+def parse_test_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description='Test a checkpoint')
+    parser.add_argument('config', help='config file')
+    parser.add_argument('checkpoint', help='checkpoint file')
+    _add_common(parser)
+    return parser.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    """The config with ``--cfg-options``, work dir and launcher applied."""
+    if not osp.isfile(args.config):
+        raise FileNotFoundError(f'config file {args.config!r} does not exist')
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    cfg.launcher = args.launcher
+    os.environ.setdefault('LOCAL_RANK', str(args.local_rank))
+    if args.work_dir:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir') is None:
+        cfg.work_dir = osp.join('./work_dirs',
+                                osp.splitext(osp.basename(args.config))[0])
+    return cfg
+
+
+def train_config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args)
+    if args.amp:
+        wrapper_type = cfg.optim_wrapper.get('type', 'OptimWrapper')
+        if wrapper_type not in ('OptimWrapper', 'AmpOptimWrapper',
+                                AMP_WRAPPER):
+            raise ValueError(f'--amp needs optim_wrapper.type OptimWrapper, '
+                             f'got {wrapper_type!r}')
+        cfg.optim_wrapper.type = AMP_WRAPPER
+    if args.resume == 'auto':
+        cfg.resume, cfg.load_from = True, None
+    elif args.resume is not None:
+        if not osp.isfile(args.resume):
+            raise FileNotFoundError(
+                f'--resume {args.resume!r}: checkpoint does not exist')
+        cfg.resume, cfg.load_from = True, args.resume
+    return cfg
+
+
+def test_config(args: argparse.Namespace) -> Config:
+    if not osp.isfile(args.checkpoint):
+        raise FileNotFoundError(
+            f'checkpoint {args.checkpoint!r} does not exist')
+    cfg = load_config(args)
+    cfg.load_from = args.checkpoint
+    return cfg
+
+
+def build_runner(cfg: Config):
+    """mmpar's Runner, or the registered ``runner_type`` the config names."""
+    from mmpar.registry import RUNNERS
+    from mmpar.runner import Runner
+    if 'runner_type' in cfg:
+        return RUNNERS.build(cfg)
+    return Runner.from_cfg(cfg)
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

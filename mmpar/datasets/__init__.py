@@ -1,0 +1,3 @@
+from mmpar.datasets.digits import DigitsDataset
+
+__all__ = ['DigitsDataset']

@@ -1,0 +1,3 @@
+from mmpar.evaluation.accuracy import Accuracy
+
+__all__ = ['Accuracy']

@@ -1,0 +1,3 @@
+from mmpar.models.vit import DigitsViT, TransformerBlock
+
+__all__ = ['DigitsViT', 'TransformerBlock']

@@ -1,0 +1,3 @@
+from mmpar.optim.amp import AmpOptimWrapper
+
+__all__ = ['AmpOptimWrapper']

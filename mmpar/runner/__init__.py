@@ -1,0 +1,8 @@
+from mmpar.runner.checkpoint import (CheckpointLoadError, PlainCheckpointHook,
+                                     load_checkpoint_file)
+from mmpar.runner.runner import Runner
+
+__all__ = [
+    'Runner', 'PlainCheckpointHook', 'CheckpointLoadError',
+    'load_checkpoint_file'
+]

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Train on NPROC processes per node with torchrun.
+#   bash tools/dist_train.sh CONFIG NPROC [train.py options]
+# Several nodes: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
+set -euo pipefail
+CONFIG=$1
+NPROC=$2
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+PORT=${PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+PYTHONPATH="$HERE/..${PYTHONPATH:+:$PYTHONPATH}" \
+exec python -m torch.distributed.run \
+    --nnodes="$NNODES" \
+    --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" \
+    --nproc_per_node="$NPROC" \
+    --master_port="$PORT" \
+    "$HERE/train.py" "$CONFIG" --launcher pytorch "${@:3}"
