@@ -18,6 +18,7 @@ from torch import nn
 
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.registry import RUNNERS
+from mmpar.runner import sharded
 from mmpar.runner.checkpoint import PlainCheckpointHook, load_checkpoint_file
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 
@@ -63,7 +64,22 @@ class Runner(MMEngineRunner):
             model = convert_sync_batchnorm(model, sync_bn)
         if model_wrapper_cfg is None and self.cfg.get('find_unused_parameters'):
             model_wrapper_cfg = dict(find_unused_parameters=True)
+        if sharded.wrapper_shards(model_wrapper_cfg):
+            sharded.init_weights_before_sharding(model)
         return build_model_wrapper(model_wrapper_cfg, model)
+
+    def _init_model_weights(self) -> None:
+        if sharded.is_sharded(self.model):
+            return  # done in wrap_model, before the parameters were sharded
+        super()._init_model_weights()
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        # MMEngine's save_checkpoint is rank-0 only; a sharded model's full
+        # state is gathered by every rank first.
+        if not sharded.is_sharded(self.model):
+            return super().save_checkpoint(*args, **kwargs)
+        with sharded.full_state_for_saving(self):
+            super().save_checkpoint(*args, **kwargs)
 
     @staticmethod
     def _device() -> torch.device:
@@ -92,8 +108,12 @@ class Runner(MMEngineRunner):
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
         model = self.model.module if is_model_wrapper(
             self.model) else self.model
-        checkpoint = _load_checkpoint_to_model(
-            model, checkpoint, strict, revise_keys=revise_keys)
+        if sharded.is_sharded(self.model):
+            checkpoint = sharded.load_full_checkpoint(self, checkpoint, strict,
+                                                      revise_keys)
+        else:
+            checkpoint = _load_checkpoint_to_model(
+                model, checkpoint, strict, revise_keys=revise_keys)
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
