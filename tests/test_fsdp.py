@@ -11,8 +11,8 @@ from mmengine.logging import MessageHub
 from mmengine.model import is_model_wrapper
 from torch import nn
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload,
-                                    FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy,
-                                    ShardingStrategy)
+                                    FullyShardedDataParallel, MixedPrecision,
+                                    MixedPrecisionPolicy, ShardingStrategy)
 
 from mmpar.registry import FSDP_WRAP_POLICIES
 from mmpar.wrappers import (MMFullyShard, MMFullyShardedDataParallel,
@@ -306,6 +306,13 @@ def test_policy_resolver_does_not_mutate_and_binds_kwargs():
     assert [m for m in modules_to_wrap(model, big)] == [
         model.net[0], model.net[2]
     ]
+
+
+def test_module_class_does_not_look_inside_multihead_attention():
+    policy = resolve_wrap_policy(LINEAR_POLICY)
+    attn = nn.MultiheadAttention(8, 2)
+    model = nn.Sequential(nn.Linear(8, 8), attn)
+    assert modules_to_wrap(model, policy) == [model[0]]
 
 
 def test_module_class_name_not_in_model_lists_its_classes():

@@ -47,7 +47,8 @@ def test_checkpoints_are_full_and_resume_is_exact(run_dist, tmp_path,
     run_dist(_train, config, str(straight), 3, f'{wrapper_type}_3ep')
 
     resumed_ckpt = load_ckpt(resumed / 'epoch_3.pth')
-    assert_same_training_state(resumed_ckpt, load_ckpt(straight / 'epoch_3.pth'))
+    assert_same_training_state(resumed_ckpt,
+                               load_ckpt(straight / 'epoch_3.pth'))
 
     cfg = _small_cfg(config, str(tmp_path), 1)
     model = DigitsViT(**{k: v for k, v in cfg.model.items() if k != 'type'})

@@ -23,9 +23,12 @@ def large_linear(module: nn.Module,
     its own FSDP unit (smaller layers stay in their parent's unit).
 
     Torch's policy signature: with ``recurse=True`` answer "look inside?",
-    with ``recurse=False`` "wrap this module?".
+    with ``recurse=False`` "wrap this module?". It does not look inside
+    ``nn.MultiheadAttention``: that module reads ``out_proj.weight`` directly
+    instead of calling ``out_proj``, so an FSDP unit there would never gather
+    its parameters.
     """
     if recurse:
-        return True
+        return not isinstance(module, nn.MultiheadAttention)
     return (isinstance(module, nn.Linear)
             and module.weight.numel() >= min_weight_numel)

@@ -1,4 +1,4 @@
-"""``MMFullyShardedDataParallel``: torch FSDP1 with MMEngine's step contract."""
+"""``MMFullyShardedDataParallel``: torch FSDP1 with MMEngine's steps."""
 from typing import Optional, Union
 
 import torch

@@ -169,7 +169,7 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no reduce-scatter) inside the block."""
+        """Accumulate gradients locally (no reduce-scatter) in the block."""
         self.module.set_requires_gradient_sync(False)
         try:
             yield

@@ -52,6 +52,9 @@ def _bind_module_class(model: nn.Module, kwargs: dict) -> dict:
     return kwargs
 
 
+_FORCE_LEAF_MODULES = tuple(size_based_auto_wrap_policy.FORCE_LEAF_MODULES)
+
+
 @FSDP_WRAP_POLICIES.register_module(name='module_class')
 def module_class(module: nn.Module,
                  recurse: bool,
@@ -65,8 +68,14 @@ def module_class(module: nn.Module,
             own modules when the policy is bound to a model.
     """
     if recurse:
-        return True
-    return isinstance(module, tuple(module_classes))
+        # Like torch's size-based policy, never look inside modules that read
+        # their children's weights without calling them (MultiheadAttention
+        # uses ``out_proj.weight`` directly): a unit there never all-gathers.
+        return not isinstance(module, _FORCE_LEAF_MODULES)
+    # Names still unresolved (no model was bound) match the exact class.
+    return any(
+        isinstance(module, cls) if isinstance(cls, type) else
+        type(module).__name__ == cls for cls in module_classes)
 
 
 # Runs when the policy is bound to a model: class names become classes, and a
@@ -75,7 +84,7 @@ module_class.bind_to_model = _bind_module_class
 
 
 def model_classes(model: nn.Module) -> Dict[str, type]:
-    """``{class name: class}`` for every module in ``model`` (root included)."""
+    """``{class name: class}`` for every module in ``model`` and itself."""
     found = {}
     for module in model.modules():
         cls = type(module)
