@@ -32,10 +32,11 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
             FULL_SHARD.
         process_group: FSDP's group, or for HYBRID strategies a
             ``(shard_group, replicate_group)`` tuple. None: the default group;
-            for HYBRID, the topology's (mp, dp) groups or node-local groups
-            of ``hybrid_shard_size`` ranks.
+            for HYBRID, groups of ``hybrid_shard_size`` consecutive ranks if
+            given, else the topology's (mp, dp) groups if initialised, else
+            node-local groups (``LOCAL_WORLD_SIZE`` ranks).
         hybrid_shard_size: ranks per shard group for HYBRID strategies when
-            no process groups are given (default ``LOCAL_WORLD_SIZE``).
+            no process groups are given.
         cpu_offload: None, bool or ``CPUOffload`` (needs CUDA).
         fsdp_auto_wrap_policy: None, a registered name, ``dict(type=NAME,
             **kwargs)`` or a callable (see :mod:`mmpar.wrappers.policies`).
@@ -136,7 +137,9 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         one-rank side of the hybrid is therefore rewritten to the plain
         strategy it is equivalent to.
         """
-        if process_group is None:
+        # Precedence: explicit groups, explicit size, the topology's
+        # (mp, dp) groups, node-local groups.
+        if process_group is None and shard_size is None:
             process_group = args.topology_hybrid_groups()
         if process_group is None:
             process_group = args.hybrid_groups(

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload,
                                     MixedPrecision, MixedPrecisionPolicy,
                                     ShardingStrategy)
@@ -182,17 +183,36 @@ def check_sync_strategy_supported(sync_strategy: str, wrapper: str) -> None:
             'accumulation window) or multi_auto_sync')
 
 
+def _topology():
+    # mmpar.parallel (the topology issue) may not be installed with this
+    # branch; without it, or before init_parallelism, there is no topology.
+    try:
+        from mmpar.parallel import (parallel_group_info,
+                                    parallelism_is_initialized)
+    except ImportError:
+        return None
+    return parallel_group_info() if parallelism_is_initialized() else None
+
+
 def topology_hybrid_groups() -> Optional[Tuple[dist.ProcessGroup,
                                                dist.ProcessGroup]]:
     """(shard group, replicate group) from mmpar's parallel topology.
 
     HYBRID_SHARD shards within the model-parallel group and replicates across
-    the data-parallel group. Returns None while no topology is initialised.
-
-    TODO(lead): wire to ``mmpar.parallel`` once it is on main, e.g. return
-    ``(get_group('mp').group, get_group('dp').group)`` when initialised.
+    the data-parallel group. None while no topology is initialised.
     """
-    return None
+    topology = _topology()
+    return None if topology is None else (topology.mp.group,
+                                          topology.dp.group)
+
+
+def topology_hsdp_mesh() -> Optional[DeviceMesh]:
+    """The topology's 2-D ``(dp, mp)`` mesh for FSDP2 HSDP, or None.
+
+    Replicate across the data-parallel dim, shard across model-parallel.
+    """
+    topology = _topology()
+    return None if topology is None else topology.mesh['dp', 'mp']
 
 
 def hybrid_shard_size(explicit: Optional[int] = None) -> int:

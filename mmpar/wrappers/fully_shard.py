@@ -68,8 +68,9 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
             as ``fully_shard``).
         device_mesh: a ``DeviceMesh`` to use as is (1-D: shard; 2-D:
             replicate x shard).
-        hybrid_shard_size: ranks per shard group for HYBRID strategies
-            (default ``LOCAL_WORLD_SIZE``).
+        hybrid_shard_size: ranks per shard group for HYBRID strategies;
+            None takes the topology's ``(dp, mp)`` mesh if initialised, else
+            ``LOCAL_WORLD_SIZE``.
         fsdp_auto_wrap_policy: as FSDP1's; the chosen submodules get their own
             ``fully_shard``, children first, then the root.
         mixed_precision: None, ``MixedPrecisionPolicy`` or a dict of dtype
@@ -143,8 +144,9 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
         if not hybrid:
             return init_device_mesh(device, (world, ),
                                     mesh_dim_names=('shard', ))
-        # TODO(lead): take (dp, mp) from mmpar.parallel's mesh when it exists
-        # (see fsdp_args.topology_hybrid_groups).
+        mesh = None if shard_size else args.topology_hsdp_mesh()
+        if mesh is not None:
+            return mesh
         shard = args.hybrid_shard_size(shard_size)
         return init_device_mesh(
             device, (world // shard, shard),
