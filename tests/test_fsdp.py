@@ -45,6 +45,8 @@ PARITY_CASES = [
                  hybrid_shard_size=1)),
     (FSDP1, dict(sync_strategy='multi_auto_sync',
                  fsdp_auto_wrap_policy=LINEAR_POLICY)),
+    (FSDP1, dict(fsdp_auto_wrap_policy=LINEAR_POLICY,
+                 activation_checkpointing='Linear')),
     (FSDP2, dict(fsdp_auto_wrap_policy=LINEAR_POLICY)),
     (FSDP2, dict(sharding_strategy='SHARD_GRAD_OP',
                  fsdp_auto_wrap_policy=dict(type='size_based',
@@ -74,6 +76,9 @@ def _train_sharded(wrapper_type, wrapper_kwargs, batches, optim_kwargs):
     optim_wrapper = make_optim_wrapper(wrapper.module, **optim_kwargs)
     for batch in batches:
         wrapper.train_step(shard_batch(batch, rank, world), optim_wrapper)
+    if wrapper_kwargs.get('activation_checkpointing'):
+        assert any(
+            type(m).__name__ == 'CheckpointWrapper' for m in wrapper.modules())
     return wrapper.full_state_dict()
 
 
@@ -102,6 +107,27 @@ def test_fsdp_matches_single_process(run_dist, wrapper_type,
                                    atol=0, rtol=0)
     assert not torch.allclose(expected['net.0.weight'],
                               untrained['net.0.weight'])
+
+
+BF16 = {
+    FSDP1: dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32'),
+    FSDP2: dict(param_dtype='bf16', reduce_dtype='fp32'),
+}
+
+
+@pytest.mark.parametrize('wrapper_type', [FSDP1, FSDP2])
+def test_bf16_mixed_precision_keeps_fp32_parameters(run_dist, wrapper_type):
+    batches = make_batches(num_batches=2, batch_size=8)
+    optim_kwargs = dict(clip=CLIP)
+    expected = train_reference(_frozen_model(), batches, **optim_kwargs)
+    results = run_dist(_train_sharded, wrapper_type,
+                       dict(mixed_precision=BF16[wrapper_type]), batches,
+                       optim_kwargs)
+    for state in results:
+        assert all(v.dtype == torch.float32 for v in state.values())
+        # bf16 compute (8 mantissa bits): close to fp32 training, not equal.
+        assert_states_close(state, expected, atol=1e-2, rtol=1e-2)
+        assert not all(torch.equal(state[k], expected[k]) for k in state)
 
 
 def _grad_norm_after_step(wrapper_type, batch):
