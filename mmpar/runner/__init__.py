@@ -1,8 +1,11 @@
 from mmpar.runner.checkpoint import (CheckpointLoadError, PlainCheckpointHook,
                                      load_checkpoint_file)
+from mmpar.runner.loops import (FastResumeIterBasedTrainLoop,
+                                SkippableInfiniteSampler)
 from mmpar.runner.runner import Runner
 
 __all__ = [
     'Runner', 'PlainCheckpointHook', 'CheckpointLoadError',
-    'load_checkpoint_file'
+    'load_checkpoint_file', 'FastResumeIterBasedTrainLoop',
+    'SkippableInfiniteSampler'
 ]

@@ -7,10 +7,12 @@ it pickles bound methods, so ``builtins.getattr`` would have to be allowed too,
 which defeats the restricted unpickler. mmpar instead stores that state as
 plain lists and numbers and rebuilds the buffers after loading.
 """
+import glob
 import os
+import os.path as osp
 import pickle
 import zipfile
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -87,6 +89,57 @@ def load_checkpoint_file(filename: str,
             'directory instead.') from None
 
 
+def atomic_save(checkpoint: dict, path: str) -> None:
+    """Write ``checkpoint`` to ``path`` so that ``path`` is always complete.
+
+    The data go to a temporary file in the same directory, are flushed to
+    disk, and only then renamed over ``path`` (an atomic ``os.replace``). A
+    process killed mid-save leaves the earlier files untouched and at most a
+    ``*.tmp`` file that nothing loads.
+    """
+    tmp_path = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp_path, 'wb') as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp_path, path)
+    finally:
+        if osp.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a whole torch zip archive (a cheap check: a
+    truncated file has no readable central directory)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(n.endswith('data.pkl') for n in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def find_latest_complete_checkpoint(work_dir: str) -> Optional[str]:
+    """The newest complete ``epoch_*.pth`` / ``iter_*.pth`` in ``work_dir``.
+
+    Unlike MMEngine's ``find_latest_checkpoint`` it does not trust the
+    ``last_checkpoint`` pointer alone: a pointer to a missing or truncated
+    file falls back to the newest complete checkpoint.
+    """
+    pointer = osp.join(work_dir, 'last_checkpoint')
+    if osp.isfile(pointer):
+        with open(pointer) as file:
+            pointed = file.read().strip()
+        if is_complete_checkpoint(pointed):
+            return pointed
+    candidates = glob.glob(osp.join(work_dir, 'epoch_*.pth')) + glob.glob(
+        osp.join(work_dir, 'iter_*.pth'))
+    for path in sorted(candidates, key=osp.getmtime, reverse=True):
+        if is_complete_checkpoint(path):
+            return path
+    return None
+
+
 @HOOKS.register_module()
 class PlainCheckpointHook(Hook):
     """Keeps checkpoints plain data; the Runner registers it itself."""
@@ -99,3 +152,85 @@ class PlainCheckpointHook(Hook):
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         if 'message_hub' in checkpoint:
             checkpoint['message_hub'] = from_plain(checkpoint['message_hub'])
+
+
+def model_state(model: torch.nn.Module) -> dict:
+    """The plain model's full state dict, keys as ``model.state_dict()``.
+
+    A wrapper whose parameters are sharded provides ``full_state_dict()``
+    (collective: every rank must call it); otherwise the inner module's state
+    dict is used.
+    """
+    if hasattr(model, 'full_state_dict'):
+        return model.full_state_dict()
+    from mmengine.model import is_model_wrapper
+    module = model.module if is_model_wrapper(model) else model
+    return module.state_dict()
+
+
+def optimizer_state(model: torch.nn.Module, optim_wrapper) -> dict:
+    """Optimizer state in a form that loads under any wrapper.
+
+    Sharded wrappers provide ``full_optim_state_dict(optim_wrapper)``
+    (collective); otherwise the optim wrapper's own state dict.
+    """
+    if hasattr(model, 'full_optim_state_dict'):
+        return model.full_optim_state_dict(optim_wrapper)
+    return optim_wrapper.state_dict()
+
+
+def collect_checkpoint(runner,
+                       meta: Optional[dict] = None,
+                       by_epoch: bool = True,
+                       save_optimizer: bool = True,
+                       save_param_scheduler: bool = True) -> dict:
+    """Everything a resume needs, as MMEngine lays it out. Runs on all
+    ranks, so sharded wrappers can gather their state."""
+    import time
+
+    import mmengine
+    from mmengine.optim import OptimWrapper
+    from mmengine.runner.checkpoint import weights_to_cpu
+    from mmengine.utils import apply_to
+
+    meta = dict(meta or {})
+    if by_epoch:
+        # Saved after the epoch's hooks, before `epoch` is incremented.
+        meta.setdefault('epoch', runner.epoch + 1)
+        meta.setdefault('iter', runner.iter)
+    else:
+        meta.setdefault('epoch', runner.epoch)
+        meta.setdefault('iter', runner.iter + 1)
+    meta.update(
+        cfg=runner.cfg.pretty_text,
+        seed=runner.seed,
+        experiment_name=runner.experiment_name,
+        time=time.strftime('%Y%m%d_%H%M%S', time.localtime()),
+        mmengine_version=mmengine.__version__)
+    dataset = runner.train_dataloader.dataset
+    if hasattr(dataset, 'metainfo'):
+        meta.update(dataset_meta=dataset.metainfo)
+
+    def to_cpu(state):
+        return apply_to(state, lambda x: hasattr(x, 'cpu'), lambda x: x.cpu())
+
+    checkpoint = dict(
+        meta=meta,
+        state_dict=weights_to_cpu(model_state(runner.model)),
+        message_hub=to_cpu(runner.message_hub.state_dict()))
+    if save_optimizer:
+        if not isinstance(runner.optim_wrapper, OptimWrapper):
+            raise TypeError('runner.optim_wrapper must be an OptimWrapper, '
+                            f'got {type(runner.optim_wrapper).__name__}')
+        checkpoint['optimizer'] = to_cpu(
+            optimizer_state(runner.model, runner.optim_wrapper))
+    schedulers = runner.param_schedulers
+    if save_param_scheduler and schedulers is not None:
+        if isinstance(schedulers, dict):
+            checkpoint['param_schedulers'] = {
+                name: [s.state_dict() for s in group]
+                for name, group in schedulers.items()
+            }
+        else:
+            checkpoint['param_schedulers'] = [s.state_dict() for s in schedulers]
+    return checkpoint

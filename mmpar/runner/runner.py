@@ -5,10 +5,11 @@ through mmpar's ``MODEL_WRAPPERS``, plain-data checkpoints, and validation of
 the launcher and wrapper config before any process-group work.
 """
 import inspect
+import os.path as osp
 from typing import Callable, Optional, Union
 
 import torch
-from mmengine.dist import is_distributed
+from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
 from mmengine.runner import Runner as MMEngineRunner
@@ -19,7 +20,10 @@ from torch import nn
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.registry import RUNNERS
 from mmpar.runner import sharded
-from mmpar.runner.checkpoint import PlainCheckpointHook, load_checkpoint_file
+from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
+                                     collect_checkpoint,
+                                     find_latest_complete_checkpoint,
+                                     load_checkpoint_file)
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
@@ -73,19 +77,20 @@ class Runner(MMEngineRunner):
             return  # done in wrap_model, before the parameters were sharded
         super()._init_model_weights()
 
-    def save_checkpoint(self, *args, **kwargs) -> None:
-        # MMEngine's save_checkpoint is rank-0 only; a sharded model's full
-        # state is gathered by every rank first.
-        if not sharded.is_sharded(self.model):
-            return super().save_checkpoint(*args, **kwargs)
-        with sharded.full_state_for_saving(self):
-            super().save_checkpoint(*args, **kwargs)
-
     @staticmethod
     def _device() -> torch.device:
         if uses_cuda():
             return torch.device('cuda', local_rank())
         return torch.device('cpu')
+
+    def build_train_loop(self, loop):
+        """MMEngine's, except that ``by_epoch=False`` without a ``type``
+        builds mmpar's fast-resuming ``IterBasedTrainLoop``."""
+        if isinstance(loop, dict) and 'type' not in loop and \
+                loop.get('by_epoch') is False:
+            loop = {k: v for k, v in loop.items() if k != 'by_epoch'}
+            loop['type'] = 'mmpar.IterBasedTrainLoop'
+        return super().build_train_loop(loop)
 
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
         super().register_hooks(default_hooks, custom_hooks)
@@ -106,14 +111,60 @@ class Runner(MMEngineRunner):
         else:
             checkpoint = load_checkpoint_file(filename, map_location)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        model = self.model.module if is_model_wrapper(
-            self.model) else self.model
         if sharded.is_sharded(self.model):
-            checkpoint = sharded.load_full_checkpoint(self, checkpoint, strict,
-                                                      revise_keys)
+            sharded.load_full_model_state(self.model, checkpoint, strict,
+                                          revise_keys)
         else:
+            model = self.model.module if is_model_wrapper(
+                self.model) else self.model
             checkpoint = _load_checkpoint_to_model(
                 model, checkpoint, strict, revise_keys=revise_keys)
+        # Name-keyed (full) optimizer state, as sharded runs save it, becomes
+        # this process's own form for MMEngine's resume.
+        sharded.localize_optim_state(self, checkpoint)
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
+
+    def save_checkpoint(self,
+                        out_dir: str,
+                        filename: str,
+                        file_client_args: Optional[dict] = None,
+                        save_optimizer: bool = True,
+                        save_param_scheduler: bool = True,
+                        meta: Optional[dict] = None,
+                        by_epoch: bool = True,
+                        backend_args: Optional[dict] = None) -> None:
+        """Save a checkpoint atomically; called on every rank.
+
+        MMEngine's version runs on rank 0 only, which cannot gather sharded
+        (FSDP) state. Here all ranks build the checkpoint, rank 0 writes it
+        to a temporary file and renames it into place, and the ranks meet
+        at a barrier, so ``last_checkpoint`` (written by CheckpointHook after
+        this returns) only ever names a complete file.
+        """
+        if file_client_args is not None or backend_args is not None:
+            raise ValueError('mmpar saves checkpoints to local paths only; '
+                             'remove file_client_args / backend_args from '
+                             'the CheckpointHook config')
+        checkpoint = collect_checkpoint(self, meta, by_epoch, save_optimizer,
+                                        save_param_scheduler)
+        if is_main_process():
+            self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+            atomic_save(checkpoint, osp.join(out_dir, filename))
+        barrier()
+
+    def load_or_resume(self) -> None:
+        """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
+        checkpoint, not whatever ``last_checkpoint`` names."""
+        if self._resume and self._load_from is None and not self._has_loaded:
+            latest = find_latest_complete_checkpoint(self.work_dir)
+            if latest is None:
+                self.logger.info('No complete checkpoint in the work dir: '
+                                 'training starts from scratch.')
+                return
+            self.logger.info(f'Auto resumed from the latest checkpoint '
+                             f'{latest}.')
+            self.resume(latest)
+            return
+        super().load_or_resume()

@@ -6,27 +6,28 @@ MMEngine's Runner assumes every rank holds the whole model:
   ``init_weights``; on sharded parameters that aborts (gloo) or fails
   (``c10d.broadcast_ ... does not have a sharding strategy``). mmpar
   initialises and broadcasts the plain model *before* sharding instead.
-* ``save_checkpoint`` runs on rank 0 only (``@master_only``) and reads
-  ``model.state_dict()`` and ``optim_wrapper.state_dict()``: under FSDP that is
-  rank 0's shards (FSDP2) or a collective only rank 0 joins (FSDP1, a hang).
-  mmpar gathers the full model and optimizer state on every rank first, then
-  lets rank 0 write them in MMEngine's usual checkpoint layout.
 * Loading a full checkpoint into a sharded model must scatter it, on every
-  rank; the optimizer state is turned into this rank's local form so that
-  MMEngine's ``resume`` loads it as usual.
+  rank.
+* Sharded runs save the optimizer state in full, keyed by parameter names
+  (``collect_checkpoint`` calls the wrapper's ``full_optim_state_dict``);
+  before MMEngine's ``resume`` loads it, it becomes this process's own form,
+  under any wrapper or none.
 
-The wrappers that shard provide ``full_state_dict`` and friends
+Saving needs nothing here: mmpar's ``save_checkpoint`` runs on every rank and
+asks sharded wrappers for ``full_state_dict`` / ``full_optim_state_dict``
 (:class:`mmpar.wrappers.full_state.FullStateMixin`).
 """
-import contextlib
 import copy
 import re
 from collections import OrderedDict
-from typing import Iterator, List, Optional, Tuple
+from typing import Optional
 
 from mmengine.dist import broadcast
+from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                     set_optimizer_state_dict)
 
 from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
 from mmpar.wrappers.full_state import FullStateMixin
@@ -55,52 +56,18 @@ def init_weights_before_sharding(model: nn.Module) -> None:
             broadcast(tensor)
 
 
-def _full_optim_state(runner) -> Optional[dict]:
-    optim_wrapper = runner.optim_wrapper
-    if not isinstance(optim_wrapper, OptimWrapper):
-        return None
-    # The wrapper's own entries (e.g. an AMP loss scaler) stay; the
-    # optimizer's 'state' and 'param_groups' become the full, name-keyed form.
-    state = optim_wrapper.state_dict()
-    state.update(runner.model.full_optim_state_dict(optim_wrapper.optimizer))
-    return state
-
-
-@contextlib.contextmanager
-def full_state_for_saving(runner) -> Iterator[None]:
-    """Inside the block, MMEngine's ``save_checkpoint`` sees full state.
-
-    A collective: every rank must enter. The full model and optimizer state
-    are gathered here; while the block runs, ``runner.model.module.state_dict``
-    and ``runner.optim_wrapper.state_dict`` return them (instance attributes
-    shadowing the methods, removed on exit), so MMEngine's checkpoint layout,
-    hooks and file handling are reused unchanged.
-    """
-    # An OrderedDict, as nn.Module.state_dict returns: MMEngine's
-    # weights_to_cpu sets ``_metadata`` on it.
-    model_state = OrderedDict(runner.model.full_state_dict())
-    optim_state = _full_optim_state(runner)
-    patched: List[Tuple[object, str]] = []
-
-    def shadow(obj, name, value):
-        setattr(obj, name, lambda *args, **kwargs: value)
-        patched.append((obj, name))
-
-    shadow(runner.model.module, 'state_dict', model_state)
-    if optim_state is not None:
-        shadow(runner.optim_wrapper, 'state_dict', optim_state)
-    try:
-        yield
-    finally:
-        for obj, name in patched:
-            delattr(obj, name)
-
-
 def _revise(state: dict, revise_keys: list) -> dict:
     for pattern, replacement in revise_keys:
         state = OrderedDict(
             (re.sub(pattern, replacement, k), v) for k, v in state.items())
     return state
+
+
+def load_full_model_state(model: FullStateMixin, checkpoint: dict,
+                          strict: bool, revise_keys: list) -> None:
+    """Load a full checkpoint's weights into a sharded model (every rank)."""
+    state = checkpoint.get('state_dict', checkpoint)
+    model.load_full_state_dict(_revise(state, revise_keys), strict=strict)
 
 
 def _is_full_optim_state(state: dict) -> bool:
@@ -110,32 +77,33 @@ def _is_full_optim_state(state: dict) -> bool:
     return isinstance(params[0], str)
 
 
-def load_full_checkpoint(runner, checkpoint: dict, strict: bool,
-                         revise_keys: list) -> dict:
-    """Load a full checkpoint's weights into a sharded model (every rank).
+def localize_optim_state(runner, checkpoint: dict) -> None:
+    """Turn name-keyed optimizer state into this process's form, in place.
 
-    ``checkpoint['optimizer']``, when in the full form this module saves, is
-    replaced by this rank's local form, which MMEngine's ``resume`` then loads
-    with ``optim_wrapper.load_state_dict``; the optimizer itself is left as it
-    was (``load_from`` does not restore optimizer state).
-
-    Returns:
-        The checkpoint.
+    ``checkpoint['optimizer']`` in the full form sharded runs save becomes
+    what ``optim_wrapper.state_dict()`` would return here (sharded or plain
+    model), so MMEngine's ``resume`` loads it with
+    ``optim_wrapper.load_state_dict`` as usual. The optimizer itself is left
+    as it was (``load_from`` does not restore optimizer state). Anything
+    else is left untouched.
     """
-    state = checkpoint.get('state_dict', checkpoint)
-    runner.model.load_full_state_dict(_revise(state, revise_keys),
-                                      strict=strict)
-    saved_optim = checkpoint.get('optimizer')
+    saved = checkpoint.get('optimizer')
     optim_wrapper = runner.optim_wrapper
-    if (isinstance(saved_optim, dict) and _is_full_optim_state(saved_optim)
+    if not (isinstance(saved, dict) and _is_full_optim_state(saved)
             and isinstance(optim_wrapper, OptimWrapper)):
-        optimizer = optim_wrapper.optimizer
-        before = copy.deepcopy(optimizer.state_dict())
-        runner.model.load_full_optim_state_dict(
-            optimizer, {k: saved_optim[k]
-                        for k in ('state', 'param_groups')})
-        local = dict(saved_optim)
-        local.update(optimizer.state_dict())
-        optimizer.load_state_dict(before)
-        checkpoint['optimizer'] = local
-    return checkpoint
+        return
+    optimizer = optim_wrapper.optimizer
+    full = {k: saved[k] for k in ('state', 'param_groups')}
+    before = copy.deepcopy(optimizer.state_dict())
+    if is_sharded(runner.model):
+        runner.model.load_full_optim_state_dict(optimizer, full)
+    else:
+        model = runner.model
+        model = model.module if is_model_wrapper(model) else model
+        set_optimizer_state_dict(
+            model, optimizer, full,
+            options=StateDictOptions(full_state_dict=True))
+    local = dict(saved)
+    local.update(optimizer.state_dict())
+    optimizer.load_state_dict(before)
+    checkpoint['optimizer'] = local

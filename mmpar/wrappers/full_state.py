@@ -6,9 +6,11 @@ model with ``strict=True``. torch's ``torch.distributed.checkpoint.state_dict``
 API gathers full state for FSDP1 and FSDP2 alike. Every method here is a
 collective: all ranks must call it.
 """
-from typing import Any, Dict
+from collections import OrderedDict
+from typing import Any, Dict, Union
 
 import torch
+from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_model_state_dict,
@@ -36,8 +38,13 @@ class FullStateMixin:
         return self
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The unsharded model state; keys exactly as the plain model's."""
-        return get_model_state_dict(self._sharded_root, options=_options())
+        """The unsharded model state; keys exactly as the plain model's.
+
+        An OrderedDict, as ``nn.Module.state_dict`` returns (MMEngine's
+        ``weights_to_cpu`` sets ``_metadata`` on it).
+        """
+        return OrderedDict(
+            get_model_state_dict(self._sharded_root, options=_options()))
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
                              strict: bool = True) -> Any:
@@ -47,9 +54,18 @@ class FullStateMixin:
             state_dict,
             options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def full_optim_state_dict(self,
-                              optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer state unsharded, keyed by parameter names."""
+    def full_optim_state_dict(
+            self, optimizer: Union[torch.optim.Optimizer,
+                                   OptimWrapper]) -> dict:
+        """The optimizer state unsharded, keyed by parameter names.
+
+        Given an ``OptimWrapper``, its own entries (e.g. an AMP loss scaler)
+        are kept and its optimizer's ``state``/``param_groups`` replaced.
+        """
+        if isinstance(optimizer, OptimWrapper):
+            state = optimizer.state_dict()
+            state.update(self.full_optim_state_dict(optimizer.optimizer))
+            return state
         return get_optimizer_state_dict(
             self._sharded_root, optimizer, options=_options())
 
