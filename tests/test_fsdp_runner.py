@@ -64,3 +64,24 @@ def test_checkpoints_are_full_and_resume_is_exact(run_dist, tmp_path,
     optim_state = resumed_ckpt['optimizer']['state']
     for name, param in model.named_parameters():
         assert optim_state[name]['exp_avg'].shape == param.shape, name
+
+    # The same checkpoint resumes on one process, unwrapped.
+    runner = _resume_single_process(config, resumed / 'epoch_3.pth',
+                                    tmp_path / 'single', wrapper_type)
+    params = dict(runner.model.named_parameters())
+    state = runner.optim_wrapper.optimizer.state
+    for name, saved in optim_state.items():
+        torch.testing.assert_close(
+            state[params[name]]['exp_avg'], saved['exp_avg'], atol=0, rtol=0)
+    assert runner.epoch == 3
+
+
+def _resume_single_process(config, ckpt, work_dir, name):
+    from mmpar.runner import Runner
+    cfg = _small_cfg(config, str(work_dir), 3, resume=True,
+                     load_from=str(ckpt))
+    cfg.launcher = 'none'
+    cfg.experiment_name = f'{name}_single'
+    runner = Runner.from_cfg(cfg)
+    runner.train()  # already at epoch 3: loads, trains nothing
+    return runner
