@@ -85,3 +85,30 @@ def _resume_single_process(config, ckpt, work_dir, name):
     runner = Runner.from_cfg(cfg)
     runner.train()  # already at epoch 3: loads, trains nothing
     return runner
+
+
+def _resumed_full_optim_state(config, ckpt, work_dir):
+    from mmpar.runner import Runner
+    cfg = _small_cfg(config, work_dir, 2, resume=True, load_from=ckpt)
+    cfg.experiment_name = 'ddp_to_fsdp_resume'
+    runner = Runner.from_cfg(cfg)
+    runner.train()  # already at epoch 2: loads, trains nothing
+    return runner.model.full_optim_state_dict(runner.optim_wrapper.optimizer)
+
+
+def test_ddp_checkpoint_resumes_sharded(run_dist, tmp_path):
+    ddp_dir = tmp_path / 'ddp'
+    run_dist(_train, 'configs/vit_digits/vit_digits.py', str(ddp_dir), 2,
+             'ddp_2ep')
+    ckpt = load_ckpt(ddp_dir / 'epoch_2.pth')
+    cfg = _small_cfg(CONFIGS['MMFullyShardedDataParallel'], '', 1)
+    model = DigitsViT(**{k: v for k, v in cfg.model.items() if k != 'type'})
+    names = [name for name, _ in model.named_parameters()]
+    results = run_dist(_resumed_full_optim_state,
+                       CONFIGS['MMFullyShardedDataParallel'],
+                       str(ddp_dir / 'epoch_2.pth'), str(tmp_path / 'fsdp'))
+    for full in results:
+        for index, saved in ckpt['optimizer']['state'].items():
+            torch.testing.assert_close(
+                full['state'][names[index]]['exp_avg'], saved['exp_avg'],
+                atol=0, rtol=0)

@@ -77,10 +77,29 @@ def _is_full_optim_state(state: dict) -> bool:
     return isinstance(params[0], str)
 
 
+def _names_for_indices(model: nn.Module, optimizer, saved: dict) -> dict:
+    """Index-keyed optimizer state (a DDP or one-process run) by names.
+
+    Index ``i`` is the optimizer's i-th parameter across its groups; this run
+    builds its optimizer from the same model in the same order, so the
+    current optimizer's parameters name the indices.
+    """
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+    names = {p: clean_tensor_name(n) for n, p in model.named_parameters()}
+    order = [names[p] for g in optimizer.param_groups for p in g['params']]
+    return dict(
+        state={order[i]: v for i, v in saved['state'].items()},
+        param_groups=[
+            dict(g, params=[order[i] for i in g['params']])
+            for g in saved['param_groups']
+        ])
+
+
 def localize_optim_state(runner, checkpoint: dict) -> None:
     """Turn name-keyed optimizer state into this process's form, in place.
 
-    ``checkpoint['optimizer']`` in the full form sharded runs save becomes
+    ``checkpoint['optimizer']`` in the full form sharded runs save (or, for a
+    sharded model, the index-keyed form DDP and one-process runs save) becomes
     what ``optim_wrapper.state_dict()`` would return here (sharded or plain
     model), so MMEngine's ``resume`` loads it with
     ``optim_wrapper.load_state_dict`` as usual. The optimizer itself is left
@@ -89,11 +108,17 @@ def localize_optim_state(runner, checkpoint: dict) -> None:
     """
     saved = checkpoint.get('optimizer')
     optim_wrapper = runner.optim_wrapper
-    if not (isinstance(saved, dict) and _is_full_optim_state(saved)
+    if not (isinstance(saved, dict) and 'param_groups' in saved
             and isinstance(optim_wrapper, OptimWrapper)):
         return
     optimizer = optim_wrapper.optimizer
-    full = {k: saved[k] for k in ('state', 'param_groups')}
+    if _is_full_optim_state(saved):
+        full = {k: saved[k] for k in ('state', 'param_groups')}
+    elif is_sharded(runner.model):
+        # Saved unsharded by index (DDP, one process): resuming it sharded.
+        full = _names_for_indices(runner.model, optimizer, saved)
+    else:
+        return
     before = copy.deepcopy(optimizer.state_dict())
     if is_sharded(runner.model):
         runner.model.load_full_optim_state_dict(optimizer, full)
