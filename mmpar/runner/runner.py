@@ -18,6 +18,8 @@ from mmengine.runner.checkpoint import (_load_checkpoint,
 from torch import nn
 
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
+from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
+                                   default_wrapper_cfg, setup_parallelism)
 from mmpar.registry import RUNNERS
 from mmpar.runner import sharded
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
@@ -42,6 +44,7 @@ class Runner(MMEngineRunner):
         check_launcher(given.get('launcher', 'none'))
         # MMEngine reads the wrapper config from ``cfg``, not an argument.
         check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
+        ParallelConfig.from_cfg((given.get('cfg') or {}).get('parallel'))
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -54,6 +57,9 @@ class Runner(MMEngineRunner):
                     "available; allowed here: 'gloo', or leave it unset")
             init_dist(self.launcher, **dist_cfg)
         super().setup_env(env_cfg)
+        # mp / pp / dp groups from the `parallel` section; wrappers reduce
+        # over the dp group (mmpar.parallel.default_dp_group).
+        self.topology = setup_parallelism(self.cfg.get('parallel'))
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict],
                    model: nn.Module) -> nn.Module:
@@ -66,8 +72,12 @@ class Runner(MMEngineRunner):
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
-        if model_wrapper_cfg is None and self.cfg.get('find_unused_parameters'):
-            model_wrapper_cfg = dict(find_unused_parameters=True)
+        if model_wrapper_cfg is None:
+            # `parallel.use_fsdp` picks FSDP or DDP when no wrapper is given.
+            model_wrapper_cfg = default_wrapper_cfg(self.cfg.get('parallel'))
+            if self.cfg.get('find_unused_parameters') and \
+                    model_wrapper_cfg['type'] == DDP_WRAPPER:
+                model_wrapper_cfg['find_unused_parameters'] = True
         if sharded.wrapper_shards(model_wrapper_cfg):
             sharded.init_weights_before_sharding(model)
         return build_model_wrapper(model_wrapper_cfg, model)

@@ -1,11 +1,14 @@
 """Model wrappers: one per file, all sharing :mod:`mmpar.wrappers.base`."""
 from mmpar.wrappers.base import SYNC_STRATEGIES, StepMixin
+from mmpar.wrappers.bucket import MMBucketDataParallel
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 from mmpar.wrappers.ddp import MMDistributedDataParallel
 from mmpar.wrappers.fsdp import MMFullyShardedDataParallel
 from mmpar.wrappers.fully_shard import MMFullyShard
+from mmpar.wrappers.naive import MMNaiveDataParallel
 
 __all__ = [
     'SYNC_STRATEGIES', 'StepMixin', 'build_model_wrapper', 'check_wrapper_cfg',
-    'MMDistributedDataParallel', 'MMFullyShardedDataParallel', 'MMFullyShard'
+    'MMDistributedDataParallel', 'MMNaiveDataParallel', 'MMBucketDataParallel',
+    'MMFullyShardedDataParallel', 'MMFullyShard'
 ]

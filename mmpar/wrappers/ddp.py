@@ -6,6 +6,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mmpar.dist import local_rank, uses_cuda
+from mmpar.parallel import default_dp_group
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import StepMixin
 
@@ -23,7 +24,9 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
             micro-batch's backward).
         device_ids: as DDP's; None picks ``[LOCAL_RANK]`` on CUDA and nothing
             on CPU (DDP rejects device ids for CPU modules).
-        process_group: the data-parallel group; None uses the default group.
+        process_group: the data-parallel group; None uses
+            :func:`mmpar.parallel.default_dp_group` (the topology's dp group,
+            or the default group when no topology is initialised).
         **kwargs: any other ``DistributedDataParallel`` argument.
 
     Raises:
@@ -39,6 +42,8 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
         self._init_steps(sync_strategy)
         if device_ids is None and uses_cuda():
             device_ids = [local_rank()]
+        if process_group is None:
+            process_group = default_dp_group()
         super().__init__(
             module,
             device_ids=device_ids,

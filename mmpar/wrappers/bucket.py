@@ -1,0 +1,314 @@
+"""``MMBucketDataParallel``: bucketed, overlapped gradient all-reduce.
+
+Gradients are accumulated into flat ``grad_dtype`` buckets; a bucket is
+all-reduced asynchronously as soon as its last gradient arrives, while
+backward keeps computing earlier layers (the design of torch DDP's reducer,
+https://arxiv.org/abs/2006.15704, and Megatron's fp32 ``main_grad``).
+
+Gradient life cycle, per parameter:
+
+* forward (grad enabled) *absorbs* ``.grad`` into the bucket: None means the
+  user zeroed it (set_to_none), so the slice is zeroed; a tensor the wrapper
+  did not write, or wrote and the user changed, is copied in. Then ``.grad``
+  is the bucket slice itself when the parameter's dtype is ``grad_dtype``
+  (autograd accumulates into it in place, no copy: DDP's
+  ``gradient_as_bucket_view``), else None;
+* backward: the post-accumulate hook adds a gradient that is not already in
+  the slice (the other dtypes) and drops ``.grad``; a complete bucket launches
+  its all-reduce;
+* end of backward (a callback on the autograd engine): launch the buckets
+  still waiting (their unused parameters contribute zeros), wait, divide by
+  the group size and write ``.grad`` back in the parameter's dtype.
+"""
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers.dp_base import PythonDataParallel
+
+GRAD_DTYPES: Dict[str, torch.dtype] = {
+    'float32': torch.float32,
+    'float64': torch.float64,
+    'bfloat16': torch.bfloat16,
+}
+
+
+def check_grad_dtype(grad_dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """Normalise ``grad_dtype`` (a name or a torch dtype) to a torch dtype.
+
+    Raises:
+        ValueError: naming the bad value and the allowed ones.
+    """
+    if isinstance(grad_dtype, str) and grad_dtype in GRAD_DTYPES:
+        return GRAD_DTYPES[grad_dtype]
+    if (isinstance(grad_dtype, torch.dtype)
+            and grad_dtype in GRAD_DTYPES.values()):
+        return grad_dtype
+    raise ValueError(f'grad_dtype={grad_dtype!r} is not supported; allowed: '
+                     f'{", ".join(GRAD_DTYPES)} (as names or torch dtypes)')
+
+
+def check_bucket_cap_mb(bucket_cap_mb) -> float:
+    """Return ``bucket_cap_mb`` if it is a number > 0.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    if (isinstance(bucket_cap_mb, bool)
+            or not isinstance(bucket_cap_mb, (int, float))
+            or not bucket_cap_mb > 0):
+        raise ValueError(f'bucket_cap_mb={bucket_cap_mb!r} is not supported; '
+                         'allowed: a number of MiB > 0')
+    return float(bucket_cap_mb)
+
+
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: float,
+                   itemsize: int) -> List[List[int]]:
+    """Group parameter indices into buckets of at most ``cap_bytes``.
+
+    Buckets are filled in reverse order of ``params`` (registration order),
+    which is roughly the order backward produces gradients, so the first
+    bucket fills and launches first. A parameter larger than the cap gets a
+    bucket of its own.
+    """
+    buckets, current, size = [], [], 0
+    for index in reversed(range(len(params))):
+        nbytes = params[index].numel() * itemsize
+        if current and size + nbytes > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _Bucket:
+    """A flat ``grad_dtype`` buffer: gradients, then one flag per parameter.
+
+    The flags travel in the same all-reduce as the gradients: a flag > 0
+    afterwards means some rank produced a gradient for the parameter, so it
+    gets a ``.grad``; a parameter no rank used keeps ``.grad = None``, as in
+    single-process training and DDP's ``find_unused_parameters``.
+    """
+
+    def __init__(self, params: List[nn.Parameter], dtype: torch.dtype):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel + len(params), dtype=dtype,
+                                  device=params[0].device)
+        self.views, offset = [], 0
+        for param in params:
+            self.views.append(
+                self.buffer[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+        self.flags = self.buffer[offset:]
+        # A parameter's dtype equals grad_dtype: `.grad` *is* the buffer
+        # slice, so autograd's accumulation and in-place edits (clipping,
+        # zero_grad(set_to_none=False)) land in the buffer with no copy.
+        self.aliased = [p.dtype == dtype for p in params]
+        self.used = [False] * len(params)  # slice holds gradient data
+        # For the other parameters: the `.grad` copy we last wrote and its
+        # version counter, to tell whether the user changed it since.
+        self.written = [None] * len(params)
+        self.versions = [0] * len(params)
+        self.num_pending = len(params)
+        self.handle = None
+
+
+@MODEL_WRAPPERS.register_module()
+class MMBucketDataParallel(PythonDataParallel):
+    """Data parallelism with bucketed, overlapped, ``grad_dtype`` all-reduce.
+
+    Args:
+        module: the model (an MMEngine ``BaseModel`` for ``train_step``).
+        bucket_cap_mb: the most MiB (of ``grad_dtype`` gradients) in one
+            bucket, i.e. one all-reduce; > 0. Smaller buckets start
+            communicating earlier, larger ones make fewer calls.
+        grad_dtype: dtype of the main-gradient buffers that gradients
+            accumulate and are reduced in: ``'float32'`` (default; bf16
+            parameters then accumulate in fp32), ``'float64'`` or
+            ``'bfloat16'`` (half the bytes, less precision), as a name or
+            torch dtype.
+        process_group: the data-parallel group; None uses the default group.
+        sync_strategy: ``'single_auto_sync'``, ``'multi_auto_sync'`` or
+            ``'forced_sync'`` (see ``MMNaiveDataParallel``).
+
+    Raises:
+        ValueError: a bad ``bucket_cap_mb``, ``grad_dtype`` or
+            ``sync_strategy``, naming the allowed values.
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 bucket_cap_mb: float = 25,
+                 grad_dtype: Union[str, torch.dtype] = torch.float32,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 sync_strategy: str = 'single_auto_sync') -> None:
+        # Validate before the constructor's collectives: a bad argument must
+        # not leave the other ranks waiting in a broadcast.
+        checked = self.check_cfg(
+            dict(bucket_cap_mb=bucket_cap_mb, grad_dtype=grad_dtype))
+        super().__init__(module, process_group, sync_strategy)
+        self.bucket_cap_mb = checked['bucket_cap_mb']
+        self.grad_dtype = checked['grad_dtype']
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap_bytes = self.bucket_cap_mb * 2**20
+        itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
+        self._buckets = [
+            _Bucket([params[i] for i in indices], self.grad_dtype)
+            for indices in assign_buckets(params, cap_bytes, itemsize)
+        ]
+        self._next_bucket = 0  # buckets launch strictly in index order
+        self._absorbed = False  # `.grad`s moved into the buckets
+        self._in_backward = False
+        self._syncing = True
+        self._hook_handles = []
+        for bucket in self._buckets:
+            for slot, param in enumerate(bucket.params):
+                self._hook_handles.append(
+                    param.register_post_accumulate_grad_hook(
+                        self._make_hook(bucket, slot)))
+
+    @classmethod
+    def check_cfg(cls, kwargs: dict) -> dict:
+        """Validate wrapper arguments up front (used by the builder).
+
+        Returns:
+            A copy of ``kwargs`` with ``bucket_cap_mb`` as a float and
+            ``grad_dtype`` as a torch dtype.
+
+        Raises:
+            ValueError: a bad ``bucket_cap_mb`` or ``grad_dtype``, naming the
+                allowed values.
+        """
+        kwargs = dict(kwargs)
+        if 'bucket_cap_mb' in kwargs:
+            kwargs['bucket_cap_mb'] = check_bucket_cap_mb(
+                kwargs['bucket_cap_mb'])
+        if 'grad_dtype' in kwargs:
+            kwargs['grad_dtype'] = check_grad_dtype(kwargs['grad_dtype'])
+        return kwargs
+
+    # -- forward: take over the gradients ------------------------------------
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and not self._absorbed:
+            self._absorb_grads()
+        return self.module(*args, **kwargs)
+
+    def _absorb_grads(self) -> None:
+        for bucket in self._buckets:
+            grads = [p.grad for p in bucket.params]
+            if all(g is None for g in grads):  # the usual: after zero_grad
+                if any(bucket.used):
+                    bucket.buffer.zero_()
+                    bucket.used = [False] * len(grads)
+                for param, view, aliased in zip(bucket.params, bucket.views,
+                                                bucket.aliased):
+                    if aliased:
+                        param.grad = view
+                continue
+            for slot, (param, grad) in enumerate(zip(bucket.params, grads)):
+                view = bucket.views[slot]
+                if grad is view:  # edits, if any, are already in the bucket
+                    continue
+                if grad is None:
+                    if bucket.used[slot]:
+                        view.zero_()
+                        bucket.used[slot] = False
+                elif not (grad is bucket.written[slot]
+                          and grad._version == bucket.versions[slot]):
+                    view.copy_(grad)
+                    bucket.used[slot] = True
+                param.grad = view if bucket.aliased[slot] else None
+        self._absorbed = True
+
+    # -- backward ---------------------------------------------------------
+    def _make_hook(self, bucket: _Bucket, slot: int):
+
+        def hook(param: torch.Tensor) -> None:
+            # The hook receives the parameter; its gradient is param.grad.
+            if not self._absorbed:
+                raise RuntimeError(
+                    'MMBucketDataParallel: backward ran without a forward '
+                    'through the wrapper since gradients were last written; '
+                    'call the wrapper, not wrapper.module, once per backward')
+            if not self._in_backward:
+                self._in_backward = True
+                self._syncing = self.require_backward_grad_sync
+                Variable._execution_engine.queue_callback(self._end_backward)
+            view = bucket.views[slot]
+            if param.grad is not view:  # else autograd added into the bucket
+                view.add_(param.grad)
+                param.grad = view if bucket.aliased[slot] else None
+            bucket.used[slot] = True
+            if self._syncing:
+                bucket.num_pending -= 1
+                if bucket.num_pending == 0:
+                    self._launch_ready_buckets()
+
+        return hook
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.flags.copy_(torch.tensor(bucket.used, dtype=self.grad_dtype))
+        bucket.handle = dist.all_reduce(
+            bucket.buffer, group=self.process_group, async_op=True)
+
+    def _launch_ready_buckets(self) -> None:
+        # Index order on every rank, so the ranks' collectives pair up even
+        # when gradients arrive in a different order.
+        while (self._next_bucket < len(self._buckets)
+               and self._buckets[self._next_bucket].num_pending == 0):
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self._syncing:
+            # Parameters that got no gradient never completed their bucket:
+            # send what there is (zeros for them) rather than hang.
+            for bucket in self._buckets[self._next_bucket:]:
+                bucket.num_pending = 0
+            self._launch_ready_buckets()
+            self._wait_and_average()
+        for bucket in self._buckets:
+            bucket.num_pending = len(bucket.params)
+        self._next_bucket = 0
+        self._write_grads()
+
+    def _wait_and_average(self) -> None:
+        for bucket in self._buckets:
+            bucket.handle.wait()
+            bucket.handle = None
+            bucket.buffer.div_(self.world_size)
+            bucket.used = (bucket.flags > 0).tolist()
+
+    def _write_grads(self) -> None:
+        for bucket in self._buckets:
+            for slot, param in enumerate(bucket.params):
+                view = bucket.views[slot]
+                if not bucket.used[slot]:  # no rank produced a gradient
+                    param.grad = None
+                elif bucket.aliased[slot]:
+                    if param.grad is not view:
+                        param.grad = view
+                else:
+                    grad = view.to(param.dtype)
+                    param.grad = grad
+                    bucket.written[slot] = grad
+                    bucket.versions[slot] = grad._version
+        self._absorbed = False
+
+    def all_reduce_grads(self) -> None:
+        """Average all gradients now (``forced_sync``), in ``grad_dtype``."""
+        if not self._absorbed:
+            self._absorb_grads()
+        for bucket in self._buckets:
+            self._launch(bucket)
+        self._wait_and_average()
+        self._write_grads()

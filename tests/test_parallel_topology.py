@@ -1,0 +1,499 @@
+"""Parallel topology: layout, validation, gloo groups, config, plan tool."""
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mmpar.parallel import (DIMS, ParallelismError, check_sizes,
+                            default_dp_group, default_group_info,
+                            init_parallelism, parallel_group_info,
+                            parallel_layout, parallelism_is_initialized,
+                            reset_parallelism)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings(
+    'ignore:`torch.jit.interface` is deprecated:DeprecationWarning')
+MAX_WORLD = 16
+
+
+def valid_layouts(max_world=MAX_WORLD):
+    for world in range(1, max_world + 1):
+        for mp in range(1, world + 1):
+            for pp in range(1, world // mp + 1):
+                if world % (mp * pp) == 0:
+                    yield world, mp, pp
+
+
+def brute_force_groups(world, mp, pp):
+    """Groups by definition: enumerate the (dp, pp, mp) grid, mp fastest.
+
+    Two ranks share an mp group when their (dp, pp) coordinates match, a pp
+    group when (dp, mp) match, a dp group when (pp, mp) match.
+    """
+    dp = world // (mp * pp)
+    coords = list(itertools.product(range(dp), range(pp), range(mp)))
+    keep = dict(mp=(0, 1), pp=(0, 2), dp=(1, 2))  # coordinates held fixed
+    groups = {}
+    for kind, fixed in keep.items():
+        by_key = {}
+        for rank, coord in enumerate(coords):
+            by_key.setdefault(tuple(coord[i] for i in fixed), []).append(rank)
+        groups[kind] = {r: sorted(g) for g in by_key.values() for r in g}
+    return groups
+
+
+# -- layout: pure, every valid (world, mp, pp) up to 16 -----------------------
+def test_layout_matches_brute_force_for_every_valid_layout():
+    checked = 0
+    for world, mp, pp in valid_layouts():
+        layout = parallel_layout(world, mp, pp)
+        expected = brute_force_groups(world, mp, pp)
+        sizes = dict(mp=mp, pp=pp, dp=world // (mp * pp))
+        for kind in DIMS:
+            listed = layout.groups[kind]
+            # The groups of one kind partition the world, each of its size.
+            assert sorted(r for g in listed for r in g) == list(range(world))
+            assert all(len(g) == sizes[kind] for g in listed)
+            for rank in range(world):
+                group = layout.group_of(kind, rank)
+                assert group == expected[kind][rank], (world, mp, pp, kind,
+                                                       rank)
+                assert group in listed
+        checked += 1
+    assert checked > 100  # every layout, not an empty loop
+
+
+def test_layout_of_issue_example():
+    layout = parallel_layout(8, 2, 2)
+    assert layout.groups == dict(
+        mp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        pp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        dp=[[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+@pytest.mark.parametrize('world', [4, 8, 16])
+def test_rank_one_is_not_in_pp_group_of_rank_zero(world):
+    # The widely copied formula puts rank 1 in pp group [0, 2] when mp=2.
+    layout = parallel_layout(world, 2, 2)
+    assert layout.group_of('pp', 1) == [1, 3]
+    assert layout.group_of('pp', 0) == [0, 2]
+
+
+# -- validation ---------------------------------------------------------------
+@pytest.mark.parametrize('world,mp,pp,numbers', [
+    (6, 4, 1, ('6', 'model_parallelism=4')),
+    (8, 2, 3, ('8', '2 * 3 = 6')),
+    (4, 1, 3, ('4', '1 * 3 = 3')),
+    (4, 0, 1, ('model_parallelism=0', )),
+    (4, 1, True, ('pipeline_parallelism=True', )),
+])
+def test_bad_sizes_name_the_numbers(world, mp, pp, numbers):
+    with pytest.raises(ParallelismError) as err:
+        check_sizes(world, mp, pp)
+    for text in numbers:
+        assert text in str(err.value)
+
+
+def test_model_parallelism_above_world_is_clamped_with_warning():
+    with pytest.warns(UserWarning, match='model_parallelism=8 is larger'):
+        layout = parallel_layout(4, 8)
+    assert (layout.mp, layout.pp, layout.dp) == (4, 1, 1)
+
+
+def test_init_without_process_group_raises():
+    assert not dist.is_initialized()
+    with pytest.raises(ParallelismError, match='not initialised'):
+        init_parallelism(2)
+    with pytest.raises(ParallelismError, match='not initialised'):
+        parallel_group_info()
+    reset_parallelism()  # safe when nothing was initialised
+    assert default_dp_group() is None
+    info = default_group_info()
+    assert (info.world_size, info.rank, info.global_ranks) == (1, 0, [0])
+    x = torch.ones(3)
+    assert info.reduce(x) is x and info.gather(x) is x and info.split(x) is x
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of 8 ranks in this process; this is rank 5."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group('fake', store=FakeStore(), rank=5, world_size=8)
+    yield
+    reset_parallelism()
+
+
+def test_init_twice_raises_until_reset(fake_world):
+    topology = init_parallelism(2, 2)
+    assert parallelism_is_initialized()
+    assert parallel_group_info() is topology
+    with pytest.raises(ParallelismError, match='already initialised'):
+        init_parallelism(2, 2)
+    reset_parallelism()
+    assert not parallelism_is_initialized()
+    assert init_parallelism(4).mp.global_ranks == [4, 5, 6, 7]
+
+
+def test_fake_world_groups_and_mesh(fake_world):
+    topology = init_parallelism(2, 2)
+    assert topology.mp.global_ranks == [4, 5] and topology.mp.rank == 1
+    assert topology.pp.global_ranks == [5, 7] and topology.pp.rank == 0
+    assert topology.dp.global_ranks == [1, 5] and topology.dp.rank == 1
+    assert default_dp_group() is topology.dp.group
+    mesh = topology.mesh
+    assert mesh.mesh_dim_names == DIMS
+    assert mesh.mesh.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert tuple(mesh.get_coordinate()) == (1, 0, 1)
+    for dim in DIMS:
+        assert mesh[dim].get_group() is getattr(topology, dim).group
+
+
+def test_bad_sizes_raise_before_any_group(fake_world):
+    with pytest.raises(ParallelismError, match='not divisible'):
+        init_parallelism(3)
+    assert not parallelism_is_initialized()
+
+
+# -- real gloo groups at world size 4 -----------------------------------------
+def _groups_and_collectives(mp, pp, backends):
+    rank = dist.get_rank()
+    topology = init_parallelism(mp, pp, **backends)
+    out = {}
+    for kind in DIMS:
+        info = getattr(topology, kind)
+        # Each member contributes its global rank: the sum proves who joined.
+        total = info.reduce(torch.tensor([float(rank)]))
+        pending = info.reduce(torch.tensor([1.0]), async_op=True)
+        full = torch.arange(4.0 * info.world_size).reshape(info.world_size, 4)
+        part = info.split(full, dim=0)
+        gathered = info.gather(part, dim=0)
+        gathered_async = info.gather(part.t(), dim=1, async_op=True).wait()
+        out[kind] = dict(
+            ranks=info.global_ranks,
+            rank=info.rank,
+            world_size=info.world_size,
+            total=total.item(),
+            count=pending.wait().item(),
+            part=part.tolist(),
+            roundtrip=torch.equal(gathered, full)
+            and torch.equal(gathered_async, full.t()))
+    out['mesh'] = tuple(topology.mesh.get_coordinate())
+    out['dp_group_ok'] = default_dp_group() is topology.dp.group
+    return out
+
+
+@pytest.mark.parametrize('mp,pp,backends', [
+    (2, 1, {}), (2, 2, dict(mp_backend='gloo', pp_backend='gloo',
+                            dp_backend='gloo')), (1, 2, {}), (4, 1, {})])
+def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
+    layout = parallel_layout(4, mp, pp)
+    results = run_dist(_groups_and_collectives, mp, pp, backends,
+                       world_size=4)
+    for rank, got in enumerate(results):
+        assert got['mesh'] == layout.coords(rank) and got['dp_group_ok']
+        for kind in DIMS:
+            ranks = layout.group_of(kind, rank)
+            group_rank = ranks.index(rank)
+            assert got[kind]['ranks'] == ranks
+            assert got[kind]['rank'] == group_rank
+            assert got[kind]['world_size'] == len(ranks)
+            assert got[kind]['total'] == sum(ranks)
+            assert got[kind]['count'] == len(ranks)
+            assert got[kind]['part'] == [list(range(4 * group_rank,
+                                                    4 * group_rank + 4))]
+            assert got[kind]['roundtrip']
+
+
+def _ddp_grads_over_dp_group():
+    from mmpar.wrappers import MMDistributedDataParallel
+    from tests.toy import make_batches, make_model
+    topology = init_parallelism(2)
+    wrapper = MMDistributedDataParallel(make_model())
+    assert wrapper.process_group is topology.dp.group
+    # Every rank feeds different data; only dp peers should average.
+    batch = make_batches(num_batches=1, seed=10 + dist.get_rank())[0]
+    wrapper(batch['inputs']).pow(2).mean().backward()
+    return wrapper.module.net[0].weight.grad
+
+
+def test_ddp_reduces_over_dp_group_by_default(run_dist):
+    grads = run_dist(_ddp_grads_over_dp_group, world_size=4)
+    # dp groups are [0, 2] and [1, 3].
+    assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])
+    assert not torch.allclose(grads[0], grads[1])
+
+
+# -- the `parallel` config section --------------------------------------------
+def test_parallel_config_defaults_and_values():
+    from mmpar.parallel.config import ParallelConfig
+    assert ParallelConfig.from_cfg(None) == ParallelConfig()
+    cfg = ParallelConfig.from_cfg(
+        dict(model_parallelism=2, use_fsdp=True, cpu_offload=True,
+             sharding_strategy='HYBRID_SHARD'))
+    assert (cfg.model_parallelism, cfg.pipeline_parallelism) == (2, 1)
+    assert cfg.fsdp_kwargs == dict(
+        cpu_offload=True, sharding_strategy='HYBRID_SHARD',
+        sync_module_states=True)
+
+
+@pytest.mark.parametrize('section,named', [
+    (dict(model_paralelism=2), ('model_paralelism=2', 'allowed:',
+                                'model_parallelism')),
+    (dict(model_parallelism='2'), ("model_parallelism='2'", 'int >= 1')),
+    (dict(pipeline_parallelism=True), ('pipeline_parallelism=True', )),
+    (dict(pipeline_parallelism=0), ('pipeline_parallelism=0', )),
+    (dict(use_fsdp='yes'), ("use_fsdp='yes'", 'True or False')),
+    (dict(use_fsdp=True, sharding_strategy='FULL'),
+     ("sharding_strategy='FULL'", 'FULL_SHARD', 'HYBRID_SHARD')),
+    (dict(cpu_offload=True), ('cpu_offload=True', 'use_fsdp=False')),
+    ([1, 2], ('parallel=[1, 2]', )),
+])
+def test_parallel_config_errors_name_key_value_allowed(section, named):
+    from mmpar.parallel.config import ParallelConfig
+    with pytest.raises(ValueError) as err:
+        ParallelConfig.from_cfg(section)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_default_wrapper_cfg():
+    from mmpar.parallel.config import default_wrapper_cfg
+    assert default_wrapper_cfg(None) == dict(type='MMDistributedDataParallel')
+    section = dict(use_fsdp=True, cpu_offload=True)
+    first = default_wrapper_cfg(section)
+    assert first == dict(type='MMFullyShardedDataParallel', cpu_offload=True,
+                         sharding_strategy='FULL_SHARD',
+                         sync_module_states=True)
+    first['cpu_offload'] = False  # a new dict each call
+    assert default_wrapper_cfg(section)['cpu_offload'] is True
+    assert section == dict(use_fsdp=True, cpu_offload=True)
+
+
+def test_setup_parallelism_single_process_warns_and_skips():
+    from mmpar.parallel.config import setup_parallelism
+    assert setup_parallelism(None) is None
+    with pytest.warns(UserWarning, match='single-process'):
+        assert setup_parallelism(dict(model_parallelism=2)) is None
+    assert not parallelism_is_initialized()
+
+
+def test_setup_parallelism_builds_and_reuses(fake_world):
+    from mmpar.parallel.config import setup_parallelism
+    topology = setup_parallelism(dict(model_parallelism=2))
+    assert topology.layout.shape == (4, 1, 2)
+    assert setup_parallelism(dict(model_parallelism=2)) is topology
+    with pytest.raises(ParallelismError, match='already initialised'):
+        setup_parallelism(dict(model_parallelism=4))
+
+
+# -- the plan tool ------------------------------------------------------------
+DATA = ROOT / 'tests' / 'data'
+
+
+def run_plan_tool(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'plan.py'), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_tool_fsdp_at_world_8():
+    proc = run_plan_tool(str(DATA / 'plan_fsdp.py'), '--world-size', '8')
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert 'dp groups: [0, 1, 2, 3, 4, 5, 6, 7]' in out
+    assert 'wrapper: MMFullyShardedDataParallel' in out
+    assert 'FSDP units (5;' in out and 'blocks.3' in out
+    # ceil(2410 / 8) + 4 * ceil(8416 / 8) = 302 + 4 * 1052
+    assert 'params                                      4,510' in out
+    assert 'optimizer state (AdamW: 2 x params)          9,020' in out
+
+
+def test_plan_tool_bad_sizes_exit_nonzero_naming_key(capsys):
+    # tools/plan.py's main, in-process (the subprocess path is tested above).
+    from mmpar.parallel.plan import main
+    code = main([
+        str(DATA / 'plan_ddp.py'), '--world-size', '6', '--cfg-options',
+        'parallel.model_parallelism=4'
+    ])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ''
+    assert err.startswith('error: ')
+    assert 'model_parallelism=4' in err and 'world size 6' in err
+
+
+def plan_of(name, world_size, rank=0, **options):
+    from mmengine.config import Config
+    from mmpar.parallel.plan import make_plan
+    cfg = Config.fromfile(str(DATA / name))
+    cfg.merge_from_dict(options)
+    return make_plan(cfg, world_size, rank)
+
+
+def test_plan_ddp_groups_and_memory():
+    from mmpar.parallel.plan import format_plan
+    plan = plan_of('plan_ddp.py', 8, rank=1,
+                   **{'parallel.model_parallelism': 2,
+                      'parallel.pipeline_parallelism': 2})
+    text = format_plan(plan)
+    assert 'pp groups: [0, 2] [1, 3] [4, 6] [5, 7]' in text
+    assert 'rank 1: mp [0, 1], pp [1, 3], dp [1, 5]' in text
+    assert plan.wrapper_type == 'MMDistributedDataParallel'
+    assert plan.wrapper_args['process_group'] == 'dp group [1, 5]'
+    numel = plan.param_numel
+    assert plan.memory == [('params', numel, 4 * numel),
+                           ('grads', numel, 4 * numel),
+                           ('optimizer state (SGD: 1 x params)', numel,
+                            4 * numel)]
+    assert not dist.is_initialized()  # the fake world is torn down
+
+
+@pytest.mark.parametrize('strategy,mp,hybrid_size,shard', [
+    ('FULL_SHARD', 2, None, 4), ('HYBRID_SHARD', 2, None, 2),
+    ('HYBRID_SHARD', 1, 4, 4), ('NO_SHARD', 1, None, 1)])
+def test_plan_fsdp_units_cover_every_param(strategy, mp, hybrid_size, shard):
+    plan = plan_of('plan_fsdp.py', 8,
+                   **{'parallel.model_parallelism': mp,
+                      'model_wrapper_cfg.sharding_strategy': strategy,
+                      'model_wrapper_cfg.hybrid_shard_size': hybrid_size})
+    assert plan.shard_size == shard
+    assert sum(u.numel for u in plan.units) == plan.param_numel
+    assert [u.name for u in plan.units] == ['(root)'] + [
+        f'blocks.{i}' for i in range(4)]
+    per_rank = sum(-(-u.numel // shard) for u in plan.units)
+    assert plan.memory[0] == ('params', per_rank, 4 * per_rank)
+
+
+@pytest.mark.parametrize('options,named', [
+    ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
+                                cpu_offload=True)},
+     'model_wrapper_cfg.cpu_offload=True is an FSDP option'),
+    ({'parallel.use_fsdp': True,
+      'model_wrapper_cfg': dict(type='MMDistributedDataParallel')},
+     'parallel.use_fsdp=True'),
+    ({'model_wrapper_cfg': dict(
+        type='MMFullyShardedDataParallel',
+        fsdp_auto_wrap_policy=dict(type='size_based', min_num_params=10**9))},
+     'model_wrapper_cfg.fsdp_auto_wrap_policy='),
+    ({'model_wrapper_cfg': dict(
+        type='MMFullyShardedDataParallel',
+        fsdp_auto_wrap_policy=dict(type='module_class',
+                                   module_classes=['Nope']))},
+     'model_wrapper_cfg.fsdp_auto_wrap_policy'),
+    ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
+                                fsdp_auto_wrap_policy='no_such_policy')},
+     "fsdp_auto_wrap_policy='no_such_policy'"),
+    ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
+                                bucket_cap=3)},
+     "unexpected keyword argument 'bucket_cap'"),
+    ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
+                                sharding_strategy='HYBRID_SHARD',
+                                hybrid_shard_size=3)},
+     'model_wrapper_cfg.hybrid_shard_size=3 is not allowed'),
+    ({'parallel.pipeline_parallelism': 3},
+     'pipeline_parallelism = 1 * 3 = 3'),
+])
+def test_plan_rejects_bad_combinations(options, named):
+    from mmpar.parallel.plan import PlanError
+    with pytest.raises(PlanError) as err:
+        plan_of('plan_ddp.py', 8, **options)
+    assert named in str(err.value)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize('policy_cfg', [
+    dict(type='module_class', module_classes=['PlanBlock']),
+    dict(type='size_based', min_num_params=5000),
+])
+def test_plan_fsdp_units_match_real_fsdp(fake_world, policy_cfg):
+    # Real torch FSDP1 on the fake 8-rank group: its flat parameters are
+    # what the plan's arithmetic must reproduce, unit by unit.
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from mmpar.parallel.plan import fsdp_units, resolve_policy
+    from tests.data.plan_model import PlanToyNet
+    model = PlanToyNet()
+    policy, _ = resolve_policy(policy_cfg, model)
+    planned = fsdp_units(model, policy, shard_size=8)
+    wrapped = FSDP(model, auto_wrap_policy=policy,
+                   device_id=torch.device('cpu'), use_orig_params=False)
+    real = [(type(m.module).__name__, m._flat_param._unpadded_unsharded_size
+             .numel(), m._flat_param.numel())
+            for m in FSDP.fsdp_modules(wrapped)]
+    assert sorted((u.cls, u.numel, u.numel_per_rank) for u in planned) == \
+        sorted(real)
+    assert len(planned) > 1
+
+
+def test_stale_topology_is_dropped_with_its_default_group(fake_world):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    init_parallelism(2)
+    dist.destroy_process_group()  # takes every subgroup with it
+    dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=4)
+    assert not parallelism_is_initialized()
+    assert default_dp_group() is None
+    assert init_parallelism(2).dp.global_ranks == [0, 2]
+
+
+# -- the Runner ---------------------------------------------------------------
+VIT_CONFIG = ROOT / 'configs' / 'vit_digits' / 'vit_digits.py'
+
+
+def test_runner_builds_topology_and_wraps_over_dp_group(fake_world,
+                                                       tmp_path,
+                                                       monkeypatch):
+    # Rank 5 of a fake 8-rank world: the real Runner start-up and DDP
+    # wrapper, in one process (gloo reduction over dp: the DDP test above).
+    from mmengine.config import Config
+
+    from mmpar.runner import Runner
+    for var in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS'):  # else MMEngine warns
+        monkeypatch.setenv(var, '1')
+    cfg = Config.fromfile(str(VIT_CONFIG))
+    cfg.update(work_dir=str(tmp_path), launcher='pytorch',
+               parallel=dict(model_parallelism=2))
+    runner = Runner.from_cfg(cfg)
+    topology = parallel_group_info()
+    assert runner.topology is topology
+    assert topology.dp.global_ranks == [1, 3, 5, 7]
+    assert type(runner.model).__name__ == 'MMDistributedDataParallel'
+    assert runner.model.process_group is topology.dp.group
+
+
+def test_runner_rejects_bad_parallel_section_up_front(tmp_path):
+    from mmengine.config import Config
+
+    from mmpar.runner import Runner
+    cfg = Config.fromfile(str(VIT_CONFIG))
+    cfg.update(work_dir=str(tmp_path), parallel=dict(model_paralelism=2))
+    with pytest.raises(ValueError, match='parallel.model_paralelism=2 is not '
+                       'a known key; allowed: model_parallelism'):
+        Runner.from_cfg(cfg)
+    assert not list(tmp_path.iterdir())  # failed before any work
+
+
+def test_plan_fsdp2_units_match_real_fully_shard(fake_world):
+    # FSDP2 on the fake world's dp mesh dim (rank 5, mp=2 pp=2: dp [1, 5]).
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from mmpar.parallel.plan import fsdp_units, resolve_policy
+    from tests.data.plan_model import PlanBlock, PlanToyNet
+    topology = init_parallelism(2, 2)
+    model = PlanToyNet()
+    policy, _ = resolve_policy(
+        dict(type='module_class', module_classes=['PlanBlock']), model)
+    planned = fsdp_units(model, policy, shard_size=2, per_param=True)
+    for block in model.blocks:
+        fully_shard(block, mesh=topology.mesh['dp'])
+    fully_shard(model, mesh=topology.mesh['dp'])
+    real_units = [n or '(root)' for n, m in model.named_modules()
+                  if isinstance(m, FSDPModule)]
+    assert [u.name for u in planned] == real_units
+    assert all(isinstance(model.blocks[i], PlanBlock) for i in range(4))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    assert sum(u.numel_per_rank for u in planned) == local

@@ -1,0 +1,15 @@
+"""Dry-run a config at world size N: groups, wrapper, FSDP units, memory.
+
+    python tools/plan.py CONFIG --world-size 8 [--rank R] [--cfg-options k=v]
+
+Starts no processes and needs no GPU. See docs/topology.md.
+"""
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmpar.parallel.plan import main  # noqa: E402
+
+if __name__ == '__main__':
+    sys.exit(main())
