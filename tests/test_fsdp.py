@@ -109,6 +109,33 @@ def test_fsdp_matches_single_process(run_dist, wrapper_type,
                               untrained['net.0.weight'])
 
 
+def _train_hybrid_on_topology(model_parallelism, wrapper_type, batches,
+                              optim_kwargs):
+    from mmpar.parallel import init_parallelism
+    init_parallelism(model_parallelism=model_parallelism)  # reset by harness
+    hybrid = dict(sharding_strategy='HYBRID_SHARD')
+    local_numel = _local_numel(_wrap(wrapper_type, make_model(), **hybrid))
+    state = _train_sharded(wrapper_type, hybrid, batches, optim_kwargs)
+    return local_numel, state
+
+
+@pytest.mark.parametrize('wrapper_type', [FSDP1, FSDP2])
+@pytest.mark.parametrize('model_parallelism', [1, 2])
+def test_hybrid_shards_over_the_topology_mp_group(run_dist, wrapper_type,
+                                                  model_parallelism):
+    batches = make_batches(num_batches=4, batch_size=8)
+    optim_kwargs = dict(accumulative_counts=2, clip=CLIP)
+    expected = train_reference(_frozen_model(), batches, **optim_kwargs)
+    total = sum(p.numel() for p in make_model().parameters())
+    for local_numel, state in run_dist(_train_hybrid_on_topology,
+                                       model_parallelism, wrapper_type,
+                                       batches, optim_kwargs):
+        # Sharded over the mp group: mp=1 keeps whole parameters.
+        assert local_numel == pytest.approx(total / model_parallelism,
+                                            rel=0.1)
+        assert_states_close(state, expected, atol=ATOL, rtol=RTOL)
+
+
 BF16 = {
     FSDP1: dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32'),
     FSDP2: dict(param_dtype='bf16', reduce_dtype='fp32'),
@@ -181,8 +208,11 @@ def test_no_sync_on_non_final_micro_batch(run_dist, wrapper_type):
 
 
 def _local_param_numel(wrapper_type):
-    wrapper = _wrap(wrapper_type, make_model(),
-                    fsdp_auto_wrap_policy=LINEAR_POLICY)
+    return _local_numel(
+        _wrap(wrapper_type, make_model(), fsdp_auto_wrap_policy=LINEAR_POLICY))
+
+
+def _local_numel(wrapper) -> int:
     local = [
         p.to_local() if hasattr(p, 'to_local') else p
         for p in wrapper.parameters()
