@@ -209,11 +209,11 @@ def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
             assert got[kind]['roundtrip']
 
 
-def _ddp_grads_over_dp_group():
-    from mmpar.wrappers import MMDistributedDataParallel
+def _ddp_grads_over_dp_group(wrapper_type='MMDistributedDataParallel'):
+    from mmpar.wrappers import build_model_wrapper
     from tests.toy import make_batches, make_model
     topology = init_parallelism(2)
-    wrapper = MMDistributedDataParallel(make_model())
+    wrapper = build_model_wrapper(dict(type=wrapper_type), make_model())
     assert wrapper.process_group is topology.dp.group
     # Every rank feeds different data; only dp peers should average.
     batch = make_batches(num_batches=1, seed=10 + dist.get_rank())[0]
@@ -221,8 +221,11 @@ def _ddp_grads_over_dp_group():
     return wrapper.module.net[0].weight.grad
 
 
-def test_ddp_reduces_over_dp_group_by_default(run_dist):
-    grads = run_dist(_ddp_grads_over_dp_group, world_size=4)
+@pytest.mark.parametrize('wrapper_type', [
+    'MMDistributedDataParallel', 'MMNaiveDataParallel', 'MMBucketDataParallel'
+])
+def test_wrappers_reduce_over_dp_group_by_default(run_dist, wrapper_type):
+    grads = run_dist(_ddp_grads_over_dp_group, wrapper_type, world_size=4)
     # dp groups are [0, 2] and [1, 3].
     assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])
     assert not torch.allclose(grads[0], grads[1])

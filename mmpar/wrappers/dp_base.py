@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmpar.parallel import default_dp_group
 from mmpar.wrappers.base import StepMixin
 
 
@@ -35,7 +36,9 @@ class PythonDataParallel(StepMixin, nn.Module):
 
     Args:
         module: the model (an MMEngine ``BaseModel`` for ``train_step``).
-        process_group: the data-parallel group; None uses the default group.
+        process_group: the data-parallel group; None uses
+            :func:`mmpar.parallel.default_dp_group` (the topology's dp group,
+            or the default group when no topology is initialised).
         sync_strategy: see :data:`mmpar.wrappers.base.SYNC_STRATEGIES`.
 
     Attributes:
@@ -50,6 +53,8 @@ class PythonDataParallel(StepMixin, nn.Module):
         super().__init__()
         self._init_steps(sync_strategy)
         self.module = module
+        if process_group is None:
+            process_group = default_dp_group()
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
