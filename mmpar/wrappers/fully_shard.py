@@ -9,7 +9,6 @@ and FSDP1 wrappers do), so MMEngine's ``is_model_wrapper`` and every
 import contextlib
 from typing import Iterator, Optional, Union
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
