@@ -207,6 +207,20 @@ def test_no_sync_on_non_final_micro_batch(run_dist, wrapper_type):
         assert shapes != unsynced
 
 
+def _synced_states():
+    rank0_state = make_model(seed=0).state_dict()
+    model = make_model(seed=dist.get_rank())  # every rank starts differently
+    wrapper = MMFullyShardedDataParallel(model, sync_module_states=True)
+    full = wrapper.full_state_dict()
+    return all(torch.equal(full[k], rank0_state[k]) for k in rank0_state)
+
+
+def test_sync_module_states_broadcasts_rank0_on_cpu(run_dist):
+    # The `parallel` section's default (use_fsdp=True) sets it; torch's FSDP1
+    # refuses it for CPU modules, so the wrapper broadcasts itself.
+    assert run_dist(_synced_states) == [True, True]
+
+
 def _local_param_numel(wrapper_type):
     return _local_numel(
         _wrap(wrapper_type, make_model(), fsdp_auto_wrap_policy=LINEAR_POLICY))

@@ -11,6 +11,7 @@ from mmpar.dist import uses_cuda
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers.base import StepMixin, check_sync_strategy
+from mmpar.wrappers.dp_base import broadcast_module_state
 from mmpar.wrappers.full_state import FullStateMixin
 from mmpar.wrappers.policies import check_wrap_policy, resolve_wrap_policy
 
@@ -91,6 +92,12 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         if device_id is None:
             device_id = (torch.device('cuda', torch.cuda.current_device())
                          if uses_cuda() else torch.device('cpu'))
+        if sync_module_states and not uses_cuda():
+            # torch's FSDP1 refuses sync_module_states for CPU modules
+            # ("requires them to be on GPU", even with device_id=cpu). The
+            # broadcast it would do is this one: rank 0's state to every rank.
+            broadcast_module_state(module)
+            sync_module_states = False
         super().__init__(
             module,
             process_group=process_group,
