@@ -14,6 +14,7 @@ from mmpar.failures import ConfigError
 from tests.e2e import DEFAULT_CONFIG, ROOT
 
 DELETE = object()
+FSDP = 'MMFullyShardedDataParallel'
 
 # case: ({dotted key: new value or DELETE}, [texts the message must contain])
 CASES = {
@@ -56,6 +57,31 @@ CASES = {
     "cpu_offload='yes'": ({
         'parallel': dict(use_fsdp=True, cpu_offload='yes')
     }, ["parallel.cpu_offload='yes'", 'True or False']),
+    'unknown FSDP wrap policy': ({
+        'model_wrapper_cfg': dict(type=FSDP, fsdp_auto_wrap_policy='by_sizee')
+    }, ["fsdp_auto_wrap_policy='by_sizee'", 'module_class, size_based']),
+    'unknown FSDP wrap policy in a dict': ({
+        'model_wrapper_cfg': dict(type=FSDP,
+                                  fsdp_auto_wrap_policy=dict(type='nope'))
+    }, ["fsdp_auto_wrap_policy='nope'", 'module_class, size_based']),
+    'unknown FSDP2 wrap policy': ({
+        'model_wrapper_cfg': dict(type='MMFullyShard',
+                                  fsdp_auto_wrap_policy='nope')
+    }, ["fsdp_auto_wrap_policy='nope'", 'size_based']),
+    "FSDP cpu_offload='yes'": ({
+        'model_wrapper_cfg': dict(type=FSDP, cpu_offload='yes')
+    }, ["cpu_offload='yes'", 'None, a bool or']),
+    'unknown FSDP sharding strategy': ({
+        'model_wrapper_cfg': dict(type=FSDP, sharding_strategy='FULLY')
+    }, ["sharding_strategy='FULLY'", 'FULL_SHARD, SHARD_GRAD_OP']),
+    'FSDP mixed precision fp12': ({
+        'model_wrapper_cfg': dict(type=FSDP,
+                                  mixed_precision=dict(param_dtype='fp12'))
+    }, ["mixed_precision.param_dtype='fp12'", 'bf16, bfloat16']),
+    'DDP key on FSDP': ({
+        'model_wrapper_cfg': dict(type=FSDP, bucket_cap_mb=25)
+    }, ['model_wrapper_cfg.bucket_cap_mb=25',
+        'MMFullyShardedDataParallel takes no argument', 'sharding_strategy']),
     'wrapper cfg not a dict': ({
         'model_wrapper_cfg': 'ddp'
     }, ['model_wrapper_cfg must be a dict', 'str']),

@@ -22,6 +22,7 @@ from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
                                    default_wrapper_cfg, setup_parallelism)
 from mmpar.registry import RUNNERS
+from mmpar.runner import sharded
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
                                      collect_checkpoint,
                                      find_latest_complete_checkpoint,
@@ -80,7 +81,14 @@ class Runner(MMEngineRunner):
             if self.cfg.get('find_unused_parameters') and \
                     model_wrapper_cfg['type'] == DDP_WRAPPER:
                 model_wrapper_cfg['find_unused_parameters'] = True
+        if sharded.wrapper_shards(model_wrapper_cfg):
+            sharded.init_weights_before_sharding(model)
         return build_model_wrapper(model_wrapper_cfg, model)
+
+    def _init_model_weights(self) -> None:
+        if sharded.is_sharded(self.model):
+            return  # done in wrap_model, before the parameters were sharded
+        super()._init_model_weights()
 
     @staticmethod
     def _device() -> torch.device:
@@ -116,10 +124,17 @@ class Runner(MMEngineRunner):
         else:
             checkpoint = load_checkpoint_file(filename, map_location)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        model = self.model.module if is_model_wrapper(
-            self.model) else self.model
-        checkpoint = _load_checkpoint_to_model(
-            model, checkpoint, strict, revise_keys=revise_keys)
+        if sharded.is_sharded(self.model):
+            sharded.load_full_model_state(self.model, checkpoint, strict,
+                                          revise_keys)
+        else:
+            model = self.model.module if is_model_wrapper(
+                self.model) else self.model
+            checkpoint = _load_checkpoint_to_model(
+                model, checkpoint, strict, revise_keys=revise_keys)
+        # Name-keyed (full) optimizer state, as sharded runs save it, becomes
+        # this process's own form for MMEngine's resume.
+        sharded.localize_optim_state(self, checkpoint)
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint

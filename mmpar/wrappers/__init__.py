@@ -3,9 +3,12 @@ from mmpar.wrappers.base import SYNC_STRATEGIES, StepMixin
 from mmpar.wrappers.bucket import MMBucketDataParallel
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 from mmpar.wrappers.ddp import MMDistributedDataParallel
+from mmpar.wrappers.fsdp import MMFullyShardedDataParallel
+from mmpar.wrappers.fully_shard import MMFullyShard
 from mmpar.wrappers.naive import MMNaiveDataParallel
 
 __all__ = [
     'SYNC_STRATEGIES', 'StepMixin', 'build_model_wrapper', 'check_wrapper_cfg',
-    'MMDistributedDataParallel', 'MMNaiveDataParallel', 'MMBucketDataParallel'
+    'MMDistributedDataParallel', 'MMNaiveDataParallel', 'MMBucketDataParallel',
+    'MMFullyShardedDataParallel', 'MMFullyShard'
 ]

@@ -1,0 +1,191 @@
+"""``MMFullyShardedDataParallel``: torch FSDP1 with MMEngine's steps."""
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from mmengine.optim import OptimWrapper
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+from mmpar.dist import uses_cuda
+from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers import fsdp_args as args
+from mmpar.wrappers.base import StepMixin, check_sync_strategy
+from mmpar.wrappers.dp_base import broadcast_module_state
+from mmpar.wrappers.full_state import FullStateMixin
+from mmpar.wrappers.policies import check_wrap_policy, resolve_wrap_policy
+
+
+@MODEL_WRAPPERS.register_module()
+class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
+                                 FullyShardedDataParallel):
+    """FSDP (torch's ``FullyShardedDataParallel``) plus the mmpar steps.
+
+    ``val_step``/``test_step`` call forward through this FSDP root, which
+    all-gathers the parameters (the inner module alone holds only shards).
+
+    Args:
+        module: the model (an MMEngine ``BaseModel``).
+        sync_strategy: ``'single_auto_sync'`` (reduce-scatter on the last
+            micro-batch of an accumulation window) or ``'multi_auto_sync'``
+            (every micro-batch). ``'forced_sync'`` is rejected.
+        sharding_strategy: a ``ShardingStrategy`` or its name; default
+            FULL_SHARD.
+        process_group: FSDP's group, or for HYBRID strategies a
+            ``(shard_group, replicate_group)`` tuple. None: the default group;
+            for HYBRID, groups of ``hybrid_shard_size`` consecutive ranks if
+            given, else the topology's (mp, dp) groups if initialised, else
+            node-local groups (``LOCAL_WORLD_SIZE`` ranks).
+        hybrid_shard_size: ranks per shard group for HYBRID strategies when
+            no process groups are given.
+        cpu_offload: None, bool or ``CPUOffload`` (needs CUDA).
+        fsdp_auto_wrap_policy: None, a registered name, ``dict(type=NAME,
+            **kwargs)`` or a callable (see :mod:`mmpar.wrappers.policies`).
+        backward_prefetch: None, ``'pre'``, ``'post'``, the enum names or a
+            ``BackwardPrefetch``.
+        mixed_precision: None, ``MixedPrecision`` or a dict of dtype names.
+        activation_checkpointing: class names (or classes) whose instances
+            are checkpointed.
+        sync_module_states: broadcast rank 0's parameters at wrap time.
+        use_orig_params: default True, so optimizers and parameter groups see
+            the model's own parameters.
+        device_id: None picks ``torch.device('cpu')`` on CPU (FSDP refuses
+            CPU without it) and the current CUDA device on CUDA.
+        **kwargs: any other ``FullyShardedDataParallel`` argument.
+
+    Raises:
+        ValueError / TypeError: a bad argument, naming key, value and allowed
+            values.
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 sync_strategy: str = 'single_auto_sync',
+                 sharding_strategy: Union[str, ShardingStrategy, None] = None,
+                 process_group=None,
+                 hybrid_shard_size: Optional[int] = None,
+                 cpu_offload=None,
+                 fsdp_auto_wrap_policy=None,
+                 backward_prefetch=None,
+                 mixed_precision=None,
+                 activation_checkpointing=None,
+                 sync_module_states: bool = False,
+                 use_orig_params: bool = True,
+                 device_id=None,
+                 **kwargs) -> None:
+        # Each argument is normalised once below (with the same errors as
+        # check_cfg); these two have no normaliser of their own.
+        args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
+        args.check_activation_checkpointing(activation_checkpointing)
+        self._init_steps(sync_strategy)
+        strategy = args.normalize_sharding_strategy(sharding_strategy)
+        offload = args.normalize_cpu_offload(cpu_offload)
+        if offload is not None and offload.offload_params and not uses_cuda():
+            raise ValueError(
+                'cpu_offload=True needs CUDA: FSDP pins the offloaded '
+                'parameters in host memory, which fails without an '
+                'accelerator (on CPU the parameters already live in host '
+                'memory); use cpu_offload=None')
+        if strategy in args.HYBRID_STRATEGIES:
+            strategy, process_group = self._hybrid(strategy, process_group,
+                                                   hybrid_shard_size)
+        if device_id is None:
+            device_id = (torch.device('cuda', torch.cuda.current_device())
+                         if uses_cuda() else torch.device('cpu'))
+        if sync_module_states and not uses_cuda():
+            # torch's FSDP1 refuses sync_module_states for CPU modules
+            # ("requires them to be on GPU", even with device_id=cpu). The
+            # broadcast it would do is this one: rank 0's state to every rank.
+            broadcast_module_state(module)
+            sync_module_states = False
+        super().__init__(
+            module,
+            process_group=process_group,
+            sharding_strategy=strategy,
+            cpu_offload=offload,
+            auto_wrap_policy=resolve_wrap_policy(fsdp_auto_wrap_policy,
+                                                 module),
+            backward_prefetch=args.normalize_backward_prefetch(
+                backward_prefetch),
+            mixed_precision=args.normalize_mixed_precision(mixed_precision),
+            sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
+            device_id=device_id,
+            **kwargs)
+        # After wrapping, as torch recommends for FSDP1: the checkpoint
+        # wrappers then sit inside the FSDP units.
+        args.apply_activation_checkpointing(self, activation_checkpointing)
+
+    @classmethod
+    def check_cfg(cls, cfg: dict) -> None:
+        """Validate wrapper arguments before any process-group work.
+
+        Model-dependent checks (class names in the wrap policy or activation
+        checkpointing) run when the wrapper is built.
+        """
+        sync_strategy = cfg.get('sync_strategy', 'single_auto_sync')
+        check_sync_strategy(sync_strategy)
+        args.check_sync_strategy_supported(sync_strategy, cls.__name__)
+        args.normalize_sharding_strategy(cfg.get('sharding_strategy'))
+        args.normalize_cpu_offload(cfg.get('cpu_offload'))
+        check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
+        args.normalize_backward_prefetch(cfg.get('backward_prefetch'))
+        args.normalize_mixed_precision(cfg.get('mixed_precision'))
+        args.check_activation_checkpointing(
+            cfg.get('activation_checkpointing'))
+
+    @staticmethod
+    def _hybrid(strategy, process_group, shard_size):
+        """(strategy, process group) for a HYBRID strategy.
+
+        torch FSDP1 silently switches to NO_SHARD over the shard group when
+        that group has one rank, which then never syncs gradients across the
+        replicate group (measured: ranks end with different gradients). A
+        one-rank side of the hybrid is therefore rewritten to the plain
+        strategy it is equivalent to.
+        """
+        # Precedence: explicit groups, explicit size, the topology's
+        # (mp, dp) groups, node-local groups.
+        if process_group is None and shard_size is None:
+            process_group = args.topology_hybrid_groups()
+        if process_group is None:
+            process_group = args.hybrid_groups(
+                args.hybrid_shard_size(shard_size))
+        if not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise ValueError(f'process_group={process_group!r}: a HYBRID '
+                             'sharding strategy needs a (shard_group, '
+                             'replicate_group) tuple or None')
+        shard, replicate = process_group
+        if dist.get_world_size(shard) == 1:
+            return ShardingStrategy.NO_SHARD, replicate
+        if dist.get_world_size(replicate) == 1:
+            zero2 = strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
+            return (ShardingStrategy.SHARD_GRAD_OP
+                    if zero2 else ShardingStrategy.FULL_SHARD), shard
+        return strategy, process_group
+
+    def all_reduce_grads(self) -> None:
+        raise NotImplementedError(
+            'MMFullyShardedDataParallel reduces gradients in backward; '
+            "forced_sync is not supported")
+
+    def train_step(self, data, optim_wrapper: OptimWrapper) -> dict:
+        """One micro-batch, with ``clip_grad`` by the global gradient norm.
+
+        MMEngine's ``OptimWrapper`` clips with
+        ``torch.nn.utils.clip_grad_norm_``, which under FSDP1 sees only this
+        rank's shard and so clips each rank by a different, too small norm.
+        For the duration of the step its clip function becomes FSDP's
+        ``clip_grad_norm_``, which all-reduces the shard norms. Swapping
+        per step, not once, keeps the user's optim wrapper untouched outside
+        this model's steps (it is built separately and may be reused).
+        """
+        with args.clip_func_swapped(optim_wrapper, self._clip_global_norm):
+            return super().train_step(data, optim_wrapper)
+
+    def _clip_global_norm(self, params, max_norm: float,
+                          norm_type: float = 2.0, **kwargs) -> torch.Tensor:
+        # ``params`` are the optimizer's; FSDP clips every gradient of this
+        # root, the same set for one optimizer over the model's trainable
+        # parameters (frozen ones have no gradient).
+        return self.clip_grad_norm_(max_norm, norm_type)

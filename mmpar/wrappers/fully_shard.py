@@ -1,0 +1,183 @@
+"""``MMFullyShard``: FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+``fully_shard`` shards a module in place and swaps its class for a generated
+``FSDP<Name>`` subclass. Rather than subclass that moving target, the wrapper
+is a small ``nn.Module`` that holds the sharded model as ``module`` (like DDP
+and FSDP1 wrappers do), so MMEngine's ``is_model_wrapper`` and every
+``model.module`` access keep working, and the steps come from StepMixin.
+"""
+import contextlib
+from typing import Iterator, Optional, Union
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, ShardingStrategy
+from torch.distributed.fsdp import fully_shard
+
+from mmpar.dist import uses_cuda
+from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers import fsdp_args as args
+from mmpar.wrappers.base import StepMixin, check_sync_strategy
+from mmpar.wrappers.full_state import FullStateMixin
+from mmpar.wrappers.policies import (check_wrap_policy, modules_to_wrap,
+                                     resolve_wrap_policy)
+
+# FSDP1 strategy names FSDP2 understands: (hybrid mesh?, reshard_after_fwd).
+STRATEGIES = {
+    ShardingStrategy.FULL_SHARD: (False, True),
+    ShardingStrategy.SHARD_GRAD_OP: (False, False),
+    ShardingStrategy.HYBRID_SHARD: (True, True),
+    ShardingStrategy._HYBRID_SHARD_ZERO2: (True, False),
+}
+
+
+def _strategy(value) -> ShardingStrategy:
+    strategy = args.normalize_sharding_strategy(value)
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f'sharding_strategy={value!r} is not supported by MMFullyShard; '
+            f'allowed: {", ".join(s.name for s in STRATEGIES)} (for '
+            'NO_SHARD use MMDistributedDataParallel)')
+    return strategy
+
+
+def _normalize_cpu_offload(value) -> Optional[CPUOffloadPolicy]:
+    if value is None or isinstance(value, CPUOffloadPolicy):
+        return value
+    if isinstance(value, bool):
+        # Pinned memory needs an accelerator; on CPU plain memory is right.
+        return CPUOffloadPolicy(pin_memory=uses_cuda()) if value else None
+    raise TypeError(f'cpu_offload={value!r} must be None, a bool or a '
+                    'torch.distributed.fsdp.CPUOffloadPolicy')
+
+
+@MODEL_WRAPPERS.register_module()
+class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
+    """FSDP2 sharding of a model plus the mmpar steps.
+
+    Args:
+        module: the model (an MMEngine ``BaseModel``); sharded in place.
+        sync_strategy: ``'single_auto_sync'`` or ``'multi_auto_sync'``
+            (``'forced_sync'`` is rejected, as for FSDP1).
+        sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP (keep
+            parameters gathered between forward and backward), HYBRID_SHARD or
+            _HYBRID_SHARD_ZERO2 (2-D mesh: replicate x shard).
+        reshard_after_forward: overrides the strategy's choice (bool or int,
+            as ``fully_shard``).
+        device_mesh: a ``DeviceMesh`` to use as is (1-D: shard; 2-D:
+            replicate x shard).
+        hybrid_shard_size: ranks per shard group for HYBRID strategies;
+            None takes the topology's ``(dp, mp)`` mesh if initialised, else
+            ``LOCAL_WORLD_SIZE``.
+        fsdp_auto_wrap_policy: as FSDP1's; the chosen submodules get their own
+            ``fully_shard``, children first, then the root.
+        mixed_precision: None, ``MixedPrecisionPolicy`` or a dict of dtype
+            names (``param_dtype``, ``reduce_dtype``, ``output_dtype``).
+        cpu_offload: None, bool or ``CPUOffloadPolicy``.
+        activation_checkpointing: class names (or classes) to checkpoint.
+        **kwargs: any other ``fully_shard`` argument.
+
+    Clipping needs nothing special: the gradients are DTensors, and
+    ``torch.nn.utils.clip_grad_norm_`` (what MMEngine's ``OptimWrapper``
+    calls) reduces their shard norms across the mesh, so ``clip_grad`` uses
+    the global norm (tested against one process).
+    """
+
+    def __init__(self,
+                 module: nn.Module,
+                 sync_strategy: str = 'single_auto_sync',
+                 sharding_strategy: Union[str, ShardingStrategy, None] = None,
+                 reshard_after_forward: Union[bool, int, None] = None,
+                 device_mesh: Optional[DeviceMesh] = None,
+                 hybrid_shard_size: Optional[int] = None,
+                 fsdp_auto_wrap_policy=None,
+                 mixed_precision=None,
+                 cpu_offload=None,
+                 activation_checkpointing=None,
+                 **kwargs) -> None:
+        args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
+        args.check_activation_checkpointing(activation_checkpointing)
+        super().__init__()
+        self._init_steps(sync_strategy)
+        hybrid, reshard = STRATEGIES[_strategy(sharding_strategy)]
+        if reshard_after_forward is not None:
+            reshard = reshard_after_forward
+        self.device_mesh = device_mesh or self._mesh(hybrid, hybrid_shard_size)
+        shard_kwargs = dict(
+            mesh=self.device_mesh,
+            reshard_after_forward=reshard,
+            mp_policy=args.normalize_mp_policy(mixed_precision),
+            **kwargs)
+        offload = _normalize_cpu_offload(cpu_offload)
+        if offload is not None:
+            shard_kwargs['offload_policy'] = offload
+        shard_kwargs = {k: v for k, v in shard_kwargs.items() if v is not None}
+        # Before sharding, as torchtitan does: fully_shard then sees the
+        # checkpoint wrappers and its hooks run outside the recomputation.
+        args.apply_activation_checkpointing(module, activation_checkpointing)
+        policy = resolve_wrap_policy(fsdp_auto_wrap_policy, module)
+        if policy is not None:
+            for sub in modules_to_wrap(module, policy):
+                fully_shard(sub, **shard_kwargs)
+        fully_shard(module, **shard_kwargs)
+        self.module = module
+
+    @classmethod
+    def check_cfg(cls, cfg: dict) -> None:
+        """Validate wrapper arguments before any process-group work."""
+        sync_strategy = cfg.get('sync_strategy', 'single_auto_sync')
+        check_sync_strategy(sync_strategy)
+        args.check_sync_strategy_supported(sync_strategy, cls.__name__)
+        _strategy(cfg.get('sharding_strategy'))
+        _normalize_cpu_offload(cfg.get('cpu_offload'))
+        check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
+        args.normalize_mp_policy(cfg.get('mixed_precision'))
+        args.check_activation_checkpointing(
+            cfg.get('activation_checkpointing'))
+
+    @staticmethod
+    def _mesh(hybrid: bool, shard_size: Optional[int]) -> DeviceMesh:
+        device = 'cuda' if uses_cuda() else 'cpu'
+        world = dist.get_world_size()
+        if not hybrid:
+            return init_device_mesh(device, (world, ),
+                                    mesh_dim_names=('shard', ))
+        mesh = None if shard_size else args.topology_hsdp_mesh()
+        if mesh is not None:
+            return mesh
+        shard = args.hybrid_shard_size(shard_size)
+        return init_device_mesh(
+            device, (world // shard, shard),
+            mesh_dim_names=('replicate', 'shard'))
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The shard group (the mesh's last dimension)."""
+        return self.device_mesh.get_group(-1)
+
+    @property
+    def _sharded_root(self) -> nn.Module:
+        return self.module
+
+    @property
+    def eval_forward_module(self) -> nn.Module:
+        # The sharded root: its forward hook all-gathers the parameters.
+        return self.module
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no reduce-scatter) in the block."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def all_reduce_grads(self) -> None:
+        raise NotImplementedError(
+            'MMFullyShard reduces gradients in backward; forced_sync is not '
+            'supported')
