@@ -586,6 +586,7 @@ def write_report(result: dict, plan: dict, out: str, world_size: int,
     for row in result['rows']:
         row['batch_size'] = plan['batch_size']
     add_ratios(result['rows'], world_size)
+    draw_chart(result['rows'], os.path.join(out, CHART))
     meta = dict(
         machine=machine_description(
             'nccl' if plan['device'] == 'cuda' else 'gloo', world_size),
@@ -593,7 +594,6 @@ def write_report(result: dict, plan: dict, out: str, world_size: int,
         load_after=os.getloadavg()[0], wall_s=time.time() - start,
         world_size=world_size)
     result['meta'] = meta
-    draw_chart(result['rows'], os.path.join(out, CHART))
     report = format_report(result, plan, meta)
     write_section(os.path.join(out, 'benchmarks.md'), SECTION, report)
     return report
