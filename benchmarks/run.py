@@ -514,7 +514,8 @@ NOTES = '''Reading the report:
   module in torch DDP (forward, `loss.backward()`, clip, AdamW step).
   `MMDistributedDataParallel` runs the same C++ reducer; what it adds is
   MMEngine's step plumbing (data preprocessor, `parse_losses`, the optim
-  wrapper), a fixed cost per step of well under a millisecond.
+  wrapper), a fixed Python cost per step that this machine cannot
+  separate from its noise (below).
 - Noise: the 2 cores are shared with other jobs (see the load average), and
   every step ends in a collective that waits for the slower rank, so a step
   takes as long as the worse-scheduled of two processes. Single steps of one
