@@ -1,0 +1,140 @@
+"""The ``sharded`` checkpoint format (torch.distributed.checkpoint
+directories): config key, atomic directories, exact resume under DDP and
+both FSDP wrappers, resume on another world size, conversion to a full file.
+Runners run inside the shared gloo pools (no torchrun start-up per run)."""
+import os
+
+import pytest
+import torch
+from mmengine.config import Config
+
+from mmpar.models import DigitsViT
+from mmpar.runner.checkpoint import (find_latest_complete_checkpoint,
+                                     is_complete_checkpoint)
+from mmpar.runner.sharded_checkpoint import (PLAIN_FILE,
+                                             check_checkpoint_format, merge,
+                                             sharded_to_full, split_tensors)
+from tests.e2e import (ROOT, assert_same_training_state, load_ckpt,
+                       run_tool)
+
+CONFIGS = {
+    'MMDistributedDataParallel': 'configs/vit_digits/vit_digits.py',
+    'MMFullyShardedDataParallel': 'configs/vit_digits/vit_digits_fsdp.py',
+    'MMFullyShard': 'configs/vit_digits/vit_digits_fsdp2.py',
+}
+# Small enough for seconds per epoch on 2 CPU ranks: 3 iterations per epoch
+# at 2 ranks (1,437 images / (2 x 256)).
+SMALL_MODEL = dict(embed_dim=16, depth=2, num_heads=2)
+BATCH = 256
+
+
+def _small_cfg(config, work_dir, max_epochs, name, fmt='sharded', **extra):
+    cfg = Config.fromfile(str(ROOT / config))
+    cfg.model.update(SMALL_MODEL)
+    cfg.train_dataloader.batch_size = BATCH
+    cfg.val_dataloader.batch_size = 180
+    cfg.train_cfg.max_epochs = max_epochs
+    cfg.default_hooks.logger.interval = 1
+    cfg.launcher = 'pytorch'
+    cfg.work_dir = str(work_dir)
+    cfg.checkpoint_format = fmt
+    cfg.experiment_name = name  # unique: MMEngine keeps loggers by name
+    cfg.update(extra)
+    return cfg
+
+
+def _train(config, work_dir, max_epochs, name, fmt='sharded', **extra):
+    """Train (or resume) in this process; returns the optimizer's steps."""
+    from mmpar.runner import Runner
+    cfg = _small_cfg(config, work_dir, max_epochs, name, fmt, **extra)
+    runner = Runner.from_cfg(cfg)
+    runner.train()
+    return runner
+
+
+def _train_dist(config, work_dir, max_epochs, name, fmt='sharded', **extra):
+    _train(config, work_dir, max_epochs, name, fmt, **extra)
+
+
+def _plain_model():
+    return DigitsViT(image_size=8, patch_size=2, mlp_ratio=2.0,
+                     **SMALL_MODEL)
+
+
+def _convert(src, dst):
+    run_tool(['python', 'tools/convert_checkpoint.py', src, dst])
+    return load_ckpt(dst)
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_checkpoint_format_is_validated():
+    assert check_checkpoint_format('sharded') == 'sharded'
+    with pytest.raises(ValueError, match=r"checkpoint_format='dcp'.*"
+                       r"'full', 'sharded'"):
+        check_checkpoint_format('dcp')
+
+
+def test_runner_rejects_bad_format_before_any_work(tmp_path):
+    from mmpar.runner import Runner
+    cfg = _small_cfg(CONFIGS['MMDistributedDataParallel'], tmp_path, 1,
+                     'bad_format', fmt='Sharded')
+    cfg.launcher = 'none'
+    with pytest.raises(ValueError, match='checkpoint_format'):
+        Runner.from_cfg(cfg)
+    assert not os.listdir(tmp_path)
+
+
+def test_split_and_merge_round_trip():
+    state = dict(state=dict(w=dict(step=torch.tensor(3.), exp_avg=torch.ones(
+        2), note='x')), param_groups=[dict(lr=0.1, params=['w'])], empty={})
+    tensors, rest = split_tensors(state)
+    assert set(tensors) == {'state'} and 'note' in rest['state']['w']
+    assert merge(tensors, rest) == state or (
+        merge(tensors, rest)['param_groups'] == state['param_groups'])
+
+
+def test_incomplete_directories_are_not_resumed_from(tmp_path):
+    first = tmp_path / 'epoch_1'
+    first.mkdir()
+    (first / '.metadata').write_bytes(b'x')
+    torch.save(dict(meta=dict(epoch=1)), first / PLAIN_FILE)
+    assert is_complete_checkpoint(str(first))
+    # An interrupted save: a '.tmp' directory, and one without DCP's index.
+    (tmp_path / 'epoch_3.tmp').mkdir()
+    (tmp_path / 'epoch_3.tmp' / '.metadata').write_bytes(b'x')
+    torch.save({}, tmp_path / 'epoch_3.tmp' / PLAIN_FILE)
+    second = tmp_path / 'epoch_2'
+    second.mkdir()
+    torch.save({}, second / PLAIN_FILE)
+    (tmp_path / 'last_checkpoint').write_text(str(second))
+    assert not is_complete_checkpoint(str(second))
+    assert find_latest_complete_checkpoint(str(tmp_path)) == str(first)
+
+
+# --------------------------------------------- 2 ranks, every wrapper
+
+
+@pytest.mark.parametrize('wrapper_type', list(CONFIGS))
+def test_sharded_resume_is_exact(run_dist, tmp_path, wrapper_type):
+    config = CONFIGS[wrapper_type]
+    resumed, straight = tmp_path / 'resumed', tmp_path / 'straight'
+    run_dist(_train_dist, config, resumed, 2, f'{wrapper_type}_s2')
+    # Directories, written atomically; last_checkpoint names the newest.
+    assert sorted(os.listdir(resumed / 'epoch_2')) == sorted(
+        ['.metadata', PLAIN_FILE] +
+        [n for n in os.listdir(resumed / 'epoch_2') if n.endswith('.distcp')])
+    assert not list(resumed.glob('*.tmp')) and not list(resumed.glob('*.pth'))
+    assert (resumed / 'last_checkpoint').read_text().endswith('epoch_2')
+    saved_at = (resumed / 'epoch_2' / '.metadata').stat().st_mtime_ns
+    run_dist(_train_dist, config, resumed, 3, f'{wrapper_type}_s_resume',
+             resume=True)
+    # It resumed (a fresh start would have rewritten epoch_2).
+    assert (resumed / 'epoch_2' / '.metadata').stat().st_mtime_ns == saved_at
+    run_dist(_train_dist, config, straight, 3, f'{wrapper_type}_s3')
+
+    a = sharded_to_full(str(resumed / 'epoch_3'))
+    b = sharded_to_full(str(straight / 'epoch_3'))
+    assert_same_training_state(a, b)
+    assert a['meta']['epoch'] == 3
