@@ -138,3 +138,132 @@ def test_sharded_resume_is_exact(run_dist, tmp_path, wrapper_type):
     b = sharded_to_full(str(straight / 'epoch_3'))
     assert_same_training_state(a, b)
     assert a['meta']['epoch'] == 3
+
+
+# ------------------------------------------- another world size on resume
+
+
+class _CaptureLoaded:
+    """A hook that records the optimizer state as resumed (before_train runs
+    after load_or_resume), keyed by parameter names, full-sized."""
+
+    priority = 'VERY_HIGH'
+
+    def __init__(self):
+        self.state = None
+
+    def __getattr__(self, name):  # every other hook point: do nothing
+        if name.startswith(('before_', 'after_')):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def before_train(self, runner):
+        from mmpar.runner.sharded_checkpoint import _stateful_module
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict)
+        full = get_optimizer_state_dict(
+            _stateful_module(runner.model), runner.optim_wrapper.optimizer,
+            options=StateDictOptions(full_state_dict=True))
+        self.state = {
+            name: {k: v.clone() for k, v in value.items()}
+            for name, value in full['state'].items()
+        }
+        self.epoch = runner.epoch
+
+
+def _resume_and_capture(config, work_dir, ckpt, max_epochs, name, fmt):
+    """Resume from ``ckpt``, train to ``max_epochs``; the state as loaded."""
+    from mmpar.runner import Runner
+    cfg = _small_cfg(config, work_dir, max_epochs, name, fmt, resume=True,
+                     load_from=str(ckpt))
+    if int(os.environ.get('WORLD_SIZE', '1')) == 1:
+        cfg.launcher = 'none'
+    runner = Runner.from_cfg(cfg)
+    hook = _CaptureLoaded()
+    runner._hooks.insert(0, hook)
+    runner.train()
+    return hook.epoch, hook.state
+
+
+def _named_saved_state(ckpt: dict, model) -> dict:
+    """Optimizer state of a full checkpoint keyed by parameter names."""
+    state = ckpt['optimizer']['state']
+    if all(isinstance(k, str) for k in state):
+        return state
+    names = [name for name, _ in model.named_parameters()]
+    return {names[index]: value for index, value in state.items()}
+
+
+def _assert_resumed_state(loaded: dict, saved: dict) -> None:
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        for key in ('step', 'exp_avg', 'exp_avg_sq'):
+            torch.testing.assert_close(
+                loaded[name][key], value[key], atol=0, rtol=0)
+
+
+# (wrapper, format): sharded under FSDP2 and DDP, full under FSDP1.
+WORLD_SIZE_CASES = [('MMFullyShard', 'sharded'),
+                    ('MMDistributedDataParallel', 'sharded'),
+                    ('MMFullyShardedDataParallel', 'full')]
+
+
+@pytest.mark.parametrize('wrapper_type,fmt', WORLD_SIZE_CASES)
+def test_two_rank_checkpoint_resumes_on_four(run_dist, tmp_path, wrapper_type,
+                                             fmt):
+    config = CONFIGS[wrapper_type]
+    saved_dir = tmp_path / 'two'
+    run_dist(_train_dist, config, saved_dir, 2, f'{wrapper_type}_{fmt}_w2',
+             fmt)
+    if fmt == 'sharded':
+        ckpt_path = saved_dir / 'epoch_2'
+        saved = sharded_to_full(str(ckpt_path))
+    else:
+        ckpt_path = saved_dir / 'epoch_2.pth'
+        saved = load_ckpt(ckpt_path)
+    saved_state = _named_saved_state(saved, _plain_model())
+
+    four = tmp_path / 'four'
+    results = run_dist(_resume_and_capture, config, four, ckpt_path, 3,
+                       f'{wrapper_type}_{fmt}_w4', fmt, world_size=4)
+    for epoch, loaded in results:
+        assert epoch == 2
+        _assert_resumed_state(loaded, saved_state)
+    # Training went on from there: 1,437 images / (4 x 256) = 2 steps.
+    after = sharded_to_full(str(four / 'epoch_3')) if fmt == 'sharded' \
+        else load_ckpt(four / 'epoch_3.pth')
+    after_state = _named_saved_state(after, _plain_model())
+    for name, value in saved_state.items():
+        assert after_state[name]['step'].item() == value['step'].item() + 2
+    assert after['meta']['iter'] == saved['meta']['iter'] + 2
+
+
+def test_two_rank_sharded_checkpoint_resumes_on_one_process_and_converts(
+        run_dist, tmp_path):
+    config = CONFIGS['MMFullyShard']
+    run_dist(_train_dist, config, tmp_path / 'two', 2, 'fsdp2_to_one', 'sharded')
+    ckpt = tmp_path / 'two' / 'epoch_2'
+    saved = sharded_to_full(str(ckpt))
+    epoch, loaded = _resume_and_capture(config, tmp_path / 'one', ckpt, 3,
+                                        'fsdp2_to_one_single', 'sharded')
+    assert epoch == 2
+    _assert_resumed_state(loaded, saved['optimizer']['state'])
+    # One process: ceil(1,437 / 256) = 6 steps in epoch 3, saved sharded.
+    after = sharded_to_full(str(tmp_path / 'one' / 'epoch_3'))
+    for name, value in saved['optimizer']['state'].items():
+        assert after['optimizer']['state'][name]['step'].item() == \
+            value['step'].item() + 6
+
+    # tools/convert_checkpoint.py: one full file, plain-model keys in order,
+    # loads strictly into a plain model and resumes on one process.
+    converted = _convert(ckpt, tmp_path / 'converted.pth')
+    model = _plain_model()
+    assert list(converted['state_dict']) == list(model.state_dict())
+    model.load_state_dict(converted['state_dict'], strict=True)
+    torch.testing.assert_close(model.head.weight,
+                               saved['state_dict']['head.weight'])
+    epoch, loaded = _resume_and_capture(config, tmp_path / 'from_full',
+                                        tmp_path / 'converted.pth', 3,
+                                        'converted_single', 'full')
+    assert epoch == 2
+    _assert_resumed_state(loaded, saved['optimizer']['state'])

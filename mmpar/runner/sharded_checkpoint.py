@@ -31,6 +31,7 @@ import shutil
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mmengine.dist import barrier, is_main_process
 from mmengine.model import is_model_wrapper
@@ -135,6 +136,11 @@ def merge(tensors: Any, rest: Any) -> Any:
     return merged
 
 
+def _distributed() -> bool:
+    # DCP warns and goes single-process without a process group; say so.
+    return dist.is_available() and dist.is_initialized()
+
+
 def _optimizer(runner) -> Optional[torch.optim.Optimizer]:
     optim_wrapper = runner.optim_wrapper
     if isinstance(optim_wrapper, OptimWrapper):
@@ -178,7 +184,7 @@ def save_sharded(runner, path: str, meta: Optional[dict], by_epoch: bool,
     barrier()
     # Collective: each rank writes its shards; returns once DCP's
     # coordinator has written .metadata.
-    dcp.save(tensors, checkpoint_id=tmp)
+    dcp.save(tensors, checkpoint_id=tmp, no_dist=not _distributed())
     if is_main_process():
         runner.call_hook('before_save_checkpoint', checkpoint=plain)
         atomic_save(plain, osp.join(tmp, PLAIN_FILE))
@@ -219,7 +225,9 @@ def load_sharded(runner, path: str, strict: bool) -> dict:
     saved_optim = checkpoint.get('optimizer')
     if optimizer is None or saved_optim is None:
         model_state, _ = get_state_dict(module, [])
-        dcp.load({'model': model_state}, checkpoint_id=path)
+        dcp.load({'model': model_state},
+                 checkpoint_id=path,
+                 no_dist=not _distributed())
         set_model_state_dict(
             module, model_state, options=StateDictOptions(strict=strict))
         checkpoint.pop('optimizer', None)
@@ -230,7 +238,7 @@ def load_sharded(runner, path: str, strict: bool) -> dict:
     model_state, optim_state = get_state_dict(module, optimizer)
     optim_tensors, _ = split_tensors(optim_state)
     loaded = {'model': model_state, 'optimizer': optim_tensors}
-    dcp.load(loaded, checkpoint_id=path)
+    dcp.load(loaded, checkpoint_id=path, no_dist=not _distributed())
     set_state_dict(
         module,
         optimizer,
