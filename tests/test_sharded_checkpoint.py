@@ -113,6 +113,41 @@ def test_incomplete_directories_are_not_resumed_from(tmp_path):
     assert find_latest_complete_checkpoint(str(tmp_path)) == str(first)
 
 
+def test_interrupted_sharded_save_leaves_previous_checkpoint(
+        tmp_path, monkeypatch):
+    """A save that dies after DCP wrote its shards (here: while writing the
+    plain-data file) leaves only ``epoch_2.tmp``; epoch_1 stays the newest
+    complete checkpoint and a new save of the same name succeeds."""
+    from mmpar.runner import sharded_checkpoint
+    cfg = _small_cfg(CONFIGS['MMDistributedDataParallel'], tmp_path, 1,
+                     'interrupted_save')
+    cfg.launcher = 'none'
+    runner = _train_dist_free(cfg)
+    assert is_complete_checkpoint(str(tmp_path / 'epoch_1'))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sharded_checkpoint, 'atomic_save', killed)
+    with pytest.raises(KeyboardInterrupt):
+        runner.save_checkpoint(str(tmp_path), 'epoch_2')
+    assert (tmp_path / 'epoch_2.tmp' / '.metadata').is_file()
+    assert not (tmp_path / 'epoch_2').exists()
+    assert find_latest_complete_checkpoint(str(tmp_path)) == str(
+        tmp_path / 'epoch_1')
+    monkeypatch.undo()
+    runner.save_checkpoint(str(tmp_path), 'epoch_2')
+    assert not (tmp_path / 'epoch_2.tmp').exists()
+    assert is_complete_checkpoint(str(tmp_path / 'epoch_2'))
+
+
+def _train_dist_free(cfg):
+    from mmpar.runner import Runner
+    runner = Runner.from_cfg(cfg)
+    runner.train()
+    return runner
+
+
 # --------------------------------------------- 2 ranks, every wrapper
 
 

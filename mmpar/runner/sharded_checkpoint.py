@@ -28,6 +28,7 @@ import copy
 import os
 import os.path as osp
 import shutil
+import warnings
 from typing import Any, Optional, Tuple
 
 import torch
@@ -141,6 +142,15 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _quiet(dcp_call, *args, **kwargs):
+    # With no_dist, DCP warns "torch.distributed is disabled ... assuming
+    # the intent is to save/load in a single process" on every call.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            'ignore', message='torch.distributed is disabled')
+        return dcp_call(*args, **kwargs)
+
+
 def _optimizer(runner) -> Optional[torch.optim.Optimizer]:
     optim_wrapper = runner.optim_wrapper
     if isinstance(optim_wrapper, OptimWrapper):
@@ -184,7 +194,7 @@ def save_sharded(runner, path: str, meta: Optional[dict], by_epoch: bool,
     barrier()
     # Collective: each rank writes its shards; returns once DCP's
     # coordinator has written .metadata.
-    dcp.save(tensors, checkpoint_id=tmp, no_dist=not _distributed())
+    _quiet(dcp.save, tensors, checkpoint_id=tmp, no_dist=not _distributed())
     if is_main_process():
         runner.call_hook('before_save_checkpoint', checkpoint=plain)
         atomic_save(plain, osp.join(tmp, PLAIN_FILE))
@@ -225,9 +235,9 @@ def load_sharded(runner, path: str, strict: bool) -> dict:
     saved_optim = checkpoint.get('optimizer')
     if optimizer is None or saved_optim is None:
         model_state, _ = get_state_dict(module, [])
-        dcp.load({'model': model_state},
-                 checkpoint_id=path,
-                 no_dist=not _distributed())
+        _quiet(dcp.load, {'model': model_state},
+               checkpoint_id=path,
+               no_dist=not _distributed())
         set_model_state_dict(
             module, model_state, options=StateDictOptions(strict=strict))
         checkpoint.pop('optimizer', None)
@@ -238,7 +248,7 @@ def load_sharded(runner, path: str, strict: bool) -> dict:
     model_state, optim_state = get_state_dict(module, optimizer)
     optim_tensors, _ = split_tensors(optim_state)
     loaded = {'model': model_state, 'optimizer': optim_tensors}
-    dcp.load(loaded, checkpoint_id=path, no_dist=not _distributed())
+    _quiet(dcp.load, loaded, checkpoint_id=path, no_dist=not _distributed())
     set_state_dict(
         module,
         optimizer,
@@ -270,7 +280,7 @@ def sharded_to_full(path: str) -> dict:
         for key, item in metadata.state_dict_metadata.items()
         if isinstance(item, TensorStorageMetadata)
     }
-    dcp.load(flat, checkpoint_id=path, no_dist=True)
+    _quiet(dcp.load, flat, checkpoint_id=path, no_dist=True)
     # DCP flattens nested dicts; planner_data maps each flat key back to
     # its path (parameter names contain dots, so splitting would not do).
     tensors: dict = {}
