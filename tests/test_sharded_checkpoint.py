@@ -302,3 +302,33 @@ def test_two_rank_sharded_checkpoint_resumes_on_one_process_and_converts(
                                         'converted_single', 'full')
     assert epoch == 2
     _assert_resumed_state(loaded, saved['optimizer']['state'])
+
+
+# ------------------------------------ iteration-based, sharded, FSDP2
+
+
+def _train_iters(work_dir, max_iters, name, **extra):
+    from mmpar.runner import Runner
+    cfg = _small_cfg('configs/vit_digits/vit_digits_iter.py', work_dir, 1,
+                     name, **extra)
+    del cfg.train_cfg['max_epochs']
+    cfg.train_cfg.max_iters = max_iters
+    cfg.train_cfg.val_interval = 100  # no validation: not what is tested
+    cfg.default_hooks.checkpoint.interval = 3
+    cfg.model_wrapper_cfg = Config.fromfile(
+        str(ROOT / CONFIGS['MMFullyShard'])).model_wrapper_cfg
+    Runner.from_cfg(cfg).train()
+
+
+def test_sharded_iter_based_resume_is_exact(run_dist, tmp_path):
+    resumed, straight = tmp_path / 'resumed', tmp_path / 'straight'
+    run_dist(_train_iters, resumed, 3, 'iter_s3')
+    assert (resumed / 'last_checkpoint').read_text().endswith('iter_3')
+    run_dist(_train_iters, resumed, 6, 'iter_s_resume', resume=True)
+    run_dist(_train_iters, straight, 6, 'iter_s6')
+    a = sharded_to_full(str(resumed / 'iter_6'))
+    assert a['meta']['iter'] == 6
+    assert_same_training_state(a, sharded_to_full(str(straight / 'iter_6')))
+    # Resumed at iteration 3, not replayed from the start.
+    logs = ''.join(p.read_text() for p in resumed.glob('*/*.log'))
+    assert 'resumed epoch: 0, iter: 3' in logs
