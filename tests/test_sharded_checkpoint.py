@@ -3,6 +3,7 @@ directories): config key, atomic directories, exact resume under DDP and
 both FSDP wrappers, resume on another world size, conversion to a full file.
 Runners run inside the shared gloo pools (no torchrun start-up per run)."""
 import os
+import re
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from mmpar.runner.checkpoint import (find_latest_complete_checkpoint,
 from mmpar.runner.sharded_checkpoint import (PLAIN_FILE,
                                              check_checkpoint_format, merge,
                                              sharded_to_full, split_tensors)
-from tests.e2e import (ROOT, assert_same_training_state, load_ckpt,
-                       run_tool)
+from tests.e2e import (DEFAULT_CONFIG, ROOT, assert_same_training_state,
+                       load_ckpt, run_tool)
 
 CONFIGS = {
     'MMDistributedDataParallel': 'configs/vit_digits/vit_digits.py',
@@ -332,3 +333,25 @@ def test_sharded_iter_based_resume_is_exact(run_dist, tmp_path):
     # Resumed at iteration 3, not replayed from the start.
     logs = ''.join(p.read_text() for p in resumed.glob('*/*.log'))
     assert 'resumed epoch: 0, iter: 3' in logs
+
+
+# ----------------------------------------- the command-line tools, once
+
+
+def test_dist_train_sharded_then_test_on_one_process(tmp_path):
+    run_tool([
+        'bash', 'tools/dist_train.sh', CONFIGS['MMFullyShard'], 2,
+        '--work-dir', tmp_path, '--cfg-options', 'train_cfg.max_epochs=2',
+        'checkpoint_format=sharded', 'default_hooks.checkpoint.max_keep_ckpts=1'
+    ])
+    # max_keep_ckpts removed the older directory.
+    assert sorted(p.name for p in tmp_path.glob('epoch_*')) == ['epoch_2']
+    assert (tmp_path / 'last_checkpoint').read_text().endswith('epoch_2')
+    proc = run_tool([
+        'python', 'tools/test.py', DEFAULT_CONFIG, tmp_path / 'epoch_2',
+        '--work-dir', tmp_path / 'test'
+    ])
+    out = proc.stdout + proc.stderr
+    assert 'Load sharded checkpoint' in out
+    accuracy = float(re.search(r'accuracy/top1: ([\d.]+)', out).group(1))
+    assert accuracy > 15  # trained weights, not the random start (~10%)
