@@ -4,6 +4,7 @@ both FSDP wrappers, resume on another world size, conversion to a full file.
 Runners run inside the shared gloo pools (no torchrun start-up per run)."""
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -91,9 +92,14 @@ def test_split_and_merge_round_trip():
     state = dict(state=dict(w=dict(step=torch.tensor(3.), exp_avg=torch.ones(
         2), note='x')), param_groups=[dict(lr=0.1, params=['w'])], empty={})
     tensors, rest = split_tensors(state)
-    assert set(tensors) == {'state'} and 'note' in rest['state']['w']
-    assert merge(tensors, rest) == state or (
-        merge(tensors, rest)['param_groups'] == state['param_groups'])
+    assert set(tensors) == {'state'} and set(tensors['state']['w']) == {
+        'step', 'exp_avg'}
+    assert rest == dict(state=dict(w=dict(note='x')),
+                        param_groups=state['param_groups'], empty={})
+    merged = merge(tensors, rest)
+    assert merged.keys() == state.keys()
+    assert merged['state']['w']['exp_avg'] is state['state']['w']['exp_avg']
+    assert merged['state']['w']['note'] == 'x' and merged['empty'] == {}
 
 
 def test_incomplete_directories_are_not_resumed_from(tmp_path):
@@ -114,17 +120,28 @@ def test_incomplete_directories_are_not_resumed_from(tmp_path):
     assert find_latest_complete_checkpoint(str(tmp_path)) == str(first)
 
 
+@pytest.fixture(scope='module')
+def one_process_runner(tmp_path_factory):
+    """A one-process Runner trained 1 epoch, saved sharded as epoch_1."""
+    from mmpar.runner import Runner
+    work_dir = tmp_path_factory.mktemp('one_process')
+    cfg = _small_cfg(CONFIGS['MMDistributedDataParallel'], work_dir, 1,
+                     'one_process')
+    cfg.launcher = 'none'
+    runner = Runner.from_cfg(cfg)
+    runner.train()
+    assert is_complete_checkpoint(str(work_dir / 'epoch_1'))
+    return runner, work_dir / 'epoch_1'
+
+
 def test_interrupted_sharded_save_leaves_previous_checkpoint(
-        tmp_path, monkeypatch):
+        one_process_runner, tmp_path, monkeypatch):
     """A save that dies after DCP wrote its shards (here: while writing the
     plain-data file) leaves only ``epoch_2.tmp``; epoch_1 stays the newest
     complete checkpoint and a new save of the same name succeeds."""
     from mmpar.runner import sharded_checkpoint
-    cfg = _small_cfg(CONFIGS['MMDistributedDataParallel'], tmp_path, 1,
-                     'interrupted_save')
-    cfg.launcher = 'none'
-    runner = _train_dist_free(cfg)
-    assert is_complete_checkpoint(str(tmp_path / 'epoch_1'))
+    runner, epoch_1 = one_process_runner
+    shutil.copytree(epoch_1, tmp_path / 'epoch_1')
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
@@ -142,11 +159,40 @@ def test_interrupted_sharded_save_leaves_previous_checkpoint(
     assert is_complete_checkpoint(str(tmp_path / 'epoch_2'))
 
 
-def _train_dist_free(cfg):
-    from mmpar.runner import Runner
-    runner = Runner.from_cfg(cfg)
-    runner.train()
-    return runner
+def test_weights_only_sharded_save_loads_into_model(one_process_runner,
+                                                    tmp_path):
+    runner, _ = one_process_runner
+    runner.save_checkpoint(
+        str(tmp_path), 'weights', save_optimizer=False,
+        save_param_scheduler=False)
+    expected = {k: v.clone() for k, v in runner.model.state_dict().items()}
+    with torch.no_grad():
+        for param in runner.model.parameters():
+            param.zero_()
+    checkpoint = runner.load_checkpoint(str(tmp_path / 'weights'))
+    assert 'optimizer' not in checkpoint
+    for key, value in runner.model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_corrupt_sharded_checkpoint_fails_naming_it(one_process_runner,
+                                                    tmp_path):
+    from mmpar.runner import CheckpointLoadError
+    runner, epoch_1 = one_process_runner
+    plain, shard, index = (tmp_path / name for name in ('a', 'b', 'c'))
+    for copy in (plain, shard, index):
+        shutil.copytree(epoch_1, copy)
+    (plain / PLAIN_FILE).write_bytes((plain / PLAIN_FILE).read_bytes()[:99])
+    with pytest.raises(CheckpointLoadError, match=PLAIN_FILE):
+        runner.load_checkpoint(str(plain))
+    distcp = next(shard.glob('*.distcp'))
+    distcp.write_bytes(distcp.read_bytes()[:len(distcp.read_bytes()) // 2])
+    with pytest.raises(CheckpointLoadError,
+                       match=f"sharded checkpoint '{shard}'.*earlier"):
+        runner.load_checkpoint(str(shard))
+    (index / '.metadata').unlink()
+    with pytest.raises(FileNotFoundError, match='not a complete sharded'):
+        runner.load_checkpoint(str(index))
 
 
 # --------------------------------------------- 2 ranks, every wrapper

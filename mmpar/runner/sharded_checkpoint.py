@@ -38,12 +38,14 @@ from mmengine.dist import barrier, is_main_process
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_state_dict,
                                                      set_model_state_dict,
                                                      set_state_dict)
 
-from mmpar.runner.checkpoint import (atomic_save, checkpoint_extras,
+from mmpar.runner.checkpoint import (CheckpointLoadError, atomic_save,
+                                     checkpoint_extras,
                                      is_complete_checkpoint,
                                      load_checkpoint_file)
 
@@ -151,6 +153,31 @@ def _quiet(dcp_call, *args, **kwargs):
         return dcp_call(*args, **kwargs)
 
 
+def _load_tensors(state: dict, path: str, partial: bool) -> None:
+    """``dcp.load`` into ``state`` in place; a failure names the directory.
+
+    Raises:
+        CheckpointLoadError: a shard file is missing, truncated or corrupt,
+            or the checkpoint lacks tensors ``state`` needs.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    try:
+        _quiet(
+            dcp.load,
+            state,
+            checkpoint_id=path,
+            planner=DefaultLoadPlanner(allow_partial_load=partial),
+            no_dist=not _distributed())
+    # DCP's CheckpointException (failures of any rank) is a BaseException.
+    except (Exception, CheckpointException) as err:
+        lines = str(err).strip().splitlines()
+        raise CheckpointLoadError(
+            f'cannot load sharded checkpoint {path!r}: a shard is missing, '
+            f'corrupt or does not match this model ({type(err).__name__}: '
+            f'{lines[-1] if lines else ""}). Resume from an earlier '
+            'checkpoint in the same directory instead.') from None
+
+
 def _optimizer(runner) -> Optional[torch.optim.Optimizer]:
     optim_wrapper = runner.optim_wrapper
     if isinstance(optim_wrapper, OptimWrapper):
@@ -173,7 +200,16 @@ def save_sharded(runner, path: str, meta: Optional[dict], by_epoch: bool,
     if optimizer is not None:
         model_state, optim_state = get_state_dict(module, optimizer)
     else:
-        model_state, optim_state = get_state_dict(module, []), None
+        (model_state, _), optim_state = get_state_dict(module, []), None
+    not_tensors = [
+        k for k, v in model_state.items() if not isinstance(v, torch.Tensor)
+    ]
+    if not_tensors:
+        # DCP would pickle them (and unpickle with weights_only=False).
+        raise ValueError(
+            f"checkpoint_format='sharded' saves tensors only; the model's "
+            f'state entries {not_tensors} are not tensors. Use '
+            "checkpoint_format='full'")
     plain = checkpoint_extras(runner, meta, by_epoch, save_param_scheduler)
     plain['model_keys'] = list(model_state)
     tensors = {'model': model_state}
@@ -235,9 +271,9 @@ def load_sharded(runner, path: str, strict: bool) -> dict:
     saved_optim = checkpoint.get('optimizer')
     if optimizer is None or saved_optim is None:
         model_state, _ = get_state_dict(module, [])
-        _quiet(dcp.load, {'model': model_state},
-               checkpoint_id=path,
-               no_dist=not _distributed())
+        # Not strict (load_from's default): keys the checkpoint lacks keep
+        # their current values, as nn.Module.load_state_dict(strict=False).
+        _load_tensors({'model': model_state}, path, partial=not strict)
         set_model_state_dict(
             module, model_state, options=StateDictOptions(strict=strict))
         checkpoint.pop('optimizer', None)
@@ -248,7 +284,7 @@ def load_sharded(runner, path: str, strict: bool) -> dict:
     model_state, optim_state = get_state_dict(module, optimizer)
     optim_tensors, _ = split_tensors(optim_state)
     loaded = {'model': model_state, 'optimizer': optim_tensors}
-    _quiet(dcp.load, loaded, checkpoint_id=path, no_dist=not _distributed())
+    _load_tensors(loaded, path, partial=False)
     set_state_dict(
         module,
         optimizer,
