@@ -223,9 +223,8 @@ def save_sharded(runner, path: str, meta: Optional[dict], by_epoch: bool,
         }
     tmp = f'{path}.tmp'
     if is_main_process():
-        for stale in (tmp, ):
-            if osp.isdir(stale):
-                shutil.rmtree(stale)
+        if osp.isdir(tmp):  # left by an interrupted save
+            shutil.rmtree(tmp)
         os.makedirs(tmp)
     barrier()
     # Collective: each rank writes its shards; returns once DCP's
