@@ -12,12 +12,39 @@ from mmpar.dist import LAUNCHERS
 AMP_WRAPPER = 'mmpar.AmpOptimWrapper'
 
 
+class CfgOptionsAction(DictAction):
+    """MMEngine's ``DictAction`` with errors that name the bad pair.
+
+    ``DictAction`` raises a bare unpacking ``ValueError`` for a pair without
+    ``=``, an ``AssertionError`` for unbalanced brackets, and recurses until
+    ``RecursionError`` on ``dict(...)`` inside a list.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        options = dict(getattr(namespace, self.dest, None) or {})
+        for pair in values:
+            key, sep, value = pair.partition('=')
+            if not sep or not key:
+                raise argparse.ArgumentError(
+                    self, f'{pair!r} is not KEY=VALUE; allowed: e.g. '
+                    'train_cfg.max_epochs=3 or model.depth=2')
+            try:
+                options[key] = self._parse_iterable(value)
+            except (AssertionError, ValueError, RecursionError) as err:
+                raise argparse.ArgumentError(
+                    self, f'cannot parse the value of {key!r} in {pair!r} '
+                    f'({type(err).__name__}: {str(err)[:80]}); allowed: '
+                    'numbers, strings, True/False/None and [...] or (...) '
+                    'of them; put dicts in a config file') from None
+        setattr(namespace, self.dest, options)
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--work-dir', help='where logs and checkpoints go')
     parser.add_argument(
         '--cfg-options',
         nargs='+',
-        action=DictAction,
+        action=CfgOptionsAction,
         help='override config keys, e.g. train_cfg.max_epochs=3')
     parser.add_argument(
         '--launcher', choices=LAUNCHERS, default='none', help='job launcher')
@@ -53,7 +80,9 @@ def load_config(args: argparse.Namespace) -> Config:
     """The config with ``--cfg-options``, work dir and launcher applied."""
     if not osp.isfile(args.config):
         raise FileNotFoundError(f'config file {args.config!r} does not exist')
-    cfg = Config.fromfile(args.config)
+    # custom_imports are imported by the Runner's config check, which names
+    # a module that does not exist (Config.fromfile raises a bare ImportError).
+    cfg = Config.fromfile(args.config, import_custom_modules=False)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
     cfg.launcher = args.launcher

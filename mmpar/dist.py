@@ -18,6 +18,7 @@ LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 BACKENDS = ('gloo', 'nccl')
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_S = 1800
+MIN_STORE_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,55 @@ def init_dist(launcher: str,
         torch.cuda.set_device(place.local_rank)
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
+    store = _restart_safe_store(place, timeout)
+    if store is not None and 'store' not in kwargs:
+        kwargs.update(store=store, rank=place.rank,
+                      world_size=place.world_size)
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def _restart_safe_store(place: LaunchEnv,
+                        timeout: Optional[datetime.timedelta]):
+    """torchrun's store, with keys private to this restart attempt.
+
+    Under torchrun the workers share the agent's TCPStore, which outlives a
+    restart (``--max-restarts``); torch's env:// rendezvous adds no
+    per-attempt prefix, so a restarted gloo group reads the dead workers'
+    addresses and fails with "connectFullMesh ... Connection refused".
+    Prefixing the keys with ``TORCHELASTIC_RESTART_COUNT`` fixes that.
+    None when not under torchrun's agent.
+    """
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    # Start-up (imports, peers arriving) may take longer than a short
+    # collective timeout; the store only serves the rendezvous.
+    store_timeout = max(timeout or datetime.timedelta(0),
+                        datetime.timedelta(seconds=MIN_STORE_TIMEOUT_S))
+    store = dist.TCPStore(
+        place.master_addr,
+        place.master_port,
+        place.world_size,
+        is_master=False,
+        timeout=store_timeout)
+    return dist.PrefixStore(f'mmpar/attempt_{attempt}/', store)
+
+
+def collective_timeout() -> Optional[datetime.timedelta]:
+    """The default group's collective timeout (None without a group).
+
+    ``torch.distributed.new_group`` gives a new group torch's default timeout
+    (30 minutes for gloo), not the default group's, so a group made after
+    start-up would ignore ``env_cfg.dist_cfg.timeout`` and a hung rank would
+    block its peers for half an hour. Pass this to ``new_group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    device = torch.device('cuda' if uses_cuda() else 'cpu')
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None  # a backend without options: torch's default applies
 
 
 def uses_cuda() -> bool:

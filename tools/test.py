@@ -4,16 +4,14 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmpar.cli import (build_runner, destroy_process_group,  # noqa: E402
-                       parse_test_args, test_config)
+from mmpar.cli import build_runner, parse_test_args, test_config  # noqa: E402
+from mmpar.failures import fail_fast  # noqa: E402
 
 
 def main():
-    cfg = test_config(parse_test_args())
-    try:
-        build_runner(cfg).test()
-    finally:
-        destroy_process_group()
+    # A failure is reported once, the process group torn down, exit 1.
+    with fail_fast():
+        build_runner(test_config(parse_test_args())).test()
 
 
 if __name__ == '__main__':

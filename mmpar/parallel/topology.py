@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mmpar.dist import uses_cuda
+from mmpar.dist import collective_timeout, uses_cuda
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import (DIMS, ParallelismError, ParallelLayout,
                                    parallel_layout)
@@ -106,8 +106,11 @@ def init_parallelism(model_parallelism: int = 1,
     mine, created = {}, []
     for kind in ('mp', 'pp', 'dp'):
         for ranks in layout.groups[kind]:
-            # Every rank joins every new_group call, member or not.
-            group = dist.new_group(ranks, backend=backends[kind])
+            # Every rank joins every new_group call, member or not. The
+            # timeout is the default group's (env_cfg.dist_cfg.timeout), not
+            # torch's 30-minute default for new groups.
+            group = dist.new_group(
+                ranks, backend=backends[kind], timeout=collective_timeout())
             if rank in ranks:
                 mine[kind] = GroupInfo(group, list(ranks), ranks.index(rank),
                                        len(ranks))

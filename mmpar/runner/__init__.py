@@ -2,10 +2,11 @@ from mmpar.runner.checkpoint import (CheckpointLoadError, PlainCheckpointHook,
                                      load_checkpoint_file)
 from mmpar.runner.loops import (FastResumeIterBasedTrainLoop,
                                 SkippableInfiniteSampler)
+from mmpar.runner.nonfinite import NonFiniteLossError, NonFiniteLossHook
 from mmpar.runner.runner import Runner
 
 __all__ = [
     'Runner', 'PlainCheckpointHook', 'CheckpointLoadError',
     'load_checkpoint_file', 'FastResumeIterBasedTrainLoop',
-    'SkippableInfiniteSampler'
+    'SkippableInfiniteSampler', 'NonFiniteLossHook', 'NonFiniteLossError'
 ]

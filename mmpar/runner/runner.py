@@ -17,6 +17,7 @@ from mmengine.runner.checkpoint import (_load_checkpoint,
                                         _load_checkpoint_to_model)
 from torch import nn
 
+from mmpar.config_check import check_config
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
                                    default_wrapper_cfg, setup_parallelism)
@@ -42,6 +43,8 @@ class Runner(MMEngineRunner):
     def __init__(self, *args, **kwargs):
         given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         check_launcher(given.get('launcher', 'none'))
+        if given.get('cfg') is not None:
+            check_config(given['cfg'])  # the whole config, ConfigError
         # MMEngine reads the wrapper config from ``cfg``, not an argument.
         check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
         ParallelConfig.from_cfg((given.get('cfg') or {}).get('parallel'))

@@ -1,0 +1,361 @@
+"""Check a whole config before anything is built or any process group starts.
+
+MMEngine builds parts lazily (the train loop, the optimizer, the evaluator),
+so a typo in ``train_cfg`` or an unregistered optimizer surfaces as a
+``TypeError`` or ``KeyError`` minutes into a distributed job, on every rank.
+:func:`check_config` finds those mistakes at start-up and raises
+:class:`~mmpar.failures.ConfigError` naming the key, the bad value and what
+is allowed. It reads the config and never changes it.
+"""
+import importlib
+import inspect
+import numbers
+import os.path as osp
+from typing import Any, Iterable, Optional
+
+import torch
+
+from mmpar.dist import BACKENDS
+from mmpar.failures import ConfigError
+
+LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
+# Keys of ``train_cfg`` MMEngine's built-in train loops accept.
+TRAIN_CFG_KEYS = {
+    'type', 'by_epoch', 'max_epochs', 'max_iters', 'val_begin',
+    'val_interval', 'dynamic_intervals'
+}
+# MMEngine requires each of these groups to be all set or all unset.
+TOGETHER = (('train_dataloader', 'train_cfg', 'optim_wrapper'),
+            ('val_dataloader', 'val_cfg', 'val_evaluator'),
+            ('test_dataloader', 'test_cfg', 'test_evaluator'))
+WRAPPER_BOOL_KEYS = ('find_unused_parameters', 'broadcast_buffers',
+                     'gradient_as_bucket_view', 'static_graph')
+WRAPPER_POSITIVE_KEYS = ('bucket_cap_mb', )
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f'{key}={value!r} is not allowed; {allowed}')
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive_int(key: str, value: Any, minimum: int = 1) -> None:
+    if not _is_int(value) or value < minimum:
+        _fail(key, value, f'allowed: an int >= {minimum}')
+
+
+def _check_positive_number(key: str, value: Any) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or value <= 0):
+        _fail(key, value, 'allowed: a number > 0')
+
+
+def _import_locations(registry) -> None:
+    # Registry.get imports only its own ``locations``, not its parents'
+    # (MMEngine's samplers register on import of mmengine.dataset).
+    while registry is not None:
+        registry.import_from_location()
+        registry = registry.parent
+
+
+def _registered(registry, scope: Optional[str]) -> list:
+    """Names ``registry`` resolves under ``scope`` (its own, then parents)."""
+    names = []
+    with registry.switch_scope_and_registry(scope) as current:
+        while current is not None:
+            current.import_from_location()
+            names += [n for n in current.module_dict if n not in names]
+            current = current.parent
+    return sorted(names)
+
+
+def check_type(key: str, section: Any, registry, scope: Optional[str],
+               required: bool = True) -> Optional[type]:
+    """Check ``section['type']`` names something in ``registry``.
+
+    Returns:
+        The registered class, or None if ``type`` is not a string (a class
+        given directly) or the section is absent and not required.
+    """
+    if section is None and not required:
+        return None
+    if not isinstance(section, dict) and not isinstance(
+            section, (type(None), str, numbers.Number, list, tuple)):
+        return None  # an object built by the caller (a module, a dataset)
+    if not isinstance(section, dict):
+        _fail(key, section, f'allowed: a dict with a "type" key from the '
+              f'{registry.name} registry')
+    if 'type' not in section:
+        raise ConfigError(f'{key} has no "type"; allowed: '
+                          f'{", ".join(_registered(registry, scope))}')
+    name = section['type']
+    if not isinstance(name, str):
+        return name if inspect.isclass(name) else None
+    with registry.switch_scope_and_registry(scope) as scoped:
+        _import_locations(scoped)
+        cls = scoped.get(name)
+    if cls is None:
+        _fail(f'{key}.type', name, f'not registered in {registry.name}; '
+              f'allowed: {", ".join(_registered(registry, scope))}')
+    return cls
+
+
+def check_custom_imports(custom_imports: Any) -> None:
+    """Import ``custom_imports`` now, naming a module that does not exist."""
+    if custom_imports is None:
+        return
+    if not isinstance(custom_imports, dict) or 'imports' not in custom_imports:
+        _fail('custom_imports', custom_imports,
+              "allowed: dict(imports=['module', ...])")
+    imports = custom_imports['imports']
+    modules = [imports] if isinstance(imports, str) else imports
+    if not isinstance(modules, (list, tuple)):
+        _fail('custom_imports.imports', imports, 'allowed: a list of modules')
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            if custom_imports.get('allow_failed_imports', False):
+                continue
+            _fail('custom_imports.imports', module,
+                  f'the module cannot be imported ({err}); allowed: modules '
+                  'importable from PYTHONPATH')
+
+
+def _init_arg_names(cls: type) -> Optional[set]:
+    """Keyword arguments ``cls(...)`` accepts, following ``**kwargs`` up the
+    MRO; None if the chain ends in an open ``**kwargs``."""
+    names = set()
+    for klass in cls.__mro__:
+        if '__init__' not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)['__init__']).parameters
+        names.update(n for n, p in params.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            return names - {'self', 'module'}
+    return None
+
+
+def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
+    """Arguments the wrapper class does not take (e.g. FSDP-only keys on
+    DDP) and wrong types of common DDP arguments."""
+    from mmpar.wrappers.builder import (DEFAULT_WRAPPER, check_wrapper_cfg,
+                                        wrapper_class)
+    check_wrapper_cfg(wrapper_cfg)  # type, sync strategy, the class's check
+    if wrapper_cfg is None:
+        return
+    cls = wrapper_class(wrapper_cfg.get('type', DEFAULT_WRAPPER))
+    allowed = _init_arg_names(cls)
+    for key, value in wrapper_cfg.items():
+        if key == 'type':
+            continue
+        if allowed is not None and key not in allowed:
+            _fail(f'model_wrapper_cfg.{key}', value,
+                  f'{cls.__name__} takes no argument {key!r}; allowed: '
+                  f'{", ".join(sorted(allowed))}')
+        if key in WRAPPER_BOOL_KEYS and not isinstance(value, bool):
+            _fail(f'model_wrapper_cfg.{key}', value, 'allowed: True, False')
+        if key in WRAPPER_POSITIVE_KEYS:
+            _check_positive_number(f'model_wrapper_cfg.{key}', value)
+
+
+def check_dist_cfg(env_cfg: Any) -> None:
+    dist_cfg = (env_cfg or {}).get('dist_cfg') or {}
+    backend = dist_cfg.get('backend')
+    if backend is not None and backend not in BACKENDS:
+        _fail('env_cfg.dist_cfg.backend', backend,
+              f'allowed: {", ".join(BACKENDS)}')
+    if backend == 'nccl' and not torch.cuda.is_available():
+        raise ConfigError(
+            "env_cfg.dist_cfg.backend='nccl' needs CUDA, which is not "
+            "available; allowed here: 'gloo', or leave it unset")
+    if 'timeout' in dist_cfg:
+        _check_positive_number('env_cfg.dist_cfg.timeout',
+                               dist_cfg['timeout'])
+
+
+def check_dataloader(key: str, loader: Any, scope: Optional[str]) -> None:
+    from mmpar.registry import DATA_SAMPLERS, DATASETS
+    if not isinstance(loader, dict):
+        _fail(key, loader, 'allowed: a dict with batch_size and dataset')
+    if 'dataset' not in loader:
+        raise ConfigError(f'{key} has no "dataset"; allowed: '
+                          f'{key}.dataset=dict(type=...)')
+    check_type(f'{key}.dataset', loader['dataset'], DATASETS, scope)
+    if 'batch_size' in loader:
+        _check_positive_int(f'{key}.batch_size', loader['batch_size'])
+    if 'num_workers' in loader:
+        _check_positive_int(f'{key}.num_workers', loader['num_workers'], 0)
+    check_type(f'{key}.sampler', loader.get('sampler'), DATA_SAMPLERS, scope,
+               required=False)
+
+
+def check_optim_wrapper(optim_wrapper: Any, scope: Optional[str]) -> None:
+    from mmpar.registry import OPTIM_WRAPPERS, OPTIMIZERS
+    if not isinstance(optim_wrapper, dict):
+        _fail('optim_wrapper', optim_wrapper,
+              'allowed: dict(optimizer=dict(type=...), ...)')
+    if 'constructor' in optim_wrapper:
+        return  # a custom constructor may read any keys
+    section = dict(optim_wrapper)
+    section.setdefault('type', 'OptimWrapper')
+    check_type('optim_wrapper', section, OPTIM_WRAPPERS, scope)
+    if 'optimizer' not in optim_wrapper:
+        raise ConfigError('optim_wrapper has no "optimizer"; allowed: '
+                          'optim_wrapper.optimizer=dict(type=..., lr=...)')
+    check_type('optim_wrapper.optimizer', optim_wrapper['optimizer'],
+               OPTIMIZERS, scope)
+    if 'accumulative_counts' in optim_wrapper:
+        _check_positive_int('optim_wrapper.accumulative_counts',
+                            optim_wrapper['accumulative_counts'])
+    clip_grad = optim_wrapper.get('clip_grad')
+    if clip_grad is not None:
+        if not isinstance(clip_grad, dict):
+            _fail('optim_wrapper.clip_grad', clip_grad,
+                  'allowed: None or dict(max_norm=...)')
+        if clip_grad.get('type', 'norm') not in ('norm', 'value'):
+            _fail('optim_wrapper.clip_grad.type', clip_grad['type'],
+                  'allowed: norm, value')
+
+
+def check_train_cfg(train_cfg: Any) -> None:
+    if not isinstance(train_cfg, dict):
+        _fail('train_cfg', train_cfg, 'allowed: dict(max_epochs=...)')
+    if 'type' in train_cfg:
+        return  # a custom loop may take other keys
+    for key in train_cfg:
+        if key not in TRAIN_CFG_KEYS:
+            _fail(f'train_cfg.{key}', train_cfg[key],
+                  f'unknown key {key!r}; allowed: '
+                  f'{", ".join(sorted(TRAIN_CFG_KEYS))}')
+    for key in ('max_epochs', 'max_iters', 'val_interval'):
+        if key in train_cfg:
+            _check_positive_int(f'train_cfg.{key}', train_cfg[key])
+
+
+def check_hooks(cfg: Any, scope: Optional[str]) -> None:
+    from mmpar.registry import HOOKS
+    default_hooks = cfg.get('default_hooks') or {}
+    for name, hook in default_hooks.items():
+        check_type(f'default_hooks.{name}', hook, HOOKS, scope,
+                   required=False)
+    checkpoint = default_hooks.get('checkpoint') or {}
+    interval = checkpoint.get('interval', 1)
+    if interval != -1:  # -1: never save by interval
+        if not _is_int(interval) or interval < 1:
+            _fail('default_hooks.checkpoint.interval', interval,
+                  'allowed: an int >= 1, or -1 (never)')
+    for index, hook in enumerate(cfg.get('custom_hooks') or []):
+        cls = check_type(f'custom_hooks[{index}]', hook, HOOKS, scope)
+        if getattr(cls, 'check_cfg', None) is not None:
+            cls.check_cfg({k: v for k, v in hook.items() if k != 'type'})
+
+
+def check_checkpoint_paths(cfg: Any) -> None:
+    load_from = cfg.get('load_from')
+    if load_from is None or '://' in str(load_from):
+        return
+    if not osp.isfile(load_from):
+        key = 'load_from (resume)' if cfg.get('resume') else 'load_from'
+        _fail(key, load_from, 'the file does not exist; allowed: an '
+              'existing checkpoint file, or None')
+
+
+def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
+    """The world size the launcher's environment announces, if it does."""
+    from mmpar.dist import launch_env
+    if launcher in (None, 'none'):
+        return 1
+    try:
+        return launch_env(launcher).world_size
+    except (RuntimeError, ValueError):
+        return None  # not started by that launcher (yet): checked later
+
+
+def check_parallel(parallel: Any, launcher: Optional[str]) -> None:
+    """The ``parallel`` section, and its sizes against the world size."""
+    from mmpar.parallel.config import ParallelConfig
+    from mmpar.parallel.layout import ParallelismError, check_sizes
+    config = ParallelConfig.from_cfg(parallel)
+    world_size = _launch_world_size(launcher)
+    if parallel is None or world_size is None:
+        return
+    try:
+        check_sizes(world_size, config.model_parallelism,
+                    config.pipeline_parallelism)
+    except ParallelismError as err:
+        raise ConfigError(
+            f'parallel: {err}; allowed: model_parallelism * '
+            f'pipeline_parallelism dividing the world size {world_size}'
+        ) from None
+
+
+def _check_together(cfg: Any, keys: Iterable[str]) -> None:
+    present = [k for k in keys if cfg.get(k) is not None]
+    if present and len(present) != len(keys):
+        missing = [k for k in keys if k not in present]
+        raise ConfigError(f'{", ".join(present)} set but {", ".join(missing)}'
+                          f' missing; allowed: all of {", ".join(keys)} or '
+                          'none of them')
+
+
+def check_config(cfg: Any) -> None:
+    """Validate a full Runner config (a ``Config`` or dict) up front.
+
+    Raises:
+        ConfigError: the first problem found, naming key, value and what is
+            allowed.
+    """
+    # MMEngine's built-ins (samplers, hooks, optimizers, schedulers) register
+    # when mmengine.runner imports them; the Runner has done so already.
+    import mmengine.runner  # noqa: F401
+
+    from mmpar.registry import METRICS, MODELS, PARAM_SCHEDULERS
+    check_custom_imports(cfg.get('custom_imports'))
+    scope = cfg.get('default_scope')
+    if cfg.get('model') is None:
+        raise ConfigError('the config has no "model"; allowed: '
+                          'model=dict(type=...) from the model registry')
+    check_type('model', cfg['model'], MODELS, scope)
+    for keys in TOGETHER:
+        _check_together(cfg, keys)
+    for key in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        if cfg.get(key) is not None:
+            check_dataloader(key, cfg[key], scope)
+    if cfg.get('optim_wrapper') is not None:
+        check_optim_wrapper(cfg['optim_wrapper'], scope)
+    if cfg.get('train_cfg') is not None:
+        check_train_cfg(cfg['train_cfg'])
+    for key in ('val_evaluator', 'test_evaluator'):
+        evaluator = cfg.get(key)
+        for index, metric in enumerate(evaluator if isinstance(
+                evaluator, (list, tuple)) else [evaluator]):
+            if isinstance(metric, dict) and 'metrics' not in metric:
+                check_type(key, metric, METRICS, scope, required=False)
+    schedulers = cfg.get('param_scheduler')
+    for index, scheduler in enumerate(schedulers if isinstance(
+            schedulers, (list, tuple)) else [schedulers]):
+        if scheduler is not None:
+            check_type(f'param_scheduler[{index}]', scheduler,
+                       PARAM_SCHEDULERS, scope)
+    check_dist_cfg(cfg.get('env_cfg'))
+    # Checks that live next to what they check (hooks' and wrappers'
+    # check_cfg, the parallel section) raise ValueError or TypeError.
+    try:
+        check_hooks(cfg, scope)
+        check_wrapper_args(cfg.get('model_wrapper_cfg'))
+        check_parallel(cfg.get('parallel'), cfg.get('launcher'))
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+    check_checkpoint_paths(cfg)
+    log_level = cfg.get('log_level', 'INFO')
+    if isinstance(log_level, str) and log_level.upper() not in LOG_LEVELS:
+        _fail('log_level', log_level, f'allowed: {", ".join(LOG_LEVELS)}')
+    seed = (cfg.get('randomness') or {}).get('seed')
+    if seed is not None and not _is_int(seed):
+        _fail('randomness.seed', seed, 'allowed: an int or None')

@@ -1,0 +1,39 @@
+"""A few catalogue cases through tools/train.py: exit code 1 or 2 before any
+training, one message naming key, value and what is allowed, no traceback."""
+import pytest
+
+from tests.e2e import DEFAULT_CONFIG, run_tool
+
+CASES = {
+    'pair without =': (['train_cfg.max_epochs'],
+                       ["'train_cfg.max_epochs' is not KEY=VALUE"]),
+    'dict in --cfg-options': (["custom_hooks=[dict(type=X,rank=1)]"],
+                              ["cannot parse the value of 'custom_hooks'",
+                               'put dicts in a config file']),
+    'missing custom_imports module': (
+        ['custom_imports.imports=[mmpar_plugins_nope]'],
+        ["custom_imports.imports='mmpar_plugins_nope'",
+         'cannot be imported']),
+    'nccl without CUDA': (['env_cfg.dist_cfg.backend=nccl'],
+                          ["env_cfg.dist_cfg.backend='nccl'", 'needs CUDA']),
+    'unknown wrapper': (['model_wrapper_cfg.type=MMNope'],
+                        ["model_wrapper_cfg.type='MMNope'",
+                         'MMDistributedDataParallel']),
+    'typo in train_cfg': (['train_cfg.max_epoch=3'],
+                          ["unknown key 'max_epoch'", 'max_epochs']),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_train_rejects_bad_config_at_start(case, tmp_path):
+    options, expected = CASES[case]
+    proc = run_tool(['python', 'tools/train.py', DEFAULT_CONFIG, '--work-dir',
+                     tmp_path, '--cfg-options'] + options,
+                    timeout=120,
+                    check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode in (1, 2), output[-2000:]
+    for text in expected:
+        assert text in output, output[-2000:]
+    assert 'Traceback' not in output, output[-3000:]
+    assert 'Epoch(train)' not in output

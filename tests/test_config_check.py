@@ -1,0 +1,254 @@
+"""The bad-input catalogue: every case fails at start-up, in-process, with a
+message naming the key, the bad value and what is allowed.
+
+docs/troubleshooting.md lists the same cases; tests/test_bad_input_cli.py
+runs a few of them through tools/train.py.
+"""
+import copy
+
+import pytest
+from mmengine.config import Config
+
+from mmpar.config_check import check_config
+from mmpar.failures import ConfigError
+from tests.e2e import DEFAULT_CONFIG, ROOT
+
+DELETE = object()
+FSDP = 'MMFullyShardedDataParallel'
+
+# case: ({dotted key: new value or DELETE}, [texts the message must contain])
+CASES = {
+    'unknown wrapper': ({
+        'model_wrapper_cfg': dict(type='MMNope')
+    }, ["model_wrapper_cfg.type='MMNope'", 'MMDistributedDataParallel']),
+    'unknown sync strategy': ({
+        'model_wrapper_cfg': dict(sync_strategy='sometimes')
+    }, ["sync_strategy='sometimes'", 'single_auto_sync, multi_auto_sync']),
+    'FSDP-only key on DDP': ({
+        'model_wrapper_cfg': dict(sharding_strategy='FULL_SHARD')
+    }, ["model_wrapper_cfg.sharding_strategy='FULL_SHARD'",
+        'MMDistributedDataParallel takes no argument', 'bucket_cap_mb']),
+    'negative bucket_cap_mb': ({
+        'model_wrapper_cfg': dict(bucket_cap_mb=-1)
+    }, ['model_wrapper_cfg.bucket_cap_mb=-1', 'a number > 0']),
+    'non-bool find_unused_parameters': ({
+        'model_wrapper_cfg': dict(find_unused_parameters='yes')
+    }, ["find_unused_parameters='yes'", 'True, False']),
+    'negative bucket_cap_mb (bucketed DP)': ({
+        'model_wrapper_cfg': dict(type='MMBucketDataParallel', bucket_cap_mb=-1)
+    }, ['bucket_cap_mb=-1', 'a number of MiB > 0']),
+    'grad_dtype fp12 (bucketed DP)': ({
+        'model_wrapper_cfg': dict(type='MMBucketDataParallel',
+                                  grad_dtype='fp12')
+    }, ["grad_dtype='fp12'", 'float32, float64, bfloat16']),
+    'DDP-only key on naive DP': ({
+        'model_wrapper_cfg': dict(type='MMNaiveDataParallel', bucket_cap_mb=25)
+    }, ['model_wrapper_cfg.bucket_cap_mb=25',
+        'MMNaiveDataParallel takes no argument', 'sync_strategy']),
+    'unknown parallel key': ({
+        'parallel': dict(mp=2)
+    }, ['parallel.mp=2', 'model_parallelism, pipeline_parallelism']),
+    'string model_parallelism': ({
+        'parallel': dict(model_parallelism='2')
+    }, ["parallel.model_parallelism='2'", 'an int >= 1']),
+    'unknown sharding strategy': ({
+        'parallel': dict(use_fsdp=True, sharding_strategy='FULLY')
+    }, ["parallel.sharding_strategy='FULLY'", 'FULL_SHARD, SHARD_GRAD_OP']),
+    "cpu_offload='yes'": ({
+        'parallel': dict(use_fsdp=True, cpu_offload='yes')
+    }, ["parallel.cpu_offload='yes'", 'True or False']),
+    'unknown FSDP wrap policy': ({
+        'model_wrapper_cfg': dict(type=FSDP, fsdp_auto_wrap_policy='by_sizee')
+    }, ["fsdp_auto_wrap_policy='by_sizee'", 'module_class, size_based']),
+    'unknown FSDP wrap policy in a dict': ({
+        'model_wrapper_cfg': dict(type=FSDP,
+                                  fsdp_auto_wrap_policy=dict(type='nope'))
+    }, ["fsdp_auto_wrap_policy='nope'", 'module_class, size_based']),
+    'unknown FSDP2 wrap policy': ({
+        'model_wrapper_cfg': dict(type='MMFullyShard',
+                                  fsdp_auto_wrap_policy='nope')
+    }, ["fsdp_auto_wrap_policy='nope'", 'size_based']),
+    "FSDP cpu_offload='yes'": ({
+        'model_wrapper_cfg': dict(type=FSDP, cpu_offload='yes')
+    }, ["cpu_offload='yes'", 'None, a bool or']),
+    'unknown FSDP sharding strategy': ({
+        'model_wrapper_cfg': dict(type=FSDP, sharding_strategy='FULLY')
+    }, ["sharding_strategy='FULLY'", 'FULL_SHARD, SHARD_GRAD_OP']),
+    'FSDP mixed precision fp12': ({
+        'model_wrapper_cfg': dict(type=FSDP,
+                                  mixed_precision=dict(param_dtype='fp12'))
+    }, ["mixed_precision.param_dtype='fp12'", 'bf16, bfloat16']),
+    'DDP key on FSDP': ({
+        'model_wrapper_cfg': dict(type=FSDP, bucket_cap_mb=25)
+    }, ['model_wrapper_cfg.bucket_cap_mb=25',
+        'MMFullyShardedDataParallel takes no argument', 'sharding_strategy']),
+    'wrapper cfg not a dict': ({
+        'model_wrapper_cfg': 'ddp'
+    }, ['model_wrapper_cfg must be a dict', 'str']),
+    'missing model': ({
+        'model': DELETE
+    }, ['no "model"', 'model=dict(type=...)']),
+    'model not a dict': ({
+        'model': 'vit'
+    }, ["model='vit'", 'a dict with a "type"']),
+    'model without type': ({
+        'model.type': DELETE
+    }, ['model has no "type"', 'DigitsViT']),
+    'unknown model': ({
+        'model.type': 'ResNet9000'
+    }, ["model.type='ResNet9000'", 'DigitsViT']),
+    'missing dataset': ({
+        'train_dataloader.dataset': DELETE
+    }, ['train_dataloader has no "dataset"']),
+    'unknown dataset': ({
+        'train_dataloader.dataset.type': 'ImageNet'
+    }, ["train_dataloader.dataset.type='ImageNet'", 'DigitsDataset']),
+    'zero batch size': ({
+        'train_dataloader.batch_size': 0
+    }, ['train_dataloader.batch_size=0', 'an int >= 1']),
+    'string batch size': ({
+        'val_dataloader.batch_size': '64'
+    }, ["val_dataloader.batch_size='64'", 'an int >= 1']),
+    'negative num_workers': ({
+        'train_dataloader.num_workers': -2
+    }, ['train_dataloader.num_workers=-2', 'an int >= 0']),
+    'unknown sampler': ({
+        'train_dataloader.sampler.type': 'RandomSampler9'
+    }, ["sampler.type='RandomSampler9'", 'DefaultSampler']),
+    'train loader without optim_wrapper': ({
+        'optim_wrapper': DELETE
+    }, ['optim_wrapper missing', 'all of train_dataloader, train_cfg, '
+        'optim_wrapper']),
+    'val loader without evaluator': ({
+        'val_evaluator': DELETE
+    }, ['val_evaluator missing']),
+    'unknown optimizer': ({
+        'optim_wrapper.optimizer.type': 'Adamm'
+    }, ["optim_wrapper.optimizer.type='Adamm'", 'AdamW']),
+    'missing optimizer': ({
+        'optim_wrapper.optimizer': DELETE
+    }, ['optim_wrapper has no "optimizer"']),
+    'unknown optim wrapper': ({
+        'optim_wrapper.type': 'FancyWrapper'
+    }, ["optim_wrapper.type='FancyWrapper'", 'AmpOptimWrapper']),
+    'zero accumulative_counts': ({
+        'optim_wrapper.accumulative_counts': 0
+    }, ['optim_wrapper.accumulative_counts=0', 'an int >= 1']),
+    'unknown clip_grad type': ({
+        'optim_wrapper.clip_grad.type': 'l3'
+    }, ["optim_wrapper.clip_grad.type='l3'", 'norm, value']),
+    'typo in train_cfg': ({
+        'train_cfg.max_epoch': 3
+    }, ["train_cfg.max_epoch=3", "unknown key 'max_epoch'", 'max_epochs']),
+    'zero max_epochs': ({
+        'train_cfg.max_epochs': 0
+    }, ['train_cfg.max_epochs=0', 'an int >= 1']),
+    'string max_epochs': ({
+        'train_cfg.max_epochs': '3'
+    }, ["train_cfg.max_epochs='3'", 'an int >= 1']),
+    'unknown metric': ({
+        'val_evaluator.type': 'F1'
+    }, ["val_evaluator.type='F1'", 'Accuracy']),
+    'unknown scheduler': ({
+        'param_scheduler': [dict(type='WarmupCosine')]
+    }, ["param_scheduler[0].type='WarmupCosine'", 'CosineAnnealingLR']),
+    'unknown hook': ({
+        'custom_hooks': [dict(type='EMAHookk')]
+    }, ["custom_hooks[0].type='EMAHookk'", 'NonFiniteLossHook']),
+    'bad NonFiniteLossHook action': ({
+        'custom_hooks': [dict(type='NonFiniteLossHook', action='retry')]
+    }, ["action='retry'", 'stop, skip']),
+    'zero checkpoint interval': ({
+        'default_hooks.checkpoint.interval': 0
+    }, ['default_hooks.checkpoint.interval=0', 'an int >= 1, or -1']),
+    'unknown backend': ({
+        'env_cfg.dist_cfg.backend': 'mpi'
+    }, ["env_cfg.dist_cfg.backend='mpi'", 'gloo, nccl']),
+    'nccl without CUDA': ({
+        'env_cfg.dist_cfg.backend': 'nccl'
+    }, ["env_cfg.dist_cfg.backend='nccl'", 'needs CUDA', "'gloo'"]),
+    'negative timeout': ({
+        'env_cfg.dist_cfg.timeout': -5
+    }, ['env_cfg.dist_cfg.timeout=-5', 'a number > 0']),
+    'missing custom_imports module': ({
+        'custom_imports': dict(imports=['mmpar_plugins_nope'])
+    }, ["custom_imports.imports='mmpar_plugins_nope'",
+        'cannot be imported']),
+    'custom_imports not a dict': ({
+        'custom_imports': ['my_module']
+    }, ["custom_imports=['my_module']", 'dict(imports=']),
+    'missing load_from checkpoint': ({
+        'load_from': 'work_dirs/none/epoch_9.pth'
+    }, ["load_from='work_dirs/none/epoch_9.pth'", 'does not exist']),
+    'missing resume checkpoint': ({
+        'resume': True,
+        'load_from': 'nope.pth'
+    }, ["load_from (resume)='nope.pth'", 'does not exist']),
+    'unknown log level': ({
+        'log_level': 'LOUD'
+    }, ["log_level='LOUD'", 'DEBUG, INFO, WARNING, ERROR, CRITICAL']),
+    'non-int seed': ({
+        'randomness.seed': 'zero'
+    }, ["randomness.seed='zero'", 'an int or None']),
+}
+
+
+@pytest.fixture(scope='module')
+def base_cfg():
+    return Config.fromfile(str(ROOT / DEFAULT_CONFIG)).to_dict()
+
+
+def _apply(cfg: dict, changes: dict) -> dict:
+    cfg = copy.deepcopy(cfg)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split('.')
+        node = cfg
+        for key in parents:
+            node = node[key]
+        if value is DELETE:
+            del node[last]
+        else:
+            node[last] = value
+    return cfg
+
+
+def test_default_config_passes(base_cfg):
+    check_config(base_cfg)
+
+
+def test_catalogue_has_at_least_30_cases():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_bad_config_is_rejected_with_key_value_and_allowed(case, base_cfg):
+    changes, expected = CASES[case]
+    cfg = _apply(base_cfg, changes)
+    with pytest.raises((ConfigError, ValueError, TypeError)) as info:
+        check_config(cfg)
+    message = str(info.value)
+    for text in expected:
+        assert text in message, f'{case}: {text!r} not in {message!r}'
+
+
+def test_topology_sizes_must_divide_the_world_size(base_cfg, monkeypatch):
+    # As torchrun would announce a 2-process job.
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+    cfg = _apply(base_cfg, {
+        'launcher': 'pytorch',
+        'parallel': dict(pipeline_parallelism=3)
+    })
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    assert 'world size 2 is not divisible' in str(info.value)
+    assert 'pipeline_parallelism' in str(info.value)
+    check_config(_apply(cfg, {'parallel.pipeline_parallelism': 2}))
+
+
+def test_check_does_not_change_the_config(base_cfg):
+    cfg = copy.deepcopy(base_cfg)
+    check_config(cfg)
+    assert cfg == base_cfg
