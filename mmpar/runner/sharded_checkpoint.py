@@ -44,12 +44,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_model_state_dict,
                                                      set_state_dict)
 
+from mmpar.config_check import CHECKPOINT_FORMATS
 from mmpar.runner.checkpoint import (CheckpointLoadError, atomic_save,
                                      checkpoint_extras,
                                      is_complete_checkpoint,
                                      load_checkpoint_file)
 
-FORMATS = ('full', 'sharded')
+FORMATS = CHECKPOINT_FORMATS
 PLAIN_FILE = 'mmpar_state.pth'
 DCP_METADATA = '.metadata'
 _OPTIM_KEYS = ('state', 'param_groups')
