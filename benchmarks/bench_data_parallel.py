@@ -14,18 +14,11 @@ Timing and counting are separate passes: counting patches
 through that function), so the timed runs carry no instrumentation.
 """
 import argparse
-import datetime
 import os
-import platform
-import re
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from mmengine.model import BaseModel
 from mmengine.optim import OptimWrapper
@@ -34,6 +27,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._common import (counting_collectives,  # noqa: E402
+                                machine_description, median, slowest_rank,
+                                spawn, time_steps, utc_now, write_section)
 from mmpar.wrappers import (MMBucketDataParallel,  # noqa: E402
                             MMDistributedDataParallel, MMNaiveDataParallel)
 
@@ -120,33 +116,13 @@ def make_data(width, batch, seed):
                 targets=torch.randn(batch, width, generator=gen))
 
 
-def time_steps(wrapper, optim_wrapper, data, num_steps):
-    times = []
-    for _ in range(num_steps):
-        dist.barrier()
-        start = time.perf_counter()
-        wrapper.train_step(data, optim_wrapper)
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def count_collectives(name, depth, width, data, num_steps=3):
     wrapper, optim_wrapper = build(name, depth, width, counting=True)
     wrapper.train_step(data, optim_wrapper)  # DDP rebuilds buckets here
-    calls = []
-    all_reduce = dist.all_reduce
-
-    def counting_all_reduce(tensor, *args, **kwargs):
-        calls.append(tensor.numel() * tensor.element_size())
-        return all_reduce(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting_all_reduce
-    try:
+    with counting_collectives() as calls:
         for _ in range(num_steps):
             wrapper.train_step(data, optim_wrapper)
-    finally:
-        dist.all_reduce = all_reduce
-    return len(calls) / num_steps, sum(calls) / num_steps
+    return len(calls) / num_steps, sum(b for _, b in calls) / num_steps
 
 
 def run_rank(rank, world_size, init_file, args, queue):
@@ -160,13 +136,15 @@ def run_rank(rank, world_size, init_file, args, queue):
         built = {name: build(name, depth, width) for name in WRAPPERS}
         times = {name: [] for name in WRAPPERS}
         for name, (wrapper, optim_wrapper) in built.items():
-            time_steps(wrapper, optim_wrapper, data, args.warmup)
+            time_steps(lambda: wrapper.train_step(data, optim_wrapper),
+                       args.warmup)
         # Interleave the wrappers so that load from other processes on the
         # machine hits them alike.
         for _ in range(args.rounds):
             for name, (wrapper, optim_wrapper) in built.items():
-                times[name] += time_steps(wrapper, optim_wrapper, data,
-                                          args.steps // args.rounds)
+                times[name] += time_steps(
+                    lambda: wrapper.train_step(data, optim_wrapper),
+                    args.steps // args.rounds)
         grad_bytes = sum(p.numel() * p.element_size()
                          for p in built['torch DDP'][0].module.parameters())
         # Same start, data and step count: the wrappers must end with the
@@ -178,12 +156,10 @@ def run_rank(rank, world_size, init_file, args, queue):
         param_gaps[model_name] = param_gap
         del built
         for name in WRAPPERS:
-            # A step is as slow as its slowest rank.
-            step_times = torch.tensor(times[name], dtype=torch.float64)
-            dist.all_reduce(step_times, op=dist.ReduceOp.MAX)
+            step_times = slowest_rank(times[name])
             calls, nbytes = count_collectives(name, depth, width, data)
-            rows.append((model_name, name, statistics.median(
-                step_times.tolist()), calls, nbytes, grad_bytes))
+            rows.append((model_name, name, median(step_times), calls, nbytes,
+                         grad_bytes))
     if rank == 0:
         queue.put((rows, param_gaps))
     dist.destroy_process_group()
@@ -220,35 +196,12 @@ def format_table(rows, param_gaps, world_size):
     return '\n'.join(lines)
 
 
-def machine_description(args, load):
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open('/proc/cpuinfo') as f:
-            names = re.findall(r'model name\s*:\s*(.*)', f.read())
-        if names:
-            cpu = names[0]
-    except OSError:
-        pass
-    return (f'{os.cpu_count()} CPU cores ({cpu}), no GPU; torch '
-            f'{torch.__version__}, gloo, {args.world_size} ranks x 1 thread; '
+def protocol(args, load):
+    return (f'{machine_description("gloo", args.world_size)}; '
             f'{args.warmup} warm-up + {args.steps} timed steps per wrapper, '
             f'interleaved in {args.rounds} rounds; median over steps of the '
-            f'slower rank; run {datetime.datetime.utcnow():%Y-%m-%d %H:%M} '
-            f'UTC, load average before the run {load:.1f} (other jobs shared '
-            'the cores).')
-
-
-def write_section(path, body):
-    text = open(path).read() if os.path.exists(path) else '# Benchmarks\n'
-    section = f'{SECTION}\n\n{body}\n'
-    pattern = re.compile(rf'^{re.escape(SECTION)}\n.*?(?=^## |\Z)',
-                         re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + '\n', text).rstrip() + '\n'
-    else:
-        text = text.rstrip() + '\n\n' + section
-    with open(path, 'w') as f:
-        f.write(text)
+            f'slower rank; run {utc_now()} UTC, load average before the run '
+            f'{load:.1f} (other jobs shared the cores).')
 
 
 def main():
@@ -261,19 +214,12 @@ def main():
                         f'"{SECTION}" section is replaced with the results')
     args = parser.parse_args()
     load = os.getloadavg()[0]
-    fd, init_file = tempfile.mkstemp(prefix='bench_dp_')
-    os.close(fd)
-    os.unlink(init_file)
-    ctx = mp.get_context('spawn')
-    queue = ctx.SimpleQueue()
-    mp.start_processes(run_rank, args=(args.world_size, init_file, args,
-                                       queue),
-                       nprocs=args.world_size, start_method='spawn')
-    table = format_table(*queue.get(), args.world_size)
-    body = f'Machine: {machine_description(args, load)}\n\n{table}'
+    rows, param_gaps = spawn(run_rank, args.world_size, args)
+    table = format_table(rows, param_gaps, args.world_size)
+    body = f'Machine: {protocol(args, load)}\n\n{table}'
     print(body)
     if args.out:
-        write_section(args.out, body)
+        write_section(args.out, SECTION, body)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,136 @@
+"""Plumbing the benchmark scripts share: spawning ranks, timing steps,
+counting collectives, describing the machine, rewriting a docs section."""
+import contextlib
+import datetime
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from typing import Callable, Iterator, List, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Gradient-reducing collectives, by the names torch.distributed exports
+# (torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single; FSDP1
+# and FSDP2 call whichever exists through the module attribute).
+REDUCING_COLLECTIVES = ('all_reduce', 'reduce_scatter_single',
+                        'reduce_scatter_tensor')
+
+
+def spawn(run_rank: Callable, world_size: int, *args):
+    """Run ``run_rank(rank, world_size, init_file, *args, queue)`` on
+    ``world_size`` spawned processes; return what rank 0 put on the queue.
+
+    A file:// rendezvous in a fresh temporary name: no fixed port.
+    """
+    fd, init_file = tempfile.mkstemp(prefix='mmpar_bench_')
+    os.close(fd)
+    os.unlink(init_file)
+    queue = mp.get_context('spawn').SimpleQueue()
+    try:
+        mp.start_processes(run_rank,
+                           args=(world_size, init_file, *args, queue),
+                           nprocs=world_size, start_method='spawn')
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return queue.get()
+
+
+def time_steps(step: Callable[[], object], num_steps: int) -> List[float]:
+    """Seconds per call of ``step``, each started after a barrier so that
+    every rank times the same step."""
+    times = []
+    for _ in range(num_steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def slowest_rank(values: List[float]) -> List[float]:
+    """Element-wise max over ranks: a step is as slow as its slowest rank."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[List[Tuple[str, int]]]:
+    """Record ``(name, bytes)`` for every gradient-reducing collective.
+
+    Patches the ``torch.distributed`` functions in place. torch DDP reduces
+    in C++ unless it has a Python comm hook: register
+    ``default_hooks.allreduce_hook`` to make its calls visible here. The bytes
+    are those of the largest tensor argument (the input of a reduce-scatter).
+    """
+    calls: List[Tuple[str, int]] = []
+    originals = {
+        name: getattr(dist, name)
+        for name in REDUCING_COLLECTIVES if hasattr(dist, name)
+    }
+
+    def counting(name, function):
+
+        def wrapped(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values())
+                       if isinstance(a, torch.Tensor)]
+            calls.append((name, max((t.numel() * t.element_size()
+                                     for t in tensors), default=0)))
+            return function(*args, **kwargs)
+
+        return wrapped
+
+    for name, function in originals.items():
+        setattr(dist, name, counting(name, function))
+    try:
+        yield calls
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def cpu_name() -> str:
+    try:
+        with open('/proc/cpuinfo') as f:
+            names = re.findall(r'model name\s*:\s*(.*)', f.read())
+        if names:
+            return names[0]
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(backend: str, world_size: int) -> str:
+    """The hardware and software a table was measured on, in one line."""
+    gpu = (torch.cuda.get_device_name(0)
+           if torch.cuda.is_available() else 'no GPU')
+    return (f'{os.cpu_count()} CPU cores ({cpu_name()}), {gpu}; torch '
+            f'{torch.__version__}, {backend}, {world_size} ranks x 1 thread')
+
+
+def utc_now() -> str:
+    return f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}'
+
+
+def write_section(path: str, title: str, body: str) -> None:
+    """Replace the ``title`` section of the Markdown file ``path`` (up to the
+    next ``## `` heading) with ``body``, or append it; other sections stay."""
+    text = open(path).read() if os.path.exists(path) else '# Benchmarks\n'
+    section = f'{title}\n\n{body}\n'
+    pattern = re.compile(rf'^{re.escape(title)}\n.*?(?=^## |\Z)', re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + '\n', text).rstrip() + '\n'
+    else:
+        text = text.rstrip() + '\n\n' + section
+    with open(path, 'w') as f:
+        f.write(text)
