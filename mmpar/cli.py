@@ -70,7 +70,8 @@ def parse_train_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def parse_test_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description='Test a checkpoint')
     parser.add_argument('config', help='config file')
-    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument(
+        'checkpoint', help='checkpoint file or sharded checkpoint directory')
     _add_common(parser)
     return parser.parse_args(argv)
 
@@ -106,7 +107,7 @@ def train_config(args: argparse.Namespace) -> Config:
     if args.resume == 'auto':
         cfg.resume, cfg.load_from = True, None
     elif args.resume is not None:
-        if not osp.isfile(args.resume):
+        if not osp.exists(args.resume):
             raise FileNotFoundError(
                 f'--resume {args.resume!r}: checkpoint does not exist')
         cfg.resume, cfg.load_from = True, args.resume
@@ -114,7 +115,7 @@ def train_config(args: argparse.Namespace) -> Config:
 
 
 def test_config(args: argparse.Namespace) -> Config:
-    if not osp.isfile(args.checkpoint):
+    if not osp.exists(args.checkpoint):
         raise FileNotFoundError(
             f'checkpoint {args.checkpoint!r} does not exist')
     cfg = load_config(args)

@@ -19,6 +19,8 @@ from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
+# Top-level ``checkpoint_format`` (docs/checkpoints.md).
+CHECKPOINT_FORMATS = ('full', 'sharded')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
 TRAIN_CFG_KEYS = {
     'type', 'by_epoch', 'max_epochs', 'max_iters', 'val_begin',
@@ -258,10 +260,12 @@ def check_checkpoint_paths(cfg: Any) -> None:
     load_from = cfg.get('load_from')
     if load_from is None or '://' in str(load_from):
         return
-    if not osp.isfile(load_from):
+    # A directory is a sharded checkpoint (mmpar/runner/sharded_checkpoint).
+    if not osp.exists(load_from):
         key = 'load_from (resume)' if cfg.get('resume') else 'load_from'
         _fail(key, load_from, 'the file does not exist; allowed: an '
-              'existing checkpoint file, or None')
+              'existing checkpoint file or sharded checkpoint directory, '
+              'or None')
 
 
 def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
@@ -353,6 +357,10 @@ def check_config(cfg: Any) -> None:
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from None
     check_checkpoint_paths(cfg)
+    checkpoint_format = cfg.get('checkpoint_format', 'full')
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        _fail('checkpoint_format', checkpoint_format,
+              f'allowed: {", ".join(map(repr, CHECKPOINT_FORMATS))}')
     log_level = cfg.get('log_level', 'INFO')
     if isinstance(log_level, str) and log_level.upper() not in LOG_LEVELS:
         _fail('log_level', log_level, f'allowed: {", ".join(LOG_LEVELS)}')

@@ -184,6 +184,9 @@ CASES = {
         'resume': True,
         'load_from': 'nope.pth'
     }, ["load_from (resume)='nope.pth'", 'does not exist']),
+    'unknown checkpoint_format': ({
+        'checkpoint_format': 'dcp'
+    }, ["checkpoint_format='dcp'", "'full', 'sharded'"]),
     'unknown log level': ({
         'log_level': 'LOUD'
     }, ["log_level='LOUD'", 'DEBUG, INFO, WARNING, ERROR, CRITICAL']),

@@ -111,7 +111,12 @@ def atomic_save(checkpoint: dict, path: str) -> None:
 
 def is_complete_checkpoint(path: str) -> bool:
     """Whether ``path`` is a whole torch zip archive (a cheap check: a
-    truncated file has no readable central directory)."""
+    truncated file has no readable central directory), or a complete
+    sharded checkpoint directory."""
+    if osp.isdir(path):
+        from mmpar.runner.sharded_checkpoint import \
+            is_complete_sharded_checkpoint
+        return is_complete_sharded_checkpoint(path)
     try:
         with zipfile.ZipFile(path) as archive:
             return any(n.endswith('data.pkl') for n in archive.namelist())
@@ -120,7 +125,8 @@ def is_complete_checkpoint(path: str) -> bool:
 
 
 def find_latest_complete_checkpoint(work_dir: str) -> Optional[str]:
-    """The newest complete ``epoch_*.pth`` / ``iter_*.pth`` in ``work_dir``.
+    """The newest complete ``epoch_*.pth`` / ``iter_*.pth`` file or sharded
+    ``epoch_*`` / ``iter_*`` directory in ``work_dir``.
 
     Unlike MMEngine's ``find_latest_checkpoint`` it does not trust the
     ``last_checkpoint`` pointer alone: a pointer to a missing or truncated
@@ -132,8 +138,12 @@ def find_latest_complete_checkpoint(work_dir: str) -> Optional[str]:
             pointed = file.read().strip()
         if is_complete_checkpoint(pointed):
             return pointed
-    candidates = glob.glob(osp.join(work_dir, 'epoch_*.pth')) + glob.glob(
-        osp.join(work_dir, 'iter_*.pth'))
+    # Temporary files and directories of unfinished saves end in '.tmp'.
+    candidates = [
+        path for pattern in ('epoch_*', 'iter_*')
+        for path in glob.glob(osp.join(work_dir, pattern))
+        if not path.endswith('.tmp')
+    ]
     for path in sorted(candidates, key=osp.getmtime, reverse=True):
         if is_complete_checkpoint(path):
             return path
@@ -186,12 +196,35 @@ def collect_checkpoint(runner,
                        save_param_scheduler: bool = True) -> dict:
     """Everything a resume needs, as MMEngine lays it out. Runs on all
     ranks, so sharded wrappers can gather their state."""
+    from mmengine.optim import OptimWrapper
+    from mmengine.runner.checkpoint import weights_to_cpu
+
+    checkpoint = checkpoint_extras(runner, meta, by_epoch,
+                                   save_param_scheduler)
+    checkpoint['state_dict'] = weights_to_cpu(model_state(runner.model))
+    if save_optimizer:
+        if not isinstance(runner.optim_wrapper, OptimWrapper):
+            raise TypeError('runner.optim_wrapper must be an OptimWrapper, '
+                            f'got {type(runner.optim_wrapper).__name__}')
+        checkpoint['optimizer'] = _to_cpu(
+            optimizer_state(runner.model, runner.optim_wrapper))
+    return checkpoint
+
+
+def _to_cpu(state):
+    from mmengine.utils import apply_to
+    return apply_to(state, lambda x: hasattr(x, 'cpu'), lambda x: x.cpu())
+
+
+def checkpoint_extras(runner,
+                      meta: Optional[dict] = None,
+                      by_epoch: bool = True,
+                      save_param_scheduler: bool = True) -> dict:
+    """The checkpoint without model and optimizer state: ``meta``,
+    ``message_hub`` and ``param_schedulers`` (both formats share it)."""
     import time
 
     import mmengine
-    from mmengine.optim import OptimWrapper
-    from mmengine.runner.checkpoint import weights_to_cpu
-    from mmengine.utils import apply_to
 
     meta = dict(meta or {})
     if by_epoch:
@@ -211,19 +244,8 @@ def collect_checkpoint(runner,
     if hasattr(dataset, 'metainfo'):
         meta.update(dataset_meta=dataset.metainfo)
 
-    def to_cpu(state):
-        return apply_to(state, lambda x: hasattr(x, 'cpu'), lambda x: x.cpu())
-
     checkpoint = dict(
-        meta=meta,
-        state_dict=weights_to_cpu(model_state(runner.model)),
-        message_hub=to_cpu(runner.message_hub.state_dict()))
-    if save_optimizer:
-        if not isinstance(runner.optim_wrapper, OptimWrapper):
-            raise TypeError('runner.optim_wrapper must be an OptimWrapper, '
-                            f'got {type(runner.optim_wrapper).__name__}')
-        checkpoint['optimizer'] = to_cpu(
-            optimizer_state(runner.model, runner.optim_wrapper))
+        meta=meta, message_hub=_to_cpu(runner.message_hub.state_dict()))
     schedulers = runner.param_schedulers
     if save_param_scheduler and schedulers is not None:
         if isinstance(schedulers, dict):

@@ -22,7 +22,7 @@ from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
                                    default_wrapper_cfg, setup_parallelism)
 from mmpar.registry import RUNNERS
-from mmpar.runner import sharded
+from mmpar.runner import sharded, sharded_checkpoint
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
                                      collect_checkpoint,
                                      find_latest_complete_checkpoint,
@@ -48,6 +48,9 @@ class Runner(MMEngineRunner):
         # MMEngine reads the wrapper config from ``cfg``, not an argument.
         check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
         ParallelConfig.from_cfg((given.get('cfg') or {}).get('parallel'))
+        # 'full' or 'sharded' (mmpar/runner/sharded_checkpoint.py).
+        self.checkpoint_format = sharded_checkpoint.checkpoint_format(
+            given.get('cfg'))
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -106,6 +109,11 @@ class Runner(MMEngineRunner):
         return super().build_train_loop(loop)
 
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
+        if self.checkpoint_format == 'sharded':
+            # Sharded checkpoints are directories: epoch_N, not epoch_N.pth.
+            default_hooks = sharded_checkpoint.sharded_hook_names(
+                default_hooks or
+                dict(checkpoint=dict(type='CheckpointHook', interval=1)))
         super().register_hooks(default_hooks, custom_hooks)
         self.register_hook(PlainCheckpointHook())
 
@@ -117,8 +125,14 @@ class Runner(MMEngineRunner):
         """Load a checkpoint into the model (``weights_only=True``).
 
         Local files go through :func:`load_checkpoint_file` (clear errors on
-        missing or corrupt files); URLs and other schemes through MMEngine.
+        missing or corrupt files); URLs and other schemes through MMEngine;
+        a directory is a sharded checkpoint, loaded by every rank.
         """
+        if sharded_checkpoint.is_sharded_checkpoint(filename):
+            checkpoint = sharded_checkpoint.load_sharded(self, filename, strict)
+            self._has_loaded = True
+            self.logger.info(f'Load sharded checkpoint from {filename}')
+            return checkpoint
         if '://' in filename:
             checkpoint = _load_checkpoint(filename, map_location=map_location)
         else:
@@ -160,6 +174,11 @@ class Runner(MMEngineRunner):
             raise ValueError('mmpar saves checkpoints to local paths only; '
                              'remove file_client_args / backend_args from '
                              'the CheckpointHook config')
+        if self.checkpoint_format == 'sharded':
+            sharded_checkpoint.save_sharded(
+                self, osp.join(out_dir, filename), meta, by_epoch,
+                save_optimizer, save_param_scheduler)
+            return
         checkpoint = collect_checkpoint(self, meta, by_epoch, save_optimizer,
                                         save_param_scheduler)
         if is_main_process():
