@@ -52,3 +52,36 @@ def test_truncated_checkpoint_names_file_and_suggests_previous(tmp_path):
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match='nope.pth'):
         load_checkpoint_file(str(tmp_path / 'nope.pth'))
+
+
+def _draws():
+    import random
+    return (random.random(), np.random.rand(), torch.rand(1).item())
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    from mmpar.runner.checkpoint import all_rng_states, set_rng_state
+    torch.manual_seed(3)
+    np.random.seed(3)
+    states = all_rng_states()
+    expected = _draws()
+    path = tmp_path / 'rng.pth'
+    torch.save(to_plain(dict(rng_states=states)), path)
+    _draws()  # move every generator on
+    set_rng_state(load_checkpoint_file(str(path))['rng_states'][0])
+    assert _draws() == expected
+
+
+def _gathered_rng_states():
+    import torch.distributed as dist
+
+    from mmpar.runner.checkpoint import all_rng_states
+    torch.manual_seed(100 + dist.get_rank())
+    states = all_rng_states()
+    own = torch.get_rng_state()
+    return [torch.equal(s['torch'], own) for s in states]
+
+
+def test_every_rank_state_is_gathered(run_dist):
+    # Rank r finds its own state at index r, and not the other rank's.
+    assert run_dist(_gathered_rng_states) == [[True, False], [False, True]]

@@ -99,3 +99,15 @@ def test_runner_rejects_nccl_without_cuda(tmp_path, monkeypatch):
             tmp_path,
             launcher='pytorch',
             env_cfg=dict(dist_cfg=dict(backend='nccl')))
+
+
+def test_resume_restores_the_saved_rng_state(tmp_path):
+    first = _tiny_runner(tmp_path, experiment_name='rng_first')
+    first.train()
+    saved = torch.load(tmp_path / 'epoch_1.pth', weights_only=True)
+    assert len(saved['rng_states']) == 1
+    torch.manual_seed(12345)  # anything but the saved state
+    second = _tiny_runner(
+        tmp_path, experiment_name='rng_second', train_cfg=dict(max_epochs=2))
+    second.resume(str(tmp_path / 'epoch_1.pth'))
+    assert torch.equal(torch.get_rng_state(), saved['rng_states'][0]['torch'])

@@ -9,6 +9,7 @@ plain lists and numbers and rebuilds the buffers after loading.
 """
 import glob
 import os
+import random
 import os.path as osp
 import pickle
 import zipfile
@@ -162,6 +163,61 @@ class PlainCheckpointHook(Hook):
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         if 'message_hub' in checkpoint:
             checkpoint['message_hub'] = from_plain(checkpoint['message_hub'])
+        # Restored by Runner.resume once MMEngine's resume has finished (it
+        # may reseed); a plain load_from leaves the generators alone.
+        runner._loaded_rng_states = checkpoint.get('rng_states')
+
+
+def rng_state() -> dict:
+    """This process's random-number generator states (Python, NumPy, torch
+    and, once CUDA is in use, every CUDA device)."""
+    state = dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned (also after :func:`to_plain`
+    and a weights-only load, which turn NumPy's array into a list)."""
+    version, internal, gauss = state['python']
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state['numpy']
+    np.random.set_state(
+        (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def all_rng_states() -> list:
+    """Every rank's :func:`rng_state`, in rank order (a collective when
+    distributed: every rank must call it)."""
+    import torch.distributed as dist
+    local = rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, local)
+    return states
+
+
+def restore_rng_states(runner, states: Optional[list]) -> bool:
+    """Give this rank its saved generator states; False (and a warning)
+    when the checkpoint has none or was saved with another world size."""
+    if not states:
+        return False
+    if len(states) != runner.world_size:
+        runner.logger.warning(
+            f'the checkpoint holds RNG states of {len(states)} ranks and this '
+            f'run has {runner.world_size}: random number generators are not '
+            'restored')
+        return False
+    set_rng_state(states[runner.rank])
+    return True
 
 
 def model_state(model: torch.nn.Module) -> dict:
@@ -245,7 +301,9 @@ def checkpoint_extras(runner,
         meta.update(dataset_meta=dataset.metainfo)
 
     checkpoint = dict(
-        meta=meta, message_hub=_to_cpu(runner.message_hub.state_dict()))
+        meta=meta,
+        message_hub=_to_cpu(runner.message_hub.state_dict()),
+        rng_states=all_rng_states())
     schedulers = runner.param_schedulers
     if save_param_scheduler and schedulers is not None:
         if isinstance(schedulers, dict):

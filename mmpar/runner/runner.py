@@ -26,7 +26,7 @@ from mmpar.runner import sharded, sharded_checkpoint
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
                                      collect_checkpoint,
                                      find_latest_complete_checkpoint,
-                                     load_checkpoint_file)
+                                     load_checkpoint_file, restore_rng_states)
 from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
@@ -185,6 +185,12 @@ class Runner(MMEngineRunner):
             self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
             atomic_save(checkpoint, osp.join(out_dir, filename))
         barrier()
+
+    def resume(self, filename: str, *args, **kwargs) -> None:
+        """MMEngine's resume, then every rank's saved RNG states (when the
+        world size matches), so random draws continue where they stopped."""
+        super().resume(filename, *args, **kwargs)
+        restore_rng_states(self, getattr(self, '_loaded_rng_states', None))
 
     def load_or_resume(self) -> None:
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
