@@ -351,31 +351,39 @@ def test_two_rank_sharded_checkpoint_resumes_on_one_process_and_converts(
     _assert_resumed_state(loaded, saved['optimizer']['state'])
 
 
-# ------------------------------------ iteration-based, sharded, FSDP2
+# ------------------------- iteration-based, every wrapper, both formats
 
 
-def _train_iters(work_dir, max_iters, name, **extra):
+def _train_iters(wrapper, work_dir, max_iters, name, fmt, **extra):
     from mmpar.runner import Runner
     cfg = _small_cfg('configs/vit_digits/vit_digits_iter.py', work_dir, 1,
-                     name, **extra)
+                     name, fmt, **extra)
     del cfg.train_cfg['max_epochs']
     cfg.train_cfg.max_iters = max_iters
     cfg.train_cfg.val_interval = 100  # no validation: not what is tested
     cfg.default_hooks.checkpoint.interval = 3
     cfg.model_wrapper_cfg = Config.fromfile(
-        str(ROOT / CONFIGS['MMFullyShard'])).model_wrapper_cfg
+        str(ROOT / CONFIGS[wrapper])).get('model_wrapper_cfg')
     Runner.from_cfg(cfg).train()
 
 
-def test_sharded_iter_based_resume_is_exact(run_dist, tmp_path):
+@pytest.mark.parametrize('wrapper,fmt', [('MMDistributedDataParallel', 'full'),
+                                         ('MMFullyShardedDataParallel', 'full'),
+                                         ('MMFullyShard', 'sharded')])
+def test_iter_based_resume_is_exact(run_dist, tmp_path, wrapper, fmt):
     resumed, straight = tmp_path / 'resumed', tmp_path / 'straight'
-    run_dist(_train_iters, resumed, 3, 'iter_s3')
-    assert (resumed / 'last_checkpoint').read_text().endswith('iter_3')
-    run_dist(_train_iters, resumed, 6, 'iter_s_resume', resume=True)
-    run_dist(_train_iters, straight, 6, 'iter_s6')
-    a = sharded_to_full(str(resumed / 'iter_6'))
+    tag = f'{wrapper}_{fmt}'
+    run_dist(_train_iters, wrapper, resumed, 3, f'{tag}_3', fmt)
+    suffix = '' if fmt == 'sharded' else '.pth'
+    assert (resumed / 'last_checkpoint').read_text().endswith(
+        f'iter_3{suffix}')
+    run_dist(_train_iters, wrapper, resumed, 6, f'{tag}_resume', fmt,
+             resume=True)
+    run_dist(_train_iters, wrapper, straight, 6, f'{tag}_6', fmt)
+    load = sharded_to_full if fmt == 'sharded' else load_ckpt
+    a = load(str(resumed / f'iter_6{suffix}'))
     assert a['meta']['iter'] == 6
-    assert_same_training_state(a, sharded_to_full(str(straight / 'iter_6')))
+    assert_same_training_state(a, load(str(straight / f'iter_6{suffix}')))
     # Resumed at iteration 3, not replayed from the start.
     logs = ''.join(p.read_text() for p in resumed.glob('*/*.log'))
     assert 'resumed epoch: 0, iter: 3' in logs
