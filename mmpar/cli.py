@@ -130,9 +130,3 @@ def build_runner(cfg: Config):
     if 'runner_type' in cfg:
         return RUNNERS.build(cfg)
     return Runner.from_cfg(cfg)
-
-
-def destroy_process_group() -> None:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

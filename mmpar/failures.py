@@ -88,6 +88,12 @@ def _record_for_torchrun(err: BaseException) -> None:
         pass
 
 
+def _barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def destroy_process_group() -> None:
     """Destroy the default process group if there is one."""
     import torch.distributed as dist
@@ -130,5 +136,11 @@ def fail_fast() -> Iterator[None]:
                        f'{traceback.format_exc()}')
             _record_for_torchrun(err)
         raise SystemExit(1) from None
+    else:
+        # Leave together. A rank that tears gloo down while a peer is still
+        # finishing the last collective can abort at exit ("terminate called
+        # without an active exception", seen once in 5 clean 2-rank runs).
+        # Only on success: after a failure a barrier would wait for the dead.
+        _barrier()
     finally:
         destroy_process_group()
