@@ -19,15 +19,15 @@ from torch import nn
 
 from mmpar.config_check import check_config
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
-from mmpar.parallel.config import (DDP_WRAPPER, ParallelConfig,
-                                   default_wrapper_cfg, setup_parallelism)
+from mmpar.parallel.config import (DDP_WRAPPER, default_wrapper_cfg,
+                                   setup_parallelism)
 from mmpar.registry import RUNNERS
 from mmpar.runner import sharded, sharded_checkpoint
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
                                      collect_checkpoint,
                                      find_latest_complete_checkpoint,
                                      load_checkpoint_file, restore_rng_states)
-from mmpar.wrappers.builder import build_model_wrapper, check_wrapper_cfg
+from mmpar.wrappers.builder import build_model_wrapper
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
 
@@ -44,10 +44,8 @@ class Runner(MMEngineRunner):
         given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         check_launcher(given.get('launcher', 'none'))
         if given.get('cfg') is not None:
-            check_config(given['cfg'])  # the whole config, ConfigError
-        # MMEngine reads the wrapper config from ``cfg``, not an argument.
-        check_wrapper_cfg((given.get('cfg') or {}).get('model_wrapper_cfg'))
-        ParallelConfig.from_cfg((given.get('cfg') or {}).get('parallel'))
+            # The whole config, model_wrapper_cfg and `parallel` included.
+            check_config(given['cfg'])
         # 'full' or 'sharded' (mmpar/runner/sharded_checkpoint.py).
         self.checkpoint_format = sharded_checkpoint.checkpoint_format(
             given.get('cfg'))
