@@ -167,6 +167,12 @@ def node_local_shard(dp: int, explicit: Optional[int] = None) -> int:
     return size
 
 
+def _mp_means_dp_shard(parallel, hybrid: bool) -> bool:
+    # The seed's HYBRID_SHARD sharded inside the mp group and replicated
+    # across dp: that is HSDP, model_parallelism=k meaning dp_shard=k.
+    return hybrid and parallel.tp is None and parallel.tp_plan is None
+
+
 def _requested(parallel, world_size: int, hybrid: bool,
                hybrid_shard_size: Optional[int]) -> dict:
     """Sizes as asked, seed aliases resolved (``-1`` where unset)."""
@@ -174,10 +180,7 @@ def _requested(parallel, world_size: int, hybrid: bool,
     mp = parallel.model_parallelism
     sizes = dict(dp_replicate=parallel.dp_replicate,
                  dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp)
-    if hybrid and parallel.tp is None and parallel.tp_plan is None \
-            and mp is not None:
-        # The seed's HYBRID_SHARD sharded inside the mp group and replicated
-        # across dp: that is HSDP, model_parallelism=k meaning dp_shard=k.
+    if mp is not None and _mp_means_dp_shard(parallel, hybrid):
         sizes['dp_shard'] = _pick(parallel, 'dp_shard', 'model_parallelism')
         sizes['tp'] = 1
     else:
@@ -245,7 +248,19 @@ def resolve_dims(parallel,
             ``pipeline``; the message names the key the user wrote.
     """
     sizes = _requested(parallel, world_size, hybrid, hybrid_shard_size)
-    dims = ParallelDims(world_size=world_size, **sizes)
+    try:
+        dims = ParallelDims(world_size=world_size, **sizes)
+    except ParallelismError as err:
+        # Name the keys the user wrote, not only the axes they became.
+        mp_axis = 'dp_shard' if _mp_means_dp_shard(parallel, hybrid) \
+            else 'tp'
+        seeds = [f'parallel.{old}={getattr(parallel, old)} is {new}'
+                 for old, new in (('model_parallelism', mp_axis),
+                                  ('pipeline_parallelism', 'pp'))
+                 if getattr(parallel, old) is not None]
+        if not seeds:
+            raise
+        raise ParallelismError(f'{err} ({"; ".join(seeds)})') from None
     _refuse_unsupported(parallel, dims)
     return dims
 

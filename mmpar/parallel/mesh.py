@@ -63,7 +63,7 @@ class BuiltMesh:
     Attributes:
         mesh: the named view (``mesh['dp']``, ``mesh['tp']``, ...).
         groups: this rank's :class:`GroupInfo` per axis and for ``'dp'``.
-        created: every group made (for teardown), each once.
+        created: every group this rank belongs to (for teardown), once.
         layout: every rank's groups (pure).
     """
     mesh: ParallelMesh
@@ -147,8 +147,11 @@ def build_mesh(dims: ParallelDims,
         mesh=torch.arange(dims.world_size).reshape(dims.shape),
         mesh_dim_names=AXES)
     flat = _flatten(root, DATA_AXES, 'dp', groups['dp'].group)
+    # Only this rank's groups: for the others new_group returned a
+    # non-member marker, which must never reach destroy_process_group.
+    mine = {id(info.group): info.group for info in groups.values()}
     return BuiltMesh(
-        ParallelMesh(root, {'dp': flat}), groups, tuple(made.values()),
+        ParallelMesh(root, {'dp': flat}), groups, tuple(mine.values()),
         layout)
 
 

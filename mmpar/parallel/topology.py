@@ -97,7 +97,17 @@ def _live() -> Optional[ParallelTopology]:
     if _current is not None and not (dist.is_initialized() and
                                      dist.group.WORLD is _current.world_group):
         _current = None
+        _forget_dtensor_specs()
     return _current
+
+
+def _forget_dtensor_specs() -> None:
+    # DTensor caches sharding results keyed by mesh *equality* (layout and
+    # ranks, not groups): a later mesh of the same layout would get an old
+    # mesh, and its destroyed groups, back ("Could not resolve the process
+    # group registered under the name ...").
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
 
 
 def _require_process_group() -> None:
@@ -249,3 +259,4 @@ def reset_parallelism() -> None:
         return
     for group in topology.created_groups:
         dist.destroy_process_group(group)
+    _forget_dtensor_specs()
