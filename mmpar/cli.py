@@ -63,6 +63,24 @@ def parse_train_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '"auto"), or a checkpoint path')
     parser.add_argument(
         '--amp', action='store_true', help='mixed precision (bf16 on CPU)')
+    # OpenMMLab's usual train.py flags (mmpretrain, mmdet), same meaning.
+    parser.add_argument(
+        '--auto-scale-lr',
+        action='store_true',
+        help='scale the learning rate by the global batch size over '
+        'auto_scale_lr.base_batch_size')
+    parser.add_argument(
+        '--no-validate',
+        action='store_true',
+        help='do not validate during training')
+    parser.add_argument(
+        '--no-pin-memory',
+        action='store_true',
+        help='pin_memory=False in every dataloader')
+    parser.add_argument(
+        '--no-persistent-workers',
+        action='store_true',
+        help='persistent_workers=False in every dataloader')
     _add_common(parser)
     return parser.parse_args(argv)
 
@@ -111,7 +129,38 @@ def train_config(args: argparse.Namespace) -> Config:
             raise FileNotFoundError(
                 f'--resume {args.resume!r}: checkpoint does not exist')
         cfg.resume, cfg.load_from = True, args.resume
+    _apply_openmmlab_flags(cfg, args)
     return cfg
+
+
+DATALOADERS = ('train_dataloader', 'val_dataloader', 'test_dataloader')
+
+
+def _apply_openmmlab_flags(cfg: Config, args: argparse.Namespace) -> None:
+    """``--auto-scale-lr``, ``--no-validate``, ``--no-pin-memory`` and
+    ``--no-persistent-workers`` as mmpretrain's and mmdet's train.py read
+    them.
+
+    Raises:
+        ValueError: ``--auto-scale-lr`` on a config without
+            ``auto_scale_lr.base_batch_size``.
+    """
+    if getattr(args, 'auto_scale_lr', False):
+        scale = cfg.get('auto_scale_lr')
+        if not isinstance(scale, dict) or 'base_batch_size' not in scale:
+            raise ValueError(
+                f'--auto-scale-lr needs auto_scale_lr.base_batch_size in the '
+                f'config, got auto_scale_lr={scale!r}; allowed: e.g. '
+                'auto_scale_lr = dict(base_batch_size=256)')
+        cfg.auto_scale_lr.enable = True
+    if getattr(args, 'no_validate', False):
+        cfg.val_cfg = cfg.val_dataloader = cfg.val_evaluator = None
+    for flag, key in (('no_pin_memory', 'pin_memory'),
+                      ('no_persistent_workers', 'persistent_workers')):
+        if getattr(args, flag, False):
+            for name in DATALOADERS:
+                if cfg.get(name) is not None:
+                    cfg[name][key] = False
 
 
 def test_config(args: argparse.Namespace) -> Config:

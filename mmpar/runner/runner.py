@@ -111,6 +111,23 @@ class Runner(MMEngineRunner):
             super().build_evaluator(evaluator),
             getattr(self, 'topology', None))
 
+    def scale_lr(self, optim_wrapper, auto_scale_lr=None) -> None:
+        """MMEngine's, counting the global batch over the data axis only.
+
+        MMEngine takes ``world_size * batch_size``; tensor- and pipeline-
+        parallel peers read the same batch, so the real global batch is
+        ``dp_size * batch_size``. Rescaling ``base_batch_size`` by
+        ``world_size / dp_size`` gives MMEngine's formula that ratio.
+        """
+        topology = getattr(self, 'topology', None)
+        if auto_scale_lr and auto_scale_lr.get('enable') and \
+                topology is not None and topology.dp_size != self.world_size:
+            auto_scale_lr = dict(auto_scale_lr)
+            auto_scale_lr['base_batch_size'] = (
+                auto_scale_lr['base_batch_size'] * self.world_size /
+                topology.dp_size)
+        super().scale_lr(optim_wrapper, auto_scale_lr)
+
     def build_train_loop(self, loop):
         """MMEngine's, except that ``by_epoch=False`` without a ``type``
         builds mmpar's fast-resuming ``IterBasedTrainLoop``."""
