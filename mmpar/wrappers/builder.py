@@ -1,6 +1,12 @@
 """Turn ``model_wrapper_cfg`` into a wrapper, validating it first."""
 import copy
+import functools
+import logging
 from typing import Optional
+
+# Registers MMEngine's own wrappers, which ``mmengine.NAME`` may still name.
+import mmengine.model  # noqa: F401
+from mmengine.logging import print_log
 
 from mmengine.registry import DefaultScope
 from torch import nn
@@ -27,6 +33,7 @@ def wrapper_class(wrapper_type) -> type:
     """
     if isinstance(wrapper_type, type):
         return wrapper_type
+    wrapper_type = _mmpar_twin(wrapper_type)
     with DefaultScope.overwrite_default_scope(SCOPE):
         cls = MODEL_WRAPPERS.get(wrapper_type) if isinstance(
             wrapper_type, str) else None
@@ -35,6 +42,40 @@ def wrapper_class(wrapper_type) -> type:
             f'model_wrapper_cfg.type={wrapper_type!r} is not a registered '
             f'model wrapper; allowed: {", ".join(registered_wrappers())}')
     return cls
+
+
+MMENGINE_PREFIX = 'mmengine.'
+
+
+def _mmpar_twin(wrapper_type):
+    """``'mmengine.NAME'`` -> ``'mmpar.NAME'`` where mmpar has its own NAME.
+
+    mmpar's wrappers keep MMEngine's names (``MMDistributedDataParallel``,
+    ``MMFullyShardedDataParallel``) and add what MMEngine's lack on CPU and
+    with the parallel layout (the data axis, plain-data checkpoints, CPU
+    device ids), so an OpenMMLab config that spells the MMEngine scope gets
+    mmpar's class, with a one-line notice. MMEngine wrappers that mmpar does
+    not re-implement keep resolving to MMEngine's.
+    """
+    if not (isinstance(wrapper_type, str) and
+            wrapper_type.startswith(MMENGINE_PREFIX)):
+        return wrapper_type
+    name = wrapper_type[len(MMENGINE_PREFIX):]
+    if name not in MODEL_WRAPPERS.module_dict:
+        return wrapper_type
+    _notice_twin(wrapper_type, name)
+    return f'{SCOPE}.{name}'
+
+
+@functools.lru_cache(maxsize=None)
+def _notice_twin(wrapper_type: str, name: str) -> None:
+    # Once per name and process: the type is resolved at check and build.
+    print_log(
+        f'model_wrapper_cfg.type={wrapper_type!r}: using mmpar.{name} '
+        f'(mmpar re-implements mmengine.{name}; wrappers resolve in the '
+        'mmpar scope)',
+        logger='current',
+        level=logging.WARNING)
 
 
 def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
