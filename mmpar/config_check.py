@@ -177,6 +177,31 @@ def check_dist_cfg(env_cfg: Any) -> None:
                                dist_cfg['timeout'])
 
 
+SYNC_BN_IMPLEMENTATIONS = ('torch', 'mmcv')
+
+
+def check_sync_bn(sync_bn: Any, launcher: Optional[str]) -> None:
+    """``sync_bn``: MMEngine's SyncBatchNorm conversion, GPU-only.
+
+    A one-process run never converts (the Runner reverts SyncBatchNorm), so
+    only a launched run on a machine without CUDA is refused; torch would
+    fail deep inside DDP ("SyncBatchNorm layers only work with GPU
+    modules").
+    """
+    if sync_bn is None:
+        return
+    if sync_bn not in SYNC_BN_IMPLEMENTATIONS:
+        _fail('sync_bn', sync_bn, 'allowed: None, ' +
+              ', '.join(repr(v) for v in SYNC_BN_IMPLEMENTATIONS))
+    import torch
+    if launcher not in (None, 'none') and not torch.cuda.is_available():
+        _fail('sync_bn', sync_bn,
+              'SyncBatchNorm needs CUDA, which is not available; allowed on '
+              'CPU: None (unset it, e.g. --cfg-options sync_bn=None): each '
+              "rank then normalises with its own batch statistics and the "
+              "wrapper's buffer_sync keeps running statistics equal")
+
+
 def check_dataloader(key: str, loader: Any, scope: Optional[str]) -> None:
     from mmpar.registry import DATA_SAMPLERS, DATASETS
     if not isinstance(loader, dict):
@@ -372,6 +397,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
             check_type(f'param_scheduler[{index}]', scheduler,
                        PARAM_SCHEDULERS, scope)
     check_dist_cfg(cfg.get('env_cfg'))
+    check_sync_bn(cfg.get('sync_bn'), cfg.get('launcher'))
     with _as_config_error():
         check_hooks(cfg, scope)
     check_layout(cfg, world_size)

@@ -7,6 +7,7 @@ runs a few of them through tools/train.py.
 import copy
 
 import pytest
+import torch
 from mmengine.config import Config
 
 from mmpar.config_check import check_config
@@ -176,6 +177,9 @@ CASES = {
     'unknown backend': ({
         'env_cfg.dist_cfg.backend': 'mpi'
     }, ["env_cfg.dist_cfg.backend='mpi'", 'gloo, nccl']),
+    'unknown sync_bn': ({
+        'sync_bn': 'apex'
+    }, ["sync_bn='apex'", "None, 'torch', 'mmcv'"]),
     'negative timeout': ({
         'env_cfg.dist_cfg.timeout': -5
     }, ['env_cfg.dist_cfg.timeout=-5', 'a number > 0']),
@@ -304,3 +308,19 @@ def test_check_does_not_change_the_config(base_cfg):
     cfg = copy.deepcopy(base_cfg)
     check_config(cfg)
     assert cfg == base_cfg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='CPU-only refusal')
+def test_sync_bn_on_cpu_refused_when_launched(base_cfg):
+    # torch would fail deep inside DDP: "SyncBatchNorm layers only work
+    # with GPU modules".
+    with pytest.raises(ConfigError) as err:
+        check_config(_apply(base_cfg, {'sync_bn': 'torch',
+                                       'launcher': 'pytorch'}))
+    assert "sync_bn='torch'" in str(err.value)
+    assert 'needs CUDA' in str(err.value) and 'None' in str(err.value)
+
+
+def test_sync_bn_ignored_on_one_process(base_cfg):
+    # One process never converts BatchNorm (the Runner reverts it).
+    check_config(_apply(base_cfg, {'sync_bn': 'torch', 'launcher': 'none'}))
