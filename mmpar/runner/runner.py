@@ -203,6 +203,11 @@ class Runner(MMEngineRunner):
             raise ValueError('mmpar saves checkpoints to local paths only; '
                              'remove file_client_args / backend_args from '
                              'the CheckpointHook config')
+        # Buffers (BatchNorm statistics) equal on every data rank first, so
+        # full and sharded checkpoints hold the same ones (buffer_sync).
+        sync_buffers = getattr(self.model, 'sync_buffers', None)
+        if sync_buffers is not None:
+            sync_buffers()
         if self.checkpoint_format == 'sharded':
             sharded_checkpoint.save_sharded(
                 self, osp.join(out_dir, filename), meta, by_epoch,

@@ -6,12 +6,15 @@ the step contract (MMEngine's BaseModel: ``data_preprocessor``,
 the gradient-sync strategies live in one place and cannot drift apart.
 """
 import contextlib
-from typing import Any, ContextManager, Dict, Union
+from typing import Any, ContextManager, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
 from mmengine.optim import OptimWrapper
 from torch import nn
+
+from mmpar.parallel.topology import default_dp_group
+from mmpar.wrappers.buffers import check_buffer_sync, sync_buffers
 
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
 
@@ -50,8 +53,28 @@ class StepMixin:
     module: nn.Module
     sync_strategy: str = 'single_auto_sync'
 
-    def _init_steps(self, sync_strategy: str = 'single_auto_sync') -> None:
+    def _init_steps(self,
+                    sync_strategy: str = 'single_auto_sync',
+                    buffer_sync: Optional[str] = None) -> None:
         self.sync_strategy = check_sync_strategy(sync_strategy)
+        # mmpar/wrappers/buffers.py: wrappers that do not broadcast buffers
+        # every forward, as DDP does, pass 'broadcast' by default.
+        self.buffer_sync = check_buffer_sync(buffer_sync)
+        self._buffers_in_sync = True
+
+    def sync_buffers(self) -> None:
+        """Make buffers equal over the data axis (``buffer_sync``).
+
+        Collective over the data axis: every data rank calls it at the same
+        point (the first evaluation step after training, a checkpoint).
+        """
+        sync_buffers(self.module, self.buffer_sync, self.data_group)
+        self._buffers_in_sync = True
+
+    @property
+    def data_group(self):
+        """The data axis' group (None: the whole world)."""
+        return default_dp_group()
 
     # -- hooks a wrapper may override -------------------------------------
     @property
@@ -106,6 +129,7 @@ class StepMixin:
         Returns:
             The log variables from ``parse_losses``.
         """
+        self._buffers_in_sync = False
         with self.grad_sync_context(optim_wrapper):
             with optim_wrapper.optim_context(_NoModel()):
                 data = self.module.data_preprocessor(data, training=True)
@@ -128,6 +152,8 @@ class StepMixin:
 
     def val_step(self, data: Union[dict, tuple, list]) -> list:
         """Predictions for a validation batch (``mode='predict'``)."""
+        if not getattr(self, '_buffers_in_sync', True):
+            self.sync_buffers()
         data = self.module.data_preprocessor(data, training=False)
         return self._run_forward(self.eval_forward_module, data, 'predict')
 

@@ -149,12 +149,13 @@ class MMBucketDataParallel(PythonDataParallel):
                  bucket_cap_mb: float = 25,
                  grad_dtype: Union[str, torch.dtype] = torch.float32,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 sync_strategy: str = 'single_auto_sync') -> None:
+                 sync_strategy: str = 'single_auto_sync',
+                 buffer_sync: Optional[str] = 'broadcast') -> None:
         # Validate before the constructor's collectives: a bad argument must
         # not leave the other ranks waiting in a broadcast.
         checked = self.check_cfg(
             dict(bucket_cap_mb=bucket_cap_mb, grad_dtype=grad_dtype))
-        super().__init__(module, process_group, sync_strategy)
+        super().__init__(module, process_group, sync_strategy, buffer_sync)
         self.bucket_cap_mb = checked['bucket_cap_mb']
         self.grad_dtype = checked['grad_dtype']
         params = [p for p in module.parameters() if p.requires_grad]

@@ -13,6 +13,7 @@ from torch import nn
 
 from mmpar.registry import MODEL_WRAPPERS, SCOPE
 from mmpar.wrappers.base import check_sync_strategy
+from mmpar.wrappers.buffers import check_buffer_sync
 
 DEFAULT_WRAPPER = 'MMDistributedDataParallel'
 
@@ -92,6 +93,8 @@ def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
     cls = wrapper_class(model_wrapper_cfg.get('type', DEFAULT_WRAPPER))
     if 'sync_strategy' in model_wrapper_cfg:
         check_sync_strategy(model_wrapper_cfg['sync_strategy'])
+    if 'buffer_sync' in model_wrapper_cfg:
+        check_buffer_sync(model_wrapper_cfg['buffer_sync'])
     check = getattr(cls, 'check_cfg', None)
     if check is not None:
         check({k: v for k, v in model_wrapper_cfg.items() if k != 'type'})

@@ -40,6 +40,9 @@ class PythonDataParallel(StepMixin, nn.Module):
             :func:`mmpar.parallel.default_dp_group` (the topology's dp group,
             or the default group when no topology is initialised).
         sync_strategy: see :data:`mmpar.wrappers.base.SYNC_STRATEGIES`.
+        buffer_sync: ``'broadcast'``, ``'average'`` or None: how buffers
+            (BatchNorm statistics) are made equal before evaluation and
+            checkpoints (:mod:`mmpar.wrappers.buffers`).
 
     Attributes:
         require_backward_grad_sync: False inside :meth:`no_sync`; subclasses
@@ -49,9 +52,10 @@ class PythonDataParallel(StepMixin, nn.Module):
     def __init__(self,
                  module: nn.Module,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 sync_strategy: str = 'single_auto_sync') -> None:
+                 sync_strategy: str = 'single_auto_sync',
+                 buffer_sync: Optional[str] = 'broadcast') -> None:
         super().__init__()
-        self._init_steps(sync_strategy)
+        self._init_steps(sync_strategy, buffer_sync)
         self.module = module
         if process_group is None:
             process_group = default_dp_group()
@@ -73,6 +77,10 @@ class PythonDataParallel(StepMixin, nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @property
+    def data_group(self) -> Optional[dist.ProcessGroup]:
+        return self.process_group
 
     @property
     def eval_forward_module(self) -> nn.Module:

@@ -50,6 +50,9 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         activation_checkpointing: class names (or classes) whose instances
             are checkpointed.
         sync_module_states: broadcast rank 0's parameters at wrap time.
+        buffer_sync: ``'broadcast'`` (default), ``'average'`` or None: how
+            buffers (BatchNorm statistics) are made equal over the data axis
+            before evaluation and checkpoints (:mod:`mmpar.wrappers.buffers`).
         use_orig_params: default True, so optimizers and parameter groups see
             the model's own parameters.
         device_id: None picks ``torch.device('cpu')`` on CPU (FSDP refuses
@@ -75,12 +78,13 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
                  sync_module_states: bool = False,
                  use_orig_params: bool = True,
                  device_id=None,
+                 buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
         # Each argument is normalised once below (with the same errors as
         # check_cfg); these two have no normaliser of their own.
         args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
         args.check_activation_checkpointing(activation_checkpointing)
-        self._init_steps(sync_strategy)
+        self._init_steps(sync_strategy, buffer_sync)
         strategy = args.normalize_sharding_strategy(sharding_strategy)
         offload = args.normalize_cpu_offload(cpu_offload)
         if offload is not None and offload.offload_params and not uses_cuda():

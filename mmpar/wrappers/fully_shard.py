@@ -78,6 +78,8 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
             names (``param_dtype``, ``reduce_dtype``, ``output_dtype``).
         cpu_offload: None, bool or ``CPUOffloadPolicy``.
         activation_checkpointing: class names (or classes) to checkpoint.
+        buffer_sync: ``'broadcast'`` (default), ``'average'`` or None
+            (:mod:`mmpar.wrappers.buffers`).
         **kwargs: any other ``fully_shard`` argument.
 
     Clipping needs nothing special: the gradients are DTensors, and
@@ -97,11 +99,12 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
                  mixed_precision=None,
                  cpu_offload=None,
                  activation_checkpointing=None,
+                 buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
         args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
         args.check_activation_checkpointing(activation_checkpointing)
         super().__init__()
-        self._init_steps(sync_strategy)
+        self._init_steps(sync_strategy, buffer_sync)
         hybrid, reshard = STRATEGIES[_strategy(sharding_strategy)]
         if reshard_after_forward is not None:
             reshard = reshard_after_forward

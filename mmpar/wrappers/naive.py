@@ -38,8 +38,9 @@ class MMNaiveDataParallel(PythonDataParallel):
     def __init__(self,
                  module: nn.Module,
                  process_group: Optional[dist.ProcessGroup] = None,
-                 sync_strategy: str = 'single_auto_sync') -> None:
-        super().__init__(module, process_group, sync_strategy)
+                 sync_strategy: str = 'single_auto_sync',
+                 buffer_sync: Optional[str] = 'broadcast') -> None:
+        super().__init__(module, process_group, sync_strategy, buffer_sync)
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(self._average_grad)
             for param in module.parameters() if param.requires_grad

@@ -1,0 +1,62 @@
+"""Keep module buffers (BatchNorm running statistics) equal on data ranks.
+
+DDP broadcasts rank 0's buffers at every forward (``broadcast_buffers``).
+FSDP1, FSDP2 and the naive and bucketed wrappers do not, so each rank's
+running statistics drift towards its own shard of the data: in-training
+validation then differs from DDP's, a full checkpoint holds rank 0's buffers
+and a sharded one a mixture. These wrappers instead sync buffers over the
+data axis before the first evaluation step after training and before a
+checkpoint is built (``buffer_sync``):
+
+- ``'broadcast'`` (default): data rank 0's buffers, DDP's result;
+- ``'average'``: the mean of floating-point buffers over data ranks (integer
+  buffers such as ``num_batches_tracked`` are broadcast);
+- ``None``: leave every rank's own.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+BUFFER_SYNC = ('broadcast', 'average', None)
+
+
+def check_buffer_sync(buffer_sync) -> Optional[str]:
+    """Return ``buffer_sync`` if allowed.
+
+    Raises:
+        ValueError: naming the value and the allowed ones.
+    """
+    if buffer_sync not in BUFFER_SYNC:
+        raise ValueError(f'model_wrapper_cfg.buffer_sync={buffer_sync!r} is '
+                         "not allowed; allowed: 'broadcast', 'average', None")
+    return buffer_sync
+
+
+def sync_buffers(module: nn.Module, mode: Optional[str],
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make ``module``'s buffers equal over ``group`` (None: the world).
+
+    Collective over ``group``: one broadcast or all-reduce per dtype.
+    """
+    if mode is None or not dist.is_initialized() or \
+            dist.get_world_size(group) == 1:
+        return
+    by_dtype = {}
+    for buffer in module.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    size = dist.get_world_size(group)
+    with torch.no_grad():
+        for dtype, buffers in by_dtype.items():
+            flat = _flatten_dense_tensors(buffers)
+            if mode == 'average' and dtype.is_floating_point:
+                dist.all_reduce(flat, group=group)
+                flat.div_(size)
+            else:
+                dist.broadcast(flat, src=src, group=group)
+            for buffer, synced in zip(
+                    buffers, _unflatten_dense_tensors(flat, buffers)):
+                buffer.copy_(synced)
