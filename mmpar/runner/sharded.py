@@ -93,7 +93,9 @@ def localize_optim_state(runner, checkpoint: dict) -> None:
         full = {k: saved[k] for k in ('state', 'param_groups')}
     elif is_sharded(runner.model):
         # Saved unsharded by index (DDP, one process): resuming it sharded.
-        full = _names_for_indices(runner.model, optimizer, saved)
+        # Names as the plain model has them: FSDP2's wrapper holds the model
+        # as `module` (FSDP1's prefixes are cleaned by clean_tensor_name).
+        full = _names_for_indices(runner.model.module, optimizer, saved)
     else:
         return
     before = copy.deepcopy(optimizer.state_dict())
