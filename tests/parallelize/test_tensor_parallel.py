@@ -1,0 +1,147 @@
+"""Tensor parallelism: plans, start-up errors, and parity with one process.
+
+Every parity case trains the tiny digits ViT for 3 SGD steps of 2
+accumulated micro-batches with clipping by the global norm active, on the
+same global batches as a one-process reference, and compares the gathered
+full state dict's parameter updates and the clip's total norms (see
+tests/parallelize/tp_cases.py).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mmpar.parallelize.tensor import (apply_tp, check_tp_plan,
+                                      check_tp_size, match_modules,
+                                      module_plan_styles, registered_plans)
+from mmpar.wrappers.bucket import MMBucketDataParallel
+from mmpar.wrappers.fully_shard import MMFullyShard
+from mmpar.wrappers.naive import MMNaiveDataParallel
+from tests.parallelize import tp_cases
+
+VIT_PLAN = {'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.3': 'rowwise'}
+
+
+# -- start-up checks (no process group) -------------------------------------
+def test_registered_plans_include_builtins():
+    assert {'module_plan', 'digits_vit'} <= set(registered_plans())
+
+
+def test_unknown_plan_name_lists_registered():
+    with pytest.raises(ValueError, match=r"tp_plan='nope'.*module_plan"):
+        check_tp_plan('nope')
+
+
+def test_unknown_style_named():
+    with pytest.raises(ValueError, match=r"'blocks.\*.mlp.0'.*'diagonal'"):
+        check_tp_plan(
+            dict(type='module_plan', plan={'blocks.*.mlp.0': 'diagonal'}))
+
+
+def test_bad_layout_named():
+    plan = {'a': dict(style='colwise', output_layouts='shard(x)')}
+    with pytest.raises(ValueError, match=r"output_layouts='shard\(x\)'"):
+        check_tp_plan(dict(type='module_plan', plan=plan))
+
+
+def test_pattern_matching_nothing_lists_modules():
+    with pytest.raises(ValueError, match=r"'blocks.\*.ffn.0'.*blocks.0.mlp"):
+        module_plan_styles(tp_cases.make_vit(), {'blocks.*.ffn.0': 'colwise'},
+                           2)
+
+
+def test_tp_not_dividing_split_dim_names_module_and_sizes():
+    with pytest.raises(ValueError,
+                       match=r"tp=3.*'blocks.0.mlp.0'.*size 32"):
+        module_plan_styles(tp_cases.make_vit(), VIT_PLAN, 3)
+
+
+def test_tp_not_dividing_world():
+    with pytest.raises(ValueError, match=r'parallel.tp=3.*world size 4'):
+        check_tp_size(3, 4)
+
+
+def test_style_on_unsplittable_module():
+    with pytest.raises(ValueError, match=r"'blocks.0.attn'.*MultiheadAtt"):
+        module_plan_styles(tp_cases.make_vit(), {'blocks.*.attn': 'colwise'},
+                           2)
+
+
+def test_patterns_match_per_part():
+    model = tp_cases.make_vit()
+    assert match_modules(model, 'blocks.*.mlp.0') == [
+        'blocks.0.mlp.0', 'blocks.1.mlp.0'
+    ]
+    assert match_modules(model, '*.0') == ['blocks.0']  # not blocks.0.mlp.0
+    assert match_modules(model, 'mlp.0') == []
+
+
+# -- parity (multi-process) ---------------------------------------------------
+WRAPPERS = dict(
+    bucket=lambda m, mesh: MMBucketDataParallel(
+        m, process_group=mesh['dp'].get_group()),
+    naive=lambda m, mesh: MMNaiveDataParallel(
+        m, process_group=mesh['dp'].get_group()),
+    fsdp2=lambda m, mesh: MMFullyShard(m, device_mesh=mesh['dp']),
+)
+
+
+def _parity(wrapper_name: str, tp: int, plan):
+    mesh = tp_cases.world_mesh(tp)
+    model = tp_cases.make_vit()
+    initial = tp_cases.full_state(model)
+    expected = tp_cases.reference_state(model)
+    apply_tp(model, mesh['tp'], plan)
+    split = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    assert split and all('mlp' in n for n in split), split
+    wrapper = WRAPPERS[wrapper_name](model, mesh)
+    dp_rank, dp = mesh['dp'].get_local_rank(), mesh['dp'].size()
+    actual = tp_cases.train_layout(wrapper, dp_rank, dp)
+    tp_cases.assert_parity(actual, expected, initial)
+    return dist.get_rank()
+
+
+def test_tp2_parity(run_dist):
+    assert run_dist(_parity, 'bucket', 2, 'digits_vit') == [0, 1]
+
+
+def test_tp2_module_plan_naive_parity(run_dist):
+    plan = dict(type='module_plan', plan=VIT_PLAN)
+    assert run_dist(_parity, 'naive', 2, plan) == [0, 1]
+
+
+def test_tp2_x_fsdp2_dp2_parity(run_dist):
+    assert run_dist(_parity, 'fsdp2', 2, 'digits_vit',
+                    world_size=4) == [0, 1, 2, 3]
+
+
+def test_tp2_x_ddp_dp2_parity(run_dist):
+    assert run_dist(_parity, 'bucket', 2, 'digits_vit',
+                    world_size=4) == [0, 1, 2, 3]
+
+
+def _clip_mixed_meshes():
+    """The clip agrees with one process on mixed plain/DTensor gradients."""
+    from mmpar.parallelize.clip import clip_grad_norm_
+    mesh = tp_cases.world_mesh(2)
+    model = tp_cases.make_vit()
+    ref = tp_cases.make_vit()
+    batch = tp_cases.make_image_batches(1)[0]
+    ref(**batch, mode='loss')['loss'].backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    apply_tp(model, mesh['tp'], 'digits_vit')
+    model(**batch, mode='loss')['loss'].backward()
+    total = clip_grad_norm_(list(model.parameters()), 0.01)
+    torch.testing.assert_close(total, expected, atol=1e-6, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, atol=1e-7, rtol=1e-5,
+                                   msg=name)
+    inf = clip_grad_norm_(list(model.parameters()), 1.0, float('inf'))
+    torch.testing.assert_close(
+        inf, max(q.grad.abs().max() for q in ref.parameters()), rtol=1e-5,
+        atol=1e-8)
+
+
+def test_clip_mixed_tensor_and_dtensor(run_dist):
+    run_dist(_clip_mixed_meshes)
