@@ -86,14 +86,14 @@ WRAPPERS = dict(
 )
 
 
-def _parity(wrapper_name: str, tp: int, plan):
+def _parity(wrapper_name: str, tp: int, plan, model_name='vit'):
     mesh = tp_cases.world_mesh(tp)
-    model = tp_cases.make_vit()
+    model = tp_cases.MODELS[model_name]()
     initial = tp_cases.full_state(model)
     expected = tp_cases.reference_state(model)
     apply_tp(model, mesh['tp'], plan)
     split = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    assert split and all('mlp' in n for n in split), split
+    assert split and all(('mlp' in n or 'attn' in n) for n in split), split
     wrapper = WRAPPERS[wrapper_name](model, mesh)
     dp_rank, dp = mesh['dp'].get_local_rank(), mesh['dp'].size()
     actual = tp_cases.train_layout(wrapper, dp_rank, dp)
@@ -118,6 +118,13 @@ def test_tp2_x_fsdp2_dp2_parity(run_dist):
 def test_tp2_x_ddp_dp2_parity(run_dist):
     assert run_dist(_parity, 'bucket', 2, 'digits_vit',
                     world_size=4) == [0, 1, 2, 3]
+
+
+def test_user_model_module_plan_parity(run_dist):
+    """A model from outside mmpar, attention split too, plan as data."""
+    from examples.my_pkg.tp_vit import TP_PLAN
+    plan = dict(type='module_plan', plan=TP_PLAN)
+    assert run_dist(_parity, 'bucket', 2, plan, 'splittable') == [0, 1]
 
 
 def _clip_mixed_meshes():

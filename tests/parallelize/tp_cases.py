@@ -25,6 +25,16 @@ def make_vit(seed: int = 0) -> DigitsViT:
     return DigitsViT(embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0)
 
 
+def make_splittable_vit(seed: int = 0):
+    """The user model of examples/my_pkg/tp_vit.py (attention splits too)."""
+    from examples.my_pkg.tp_vit import SplittableViT
+    torch.manual_seed(seed)
+    return SplittableViT(embed_dim=16, depth=2, num_heads=4)
+
+
+MODELS = dict(vit=make_vit, splittable=make_splittable_vit)
+
+
 def make_image_batches(num=STEPS * ACCUMULATE, batch_size=8, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [
