@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mmpar.parallelize.tensor import (apply_tp, check_tp_plan,
+                                      data_parallel_cfg_for_tp,
                                       check_tp_size, match_modules,
                                       module_plan_styles, registered_plans)
-from mmpar.wrappers.bucket import MMBucketDataParallel
 from mmpar.wrappers.fully_shard import MMFullyShard
-from mmpar.wrappers.naive import MMNaiveDataParallel
+from mmpar.wrappers.tp_replicate import MMTensorParallelDDP
 from tests.parallelize import tp_cases
 
 VIT_PLAN = {'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.3': 'rowwise'}
@@ -78,10 +78,8 @@ def test_patterns_match_per_part():
 
 # -- parity (multi-process) ---------------------------------------------------
 WRAPPERS = dict(
-    bucket=lambda m, mesh: MMBucketDataParallel(
-        m, process_group=mesh['dp'].get_group()),
-    naive=lambda m, mesh: MMNaiveDataParallel(
-        m, process_group=mesh['dp'].get_group()),
+    ddp=lambda m, mesh: MMTensorParallelDDP(
+        m, process_group=mesh['dp'].get_group(), bucket_cap_mb=0.001),
     fsdp2=lambda m, mesh: MMFullyShard(m, device_mesh=mesh['dp']),
 )
 
@@ -98,16 +96,18 @@ def _parity(wrapper_name: str, tp: int, plan, model_name='vit'):
     dp_rank, dp = mesh['dp'].get_local_rank(), mesh['dp'].size()
     actual = tp_cases.train_layout(wrapper, dp_rank, dp)
     tp_cases.assert_parity(actual, expected, initial)
+    # The gathered state is the plain model's: it loads strictly.
+    tp_cases.MODELS[model_name]().load_state_dict(actual[0], strict=True)
     return dist.get_rank()
 
 
 def test_tp2_parity(run_dist):
-    assert run_dist(_parity, 'bucket', 2, 'digits_vit') == [0, 1]
+    assert run_dist(_parity, 'ddp', 2, 'digits_vit') == [0, 1]
 
 
-def test_tp2_module_plan_naive_parity(run_dist):
+def test_tp2_module_plan_parity(run_dist):
     plan = dict(type='module_plan', plan=VIT_PLAN)
-    assert run_dist(_parity, 'naive', 2, plan) == [0, 1]
+    assert run_dist(_parity, 'fsdp2', 2, plan) == [0, 1]
 
 
 def test_tp2_x_fsdp2_dp2_parity(run_dist):
@@ -116,7 +116,7 @@ def test_tp2_x_fsdp2_dp2_parity(run_dist):
 
 
 def test_tp2_x_ddp_dp2_parity(run_dist):
-    assert run_dist(_parity, 'bucket', 2, 'digits_vit',
+    assert run_dist(_parity, 'ddp', 2, 'digits_vit',
                     world_size=4) == [0, 1, 2, 3]
 
 
@@ -124,7 +124,8 @@ def test_user_model_module_plan_parity(run_dist):
     """A model from outside mmpar, attention split too, plan as data."""
     from examples.my_pkg.tp_vit import TP_PLAN
     plan = dict(type='module_plan', plan=TP_PLAN)
-    assert run_dist(_parity, 'bucket', 2, plan, 'splittable') == [0, 1]
+    assert run_dist(_parity, 'ddp', 2, plan, 'splittable',
+                    world_size=4) == [0, 1, 2, 3]
 
 
 def _clip_mixed_meshes():
@@ -152,3 +153,27 @@ def _clip_mixed_meshes():
 
 def test_clip_mixed_tensor_and_dtensor(run_dist):
     run_dist(_clip_mixed_meshes)
+
+
+# -- which data-parallel wrapper composes with TP -------------------------------
+def test_ddp_becomes_tensor_parallel_ddp():
+    assert data_parallel_cfg_for_tp(None, 2) == dict(type='MMTensorParallelDDP')
+    cfg = dict(type='MMDistributedDataParallel', find_unused_parameters=True,
+               sync_strategy='forced_sync')
+    assert data_parallel_cfg_for_tp(cfg, 2) == dict(
+        type='MMTensorParallelDDP', sync_strategy='forced_sync')
+    assert cfg['type'] == 'MMDistributedDataParallel'  # not mutated
+    assert data_parallel_cfg_for_tp(dict(type='MMFullyShard'), 2) == dict(
+        type='MMFullyShard')
+
+
+def test_fsdp1_with_tp_refused_naming_fully_shard():
+    with pytest.raises(ValueError,
+                       match=r"'MMFullyShardedDataParallel'.*tp=2.*"
+                       r"MMFullyShard'"):
+        data_parallel_cfg_for_tp(dict(type='MMFullyShardedDataParallel'), 2)
+
+
+def test_naive_with_tp_refused():
+    with pytest.raises(ValueError, match=r"'MMNaiveDataParallel'.*allowed"):
+        data_parallel_cfg_for_tp(dict(type='MMNaiveDataParallel'), 2)

@@ -94,7 +94,7 @@ def train_layout(wrapper, dp_rank: int, dp_size: int):
     batches = [dp_slice(b, dp_rank, dp_size) for b in make_image_batches()]
     norms = _train(wrapper.train_step, optim_wrapper_for(wrapper.module),
                    batches)
-    return full_state(wrapper.module), norms
+    return dict(wrapper.full_state_dict()), norms
 
 
 def assert_parity(actual, expected, initial: dict) -> None:
