@@ -48,9 +48,15 @@ def dp_slice(batch: dict, dp_rank: int, dp_size: int) -> dict:
     return {k: v.chunk(dp_size)[dp_rank] for k, v in batch.items()}
 
 
-def optim_wrapper_for(model):
-    return make_optim_wrapper(
-        model, lr=LR, accumulative_counts=ACCUMULATE, clip=CLIP)
+def optim_wrapper_for(model, amp: bool = False):
+    """SGD, accumulation 2, clipping; ``amp``: mmpar's bf16 AmpOptimWrapper."""
+    if not amp:
+        return make_optim_wrapper(
+            model, lr=LR, accumulative_counts=ACCUMULATE, clip=CLIP)
+    from mmpar.optim.amp import AmpOptimWrapper
+    return AmpOptimWrapper(
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+        accumulative_counts=ACCUMULATE, clip_grad=dict(max_norm=CLIP))
 
 
 def _train(step, optim_wrapper, batches) -> list:
@@ -65,14 +71,14 @@ def _train(step, optim_wrapper, batches) -> list:
     return norms
 
 
-def reference_state(model):
+def reference_state(model, amp: bool = False):
     """One process, the global batches, accumulation and clipping.
 
     Returns:
         ``(state dict, [total grad norm at each optimizer step])``.
     """
     model = copy.deepcopy(model)
-    norms = _train(model.train_step, optim_wrapper_for(model),
+    norms = _train(model.train_step, optim_wrapper_for(model, amp),
                    make_image_batches())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, norms
@@ -85,31 +91,32 @@ def full_state(module) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def train_layout(wrapper, dp_rank: int, dp_size: int):
+def train_layout(wrapper, dp_rank: int, dp_size: int, amp: bool = False):
     """Train ``wrapper`` on this rank's slices.
 
     Returns:
         ``(full state dict, [total grad norm at each optimizer step])``.
     """
     batches = [dp_slice(b, dp_rank, dp_size) for b in make_image_batches()]
-    norms = _train(wrapper.train_step, optim_wrapper_for(wrapper.module),
-                   batches)
+    norms = _train(wrapper.train_step,
+                   optim_wrapper_for(wrapper.module, amp), batches)
     return dict(wrapper.full_state_dict()), norms
 
 
-def assert_parity(actual, expected, initial: dict) -> None:
+def assert_parity(actual, expected, initial: dict, rtol=1e-4,
+                  atol=2e-7, norm_rtol=1e-5) -> None:
     """Same clip norms (1e-5 relative) and the same parameter *updates*.
 
     Comparing updates, not values, keeps the test sharp: parameters are
     O(0.1) while 3 clipped SGD steps move them by O(1e-3).
     """
     (state, norms), (ref_state, ref_norms) = actual, expected
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms, ref_norms, rtol=norm_rtol, atol=0)
     assert state.keys() == ref_state.keys()
     for key, value in ref_state.items():
         torch.testing.assert_close(
-            state[key] - initial[key], value - initial[key], rtol=1e-4,
-            atol=2e-7, msg=key)
+            state[key] - initial[key], value - initial[key], rtol=rtol,
+            atol=atol, msg=key)
 
 
 def world_mesh(tp: int):
