@@ -13,7 +13,6 @@ import numbers
 import os.path as osp
 from typing import Any, Iterable, Optional
 
-import torch
 
 from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
@@ -170,10 +169,8 @@ def check_dist_cfg(env_cfg: Any) -> None:
     if backend is not None and backend not in BACKENDS:
         _fail('env_cfg.dist_cfg.backend', backend,
               f'allowed: {", ".join(BACKENDS)}')
-    if backend == 'nccl' and not torch.cuda.is_available():
-        raise ConfigError(
-            "env_cfg.dist_cfg.backend='nccl' needs CUDA, which is not "
-            "available; allowed here: 'gloo', or leave it unset")
+    # 'nccl' without CUDA is not an error: the Runner warns and uses gloo
+    # (mmpar.dist.usable_backend), as OpenMMLab runtimes ask for nccl.
     if 'timeout' in dist_cfg:
         _check_positive_number('env_cfg.dist_cfg.timeout',
                                dist_cfg['timeout'])
@@ -279,22 +276,16 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
         return None  # not started by that launcher (yet): checked later
 
 
-def check_parallel(parallel: Any, launcher: Optional[str]) -> None:
-    """The ``parallel`` section, and its sizes against the world size."""
+def check_parallel(parallel: Any, launcher: Optional[str],
+                   model_wrapper_cfg: Any = None) -> None:
+    """The ``parallel`` section, and its layout at the launcher's world size
+    (:func:`mmpar.parallel.dims.resolve_dims`, the one validator)."""
     from mmpar.parallel.config import ParallelConfig
-    from mmpar.parallel.layout import ParallelismError, check_sizes
     config = ParallelConfig.from_cfg(parallel)
     world_size = _launch_world_size(launcher)
     if parallel is None or world_size is None:
-        return
-    try:
-        check_sizes(world_size, config.model_parallelism,
-                    config.pipeline_parallelism)
-    except ParallelismError as err:
-        raise ConfigError(
-            f'parallel: {err}; allowed: model_parallelism * '
-            f'pipeline_parallelism dividing the world size {world_size}'
-        ) from None
+        return  # an unknown world is checked when the process group exists
+    config.dims(world_size, model_wrapper_cfg)
 
 
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
@@ -351,7 +342,8 @@ def check_config(cfg: Any) -> None:
     try:
         check_hooks(cfg, scope)
         check_wrapper_args(cfg.get('model_wrapper_cfg'))
-        check_parallel(cfg.get('parallel'), cfg.get('launcher'))
+        check_parallel(cfg.get('parallel'), cfg.get('launcher'),
+                       cfg.get('model_wrapper_cfg'))
     except ConfigError:
         raise
     except (ValueError, TypeError) as err:

@@ -48,6 +48,31 @@ def default_backend() -> str:
     return 'nccl' if torch.cuda.is_available() else 'gloo'
 
 
+def usable_backend(backend: Optional[str]) -> str:
+    """The backend to start with, given what ``env_cfg.dist_cfg`` says.
+
+    None (a plain MMEngine config without ``env_cfg``) picks
+    :func:`default_backend`. ``'nccl'`` without CUDA, as every OpenMMLab
+    ``default_runtime.py`` asks, logs one warning naming the key and uses
+    gloo, so such configs run on CPU machines unchanged.
+    """
+    if backend is None:
+        return default_backend()
+    if backend == 'nccl' and not torch.cuda.is_available():
+        import logging
+
+        from mmengine.logging import print_log
+        if os.environ.get('RANK', '0') == '0':  # one warning per job
+            print_log(
+                "env_cfg.dist_cfg.backend='nccl' needs CUDA, which is not "
+                "available: using 'gloo' instead (set backend='gloo' or "
+                'leave it unset to silence this)',
+                logger='current',
+                level=logging.WARNING)
+        return 'gloo'
+    return backend
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a SLURM node list, as ``scontrol show hostnames``.
 

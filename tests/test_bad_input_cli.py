@@ -14,8 +14,12 @@ CASES = {
         ['custom_imports.imports=[mmpar_plugins_nope]'],
         ["custom_imports.imports='mmpar_plugins_nope'",
          'cannot be imported']),
-    'nccl without CUDA': (['env_cfg.dist_cfg.backend=nccl'],
-                          ["env_cfg.dist_cfg.backend='nccl'", 'needs CUDA']),
+    # (nccl without CUDA is no longer refused: the Runner warns and uses
+    # gloo; tests/runner/test_plain_configs.py.)
+    'tp and model_parallelism disagree': (
+        ['parallel.tp=2', 'parallel.model_parallelism=4',
+         'parallel.tp_plan=colwise'],
+        ['parallel.tp=2 and parallel.model_parallelism=4 disagree']),
     'unknown wrapper': (['model_wrapper_cfg.type=MMNope'],
                         ["model_wrapper_cfg.type='MMNope'",
                          'MMDistributedDataParallel']),

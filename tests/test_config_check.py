@@ -51,6 +51,18 @@ CASES = {
     'string model_parallelism': ({
         'parallel': dict(model_parallelism='2')
     }, ["parallel.model_parallelism='2'", 'an int >= 1']),
+    'tp and its seed name disagree': ({
+        'parallel': dict(tp=2, model_parallelism=4, tp_plan='colwise')
+    }, ['parallel.tp=2', 'parallel.model_parallelism=4', 'disagree']),
+    'two axes set to -1': ({
+        'parallel': dict(dp_shard=-1, dp_replicate=-1)
+    }, ['dp_replicate and dp_shard are both -1', 'at most one axis']),
+    'zero dp_shard': ({
+        'parallel': dict(dp_shard=0)
+    }, ['parallel.dp_shard=0', 'an int >= 1, or -1']),
+    'pipeline not a dict': ({
+        'parallel': dict(pipeline='1F1B')
+    }, ["parallel.pipeline='1F1B'", 'None or a dict']),
     'unknown sharding strategy': ({
         'parallel': dict(use_fsdp=True, sharding_strategy='FULLY')
     }, ["parallel.sharding_strategy='FULLY'", 'FULL_SHARD, SHARD_GRAD_OP']),
@@ -164,9 +176,6 @@ CASES = {
     'unknown backend': ({
         'env_cfg.dist_cfg.backend': 'mpi'
     }, ["env_cfg.dist_cfg.backend='mpi'", 'gloo, nccl']),
-    'nccl without CUDA': ({
-        'env_cfg.dist_cfg.backend': 'nccl'
-    }, ["env_cfg.dist_cfg.backend='nccl'", 'needs CUDA', "'gloo'"]),
     'negative timeout': ({
         'env_cfg.dist_cfg.timeout': -5
     }, ['env_cfg.dist_cfg.timeout=-5', 'a number > 0']),
@@ -248,7 +257,47 @@ def test_topology_sizes_must_divide_the_world_size(base_cfg, monkeypatch):
         check_config(cfg)
     assert 'world size 2 is not divisible' in str(info.value)
     assert 'pipeline_parallelism' in str(info.value)
-    check_config(_apply(cfg, {'parallel.pipeline_parallelism': 2}))
+    # pp=2 divides 2; a pipeline split is needed for pp > 1 (issue 11).
+    check_config(_apply(cfg, {'parallel': dict(pipeline_parallelism=2,
+                                               pipeline=dict())}))
+
+
+def _as_torchrun(monkeypatch, world_size):
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    monkeypatch.setenv('WORLD_SIZE', str(world_size))
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+
+
+@pytest.mark.parametrize('section,named', [
+    # Issue 11: default DDP with mp=2 at 4 ranks trained two different
+    # models without a word.
+    (dict(model_parallelism=2), ['parallel.model_parallelism=2',
+                                 'parallel.tp_plan is not set']),
+    (dict(pipeline_parallelism=2), ['parallel.pipeline_parallelism=2',
+                                    'parallel.pipeline']),
+])
+def test_layouts_that_cannot_train_are_refused(base_cfg, monkeypatch,
+                                               section, named):
+    _as_torchrun(monkeypatch, 4)
+    cfg = _apply(base_cfg, {'launcher': 'pytorch', 'parallel': section})
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    for text in named:
+        assert text in str(info.value)
+
+
+def test_hsdp_alias_passes(base_cfg, monkeypatch):
+    _as_torchrun(monkeypatch, 4)
+    check_config(_apply(base_cfg, {
+        'launcher': 'pytorch',
+        'parallel': dict(model_parallelism=2, use_fsdp=True,
+                         sharding_strategy='HYBRID_SHARD')}))
+
+
+def test_nccl_without_cuda_is_not_an_error(base_cfg):
+    # The Runner warns and uses gloo (OpenMMLab runtimes all ask for nccl).
+    check_config(_apply(base_cfg, {'env_cfg.dist_cfg.backend': 'nccl'}))
 
 
 def test_check_does_not_change_the_config(base_cfg):

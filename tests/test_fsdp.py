@@ -112,9 +112,13 @@ def test_fsdp_matches_single_process(run_dist, wrapper_type,
 
 def _train_hybrid_on_topology(model_parallelism, wrapper_type, batches,
                               optim_kwargs):
-    from mmpar.parallel import init_parallelism
-    init_parallelism(model_parallelism=model_parallelism)  # reset by harness
+    from mmpar.parallel import setup_parallelism
     hybrid = dict(sharding_strategy='HYBRID_SHARD')
+    # The seed's HSDP spelling: with HYBRID_SHARD, model_parallelism=k means
+    # dp_shard=k (was init_parallelism(k), which now means tensor
+    # parallelism). Reset by the harness.
+    setup_parallelism(dict(model_parallelism=model_parallelism),
+                      dict(type=wrapper_type, **hybrid))
     local_numel = _local_numel(_wrap(wrapper_type, make_model(), **hybrid))
     state = _train_sharded(wrapper_type, hybrid, batches, optim_kwargs)
     return local_numel, state

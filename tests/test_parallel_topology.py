@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mmpar.parallel import (DIMS, ParallelismError, check_sizes,
+from mmpar.parallel import (AXES, DIMS, ParallelDims, ParallelismError, check_sizes,
                             default_dp_group, default_group_info,
                             init_parallelism, parallel_group_info,
                             parallel_layout, parallelism_is_initialized,
@@ -70,7 +70,7 @@ def test_layout_matches_brute_force_for_every_valid_layout():
 
 def test_layout_of_issue_example():
     layout = parallel_layout(8, 2, 2)
-    assert layout.groups == dict(
+    assert {k: layout.groups[k] for k in DIMS} == dict(
         mp=[[0, 1], [2, 3], [4, 5], [6, 7]],
         pp=[[0, 2], [1, 3], [4, 6], [5, 7]],
         dp=[[0, 4], [1, 5], [2, 6], [3, 7]])
@@ -145,12 +145,16 @@ def test_fake_world_groups_and_mesh(fake_world):
     assert topology.pp.global_ranks == [5, 7] and topology.pp.rank == 0
     assert topology.dp.global_ranks == [1, 5] and topology.dp.rank == 1
     assert default_dp_group() is topology.dp.group
+    # Named axes, tp fastest; the seed's (dp, pp, mp) grid with a leading
+    # dp_replicate=1 (mesh dims renamed: the old ('dp', 'pp', 'mp') became
+    # ('dp_replicate', 'dp_shard', 'pp', 'tp') plus a flattened 'dp').
     mesh = topology.mesh
-    assert mesh.mesh_dim_names == DIMS
-    assert mesh.mesh.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert tuple(mesh.get_coordinate()) == (1, 0, 1)
-    for dim in DIMS:
+    assert mesh.mesh_dim_names == AXES
+    assert mesh.mesh.tolist() == [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]
+    assert tuple(mesh.get_coordinate()) == (0, 1, 0, 1)
+    for dim in ('tp', 'pp', 'dp', 'dp_replicate', 'dp_shard'):
         assert mesh[dim].get_group() is getattr(topology, dim).group
+    assert topology.mp is topology.tp
 
 
 def test_bad_sizes_raise_before_any_group(fake_world):
@@ -182,7 +186,8 @@ def _groups_and_collectives(mp, pp, backends):
             part=part.tolist(),
             roundtrip=torch.equal(gathered, full)
             and torch.equal(gathered_async, full.t()))
-    out['mesh'] = tuple(topology.mesh.get_coordinate())
+    out['mesh'] = tuple(topology.mesh[dim].get_local_rank()
+                        for dim in ('dp', 'pp', 'tp'))
     out['dp_group_ok'] = default_dp_group() is topology.dp.group
     return out
 
@@ -209,26 +214,47 @@ def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
             assert got[kind]['roundtrip']
 
 
-def _ddp_grads_over_dp_group(wrapper_type='MMDistributedDataParallel'):
+def _grads_over_data_axis(wrapper_type, model_parallelism):
     from mmpar.wrappers import build_model_wrapper
     from tests.toy import make_batches, make_model
-    topology = init_parallelism(2)
+    topology = init_parallelism(model_parallelism)
     wrapper = build_model_wrapper(dict(type=wrapper_type), make_model())
     assert wrapper.process_group is topology.dp.group
-    # Every rank feeds different data; only dp peers should average.
-    batch = make_batches(num_batches=1, seed=10 + dist.get_rank())[0]
+    # Data by data rank: tensor-parallel peers read the same batch, so once
+    # the dp peers have averaged, every rank holds the same gradient.
+    batch = make_batches(num_batches=1, seed=10 + topology.dp_rank)[0]
     wrapper(batch['inputs']).pow(2).mean().backward()
-    return wrapper.module.net[0].weight.grad
+    return topology.dp.global_ranks, wrapper.module.net[0].weight.grad
 
 
+@pytest.mark.parametrize('model_parallelism', [1, 2])
 @pytest.mark.parametrize('wrapper_type', [
     'MMDistributedDataParallel', 'MMNaiveDataParallel', 'MMBucketDataParallel'
 ])
-def test_wrappers_reduce_over_dp_group_by_default(run_dist, wrapper_type):
-    grads = run_dist(_ddp_grads_over_dp_group, wrapper_type, world_size=4)
-    # dp groups are [0, 2] and [1, 3].
-    assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[3])
-    assert not torch.allclose(grads[0], grads[1])
+def test_wrappers_reduce_over_the_data_axis(run_dist, wrapper_type,
+                                            model_parallelism):
+    # Replaces a test that asserted mp peers end with different gradients:
+    # that pinned the silent divergence of issue 11 (each mp peer read other
+    # data and nothing reconciled them).
+    results = run_dist(_grads_over_data_axis, wrapper_type,
+                       model_parallelism, world_size=4)
+    groups = [ranks for ranks, _ in results]
+    assert groups[0] == ([0, 1, 2, 3] if model_parallelism == 1 else [0, 2])
+    reference = _grads_alone(4 // model_parallelism)
+    for _, grad in results:
+        torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-7)
+
+
+def _grads_alone(dp):
+    """The dp ranks' averaged gradient, computed in one process."""
+    from tests.toy import make_batches, make_model
+    grads = []
+    for dp_rank in range(dp):
+        model = make_model()
+        batch = make_batches(num_batches=1, seed=10 + dp_rank)[0]
+        model(batch['inputs']).pow(2).mean().backward()
+        grads.append(model.net[0].weight.grad)
+    return torch.stack(grads).mean(0)
 
 
 # -- the `parallel` config section --------------------------------------------
@@ -238,7 +264,12 @@ def test_parallel_config_defaults_and_values():
     cfg = ParallelConfig.from_cfg(
         dict(model_parallelism=2, use_fsdp=True, cpu_offload=True,
              sharding_strategy='HYBRID_SHARD'))
-    assert (cfg.model_parallelism, cfg.pipeline_parallelism) == (2, 1)
+    # Sizes not given stay None, so an alias can be told from a default
+    # (was 1): the resolved layout is what counts. HYBRID_SHARD with
+    # model_parallelism=2 is the seed's HSDP: dp_shard=2, replicate the rest.
+    assert (cfg.model_parallelism, cfg.pipeline_parallelism) == (2, None)
+    assert cfg.dims(8) == ParallelDims(dp_replicate=4, dp_shard=2, tp=1,
+                                       pp=1, world_size=8)
     assert cfg.fsdp_kwargs == dict(
         cpu_offload=True, sharding_strategy='HYBRID_SHARD',
         sync_module_states=True)
@@ -287,11 +318,13 @@ def test_setup_parallelism_single_process_warns_and_skips():
 
 def test_setup_parallelism_builds_and_reuses(fake_world):
     from mmpar.parallel.config import setup_parallelism
-    topology = setup_parallelism(dict(model_parallelism=2))
-    assert topology.layout.shape == (4, 1, 2)
-    assert setup_parallelism(dict(model_parallelism=2)) is topology
+    # model_parallelism=2 alone is refused now (no tp_plan): a 2-D data
+    # layout instead.
+    topology = setup_parallelism(dict(dp_replicate=2))
+    assert topology.dims.shape == (2, 4, 1, 1)
+    assert setup_parallelism(dict(dp_replicate=2)) is topology
     with pytest.raises(ParallelismError, match='already initialised'):
-        setup_parallelism(dict(model_parallelism=4))
+        setup_parallelism(dict(dp_replicate=4))
 
 
 # -- the plan tool ------------------------------------------------------------
@@ -459,11 +492,12 @@ def test_runner_builds_topology_and_wraps_over_dp_group(fake_world,
         monkeypatch.setenv(var, '1')
     cfg = Config.fromfile(str(VIT_CONFIG))
     cfg.update(work_dir=str(tmp_path), launcher='pytorch',
-               parallel=dict(model_parallelism=2))
+               parallel=dict(dp_replicate=2))
     runner = Runner.from_cfg(cfg)
     topology = parallel_group_info()
     assert runner.topology is topology
-    assert topology.dp.global_ranks == [1, 3, 5, 7]
+    assert topology.dims.shape == (2, 4, 1, 1)
+    assert topology.dp.global_ranks == list(range(8))
     assert type(runner.model).__name__ == 'MMDistributedDataParallel'
     assert runner.model.process_group is topology.dp.group
 

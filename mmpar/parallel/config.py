@@ -1,21 +1,29 @@
 """The ``parallel`` config section as a typed, validated object.
 
-A config says::
+A config says, with the named axes (docs/topology.md)::
 
-    parallel = dict(model_parallelism=1, pipeline_parallelism=1,
+    parallel = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1,
+                    tp_plan=None, pipeline=None,
                     use_fsdp=False, cpu_offload=False,
                     sharding_strategy='FULL_SHARD', sync_module_states=True)
 
-:meth:`ParallelConfig.from_cfg` turns that dict into one typed object at the
-edge; the Runner and the plan tool read fields, never nested dict keys.
+or with the seed names ``model_parallelism`` (= ``tp``; with FSDP
+``HYBRID_SHARD`` and no ``tp_plan`` it means ``dp_shard``) and
+``pipeline_parallelism`` (= ``pp``). :meth:`ParallelConfig.from_cfg` turns
+the dict into one typed object at the edge; :meth:`ParallelConfig.dims`
+resolves the sizes for a world (:func:`mmpar.parallel.dims.resolve_dims`,
+the one validator of the axes).
 """
 import dataclasses
+import difflib
 import warnings
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
+from mmpar.parallel.dims import (ParallelDims, is_hybrid_strategy,
+                                 resolve_dims)
 from mmpar.parallel.topology import (ParallelTopology, init_parallelism,
                                      parallel_group_info,
                                      parallelism_is_initialized)
@@ -24,15 +32,28 @@ SHARDING_STRATEGIES = ('FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD',
                        'HYBRID_SHARD', '_HYBRID_SHARD_ZERO2')
 DDP_WRAPPER = 'MMDistributedDataParallel'
 FSDP_WRAPPER = 'MMFullyShardedDataParallel'
+AXIS_KEYS = ('dp_replicate', 'dp_shard', 'tp', 'pp')
+SEED_SIZE_KEYS = ('model_parallelism', 'pipeline_parallelism')
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the job is split; every field is checked on construction.
 
+    Sizes left at None were not given; :meth:`dims` resolves them.
+
     Attributes:
-        model_parallelism: ranks per model-parallel group.
-        pipeline_parallelism: ranks per pipeline-parallel group.
+        dp_replicate: data-parallel replicas (int >= 1, or -1: the rest).
+        dp_shard: data-parallel shards (FSDP's axis; int >= 1 or -1).
+        tp: tensor-parallel size (int >= 1 or -1); needs ``tp_plan``.
+        pp: pipeline-parallel size (int >= 1 or -1); needs ``pipeline``.
+        model_parallelism: the seed name of ``tp`` (see the module doc for
+            its HSDP meaning).
+        pipeline_parallelism: the seed name of ``pp``.
+        tp_plan: the tensor-parallel plan, stored as given (validated by
+            :mod:`mmpar.parallelize`).
+        pipeline: how to split the model into stages: a dict, stored as
+            given (validated by :mod:`mmpar.parallelize`).
         use_fsdp: when ``model_wrapper_cfg`` is absent, wrap with FSDP
             (``MMFullyShardedDataParallel``) instead of DDP.
         cpu_offload: FSDP only: keep parameters and gradients on the CPU.
@@ -44,21 +65,36 @@ class ParallelConfig:
             set while ``use_fsdp`` is False; the message names the key, the
             value and what is allowed.
     """
-    model_parallelism: int = 1
-    pipeline_parallelism: int = 1
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    model_parallelism: Optional[int] = None
+    pipeline_parallelism: Optional[int] = None
+    tp_plan: Any = None
+    pipeline: Optional[dict] = None
     use_fsdp: bool = False
     cpu_offload: bool = False
     sharding_strategy: str = 'FULL_SHARD'
     sync_module_states: bool = True
 
     def __post_init__(self) -> None:
-        for key in ('model_parallelism', 'pipeline_parallelism'):
+        for key in AXIS_KEYS + SEED_SIZE_KEYS:
             value = getattr(self, key)
             # bool is an int subclass; True is no size.
-            if isinstance(value, bool) or not isinstance(value,
-                                                         int) or value < 1:
-                raise ValueError(f'parallel.{key}={value!r} is not allowed; '
-                                 'allowed: an int >= 1')
+            if value is None or (isinstance(value, int)
+                                 and not isinstance(value, bool) and
+                                 (value >= 1 or
+                                  (value == -1 and key in AXIS_KEYS))):
+                continue
+            allowed = 'an int >= 1' + (', or -1 for the rest of the world'
+                                       if key in AXIS_KEYS else '')
+            raise ValueError(f'parallel.{key}={value!r} is not allowed; '
+                             f'allowed: {allowed}')
+        if self.pipeline is not None and not isinstance(self.pipeline,
+                                                        Mapping):
+            raise ValueError(f'parallel.pipeline={self.pipeline!r} is not '
+                             'allowed; allowed: None or a dict')
         for key in ('use_fsdp', 'cpu_offload', 'sync_module_states'):
             value = getattr(self, key)
             if not isinstance(value, bool):
@@ -78,6 +114,27 @@ class ParallelConfig:
                         'option but parallel.use_fsdp=False; set '
                         f'use_fsdp=True or leave {key} at {default!r}')
 
+    def dims(self, world_size: int,
+             model_wrapper_cfg: Optional[Mapping] = None) -> ParallelDims:
+        """The named axes this section asks for at ``world_size`` ranks.
+
+        Args:
+            world_size: the number of ranks.
+            model_wrapper_cfg: the config's wrapper section; its
+                ``sharding_strategy`` (HYBRID: HSDP meaning of
+                ``model_parallelism``) and ``hybrid_shard_size`` count.
+
+        Raises:
+            ParallelismError: as :func:`mmpar.parallel.dims.resolve_dims`.
+        """
+        wrapper = dict(model_wrapper_cfg or {})
+        if model_wrapper_cfg is None and self.use_fsdp:
+            wrapper = dict(sharding_strategy=self.sharding_strategy)
+        return resolve_dims(
+            self, world_size,
+            hybrid=is_hybrid_strategy(wrapper.get('sharding_strategy')),
+            hybrid_shard_size=wrapper.get('hybrid_shard_size'))
+
     @classmethod
     def from_cfg(cls, cfg: Optional[Mapping]) -> 'ParallelConfig':
         """Build from a config's ``parallel`` dict (None: all defaults).
@@ -95,9 +152,12 @@ class ParallelConfig:
                              'dict with keys ' + ', '.join(field_names()))
         unknown = [key for key in cfg if key not in field_names()]
         if unknown:
+            # The likeliest meant key first (a typo of a long name).
+            close = difflib.get_close_matches(unknown[0], field_names())
+            allowed = close + [k for k in field_names() if k not in close]
             raise ValueError(
                 f'parallel.{unknown[0]}={cfg[unknown[0]]!r} is not a known '
-                f'key; allowed: {", ".join(field_names())}')
+                f'key; allowed: {", ".join(allowed)}')
         return cls(**dict(cfg))
 
     @property
@@ -131,37 +191,42 @@ def default_wrapper_cfg(parallel_cfg=None) -> dict:
     return dict(type=DDP_WRAPPER)
 
 
-def setup_parallelism(parallel_cfg=None) -> Optional[ParallelTopology]:
+def setup_parallelism(parallel_cfg=None,
+                      model_wrapper_cfg: Optional[Mapping] = None
+                      ) -> Optional[ParallelTopology]:
     """Build the topology a ``parallel`` section asks for, at start-up.
 
     Call after the default process group exists (``init_dist``). Without
     one (a single-process run) there is nothing to split: sizes above 1 are
-    clamped to 1 with a warning and None is returned. If an identical
-    topology is already initialised (a second Runner in one process) it is
-    reused.
+    ignored with a warning and None is returned. If an identical topology is
+    already initialised (a second Runner in one process) it is reused.
 
     Args:
         parallel_cfg: a :class:`ParallelConfig`, a ``parallel`` dict or None.
+        model_wrapper_cfg: the config's wrapper section (see
+            :meth:`ParallelConfig.dims`).
 
     Returns:
         The topology, or None in a single-process run.
 
     Raises:
         ValueError: a bad ``parallel`` section.
-        ParallelismError: sizes that do not divide the world size, or a
-            different topology already initialised.
+        ParallelismError: sizes that do not fit the world size, a layout
+            that cannot train correctly, or a different topology already
+            initialised.
     """
     parallel = ParallelConfig.from_cfg(parallel_cfg)
-    mp, pp = parallel.model_parallelism, parallel.pipeline_parallelism
     if not (dist.is_available() and dist.is_initialized()):
-        if mp > 1 or pp > 1:
-            warnings.warn(f'parallel.model_parallelism={mp}, '
-                          f'pipeline_parallelism={pp} in a single-process '
-                          'run: using 1 for both')
+        asked = {k: getattr(parallel, k) for k in AXIS_KEYS + SEED_SIZE_KEYS}
+        big = {k: v for k, v in asked.items() if v is not None and v > 1}
+        if big:
+            named = ', '.join(f'{k}={v}' for k, v in big.items())
+            warnings.warn(f'parallel.{named} in a single-process run: '
+                          'using 1 for every axis')
         return None
+    dims = parallel.dims(dist.get_world_size(), model_wrapper_cfg)
     if parallelism_is_initialized():
         current = parallel_group_info()
-        layout = current.layout
-        if (layout.pp, min(mp, layout.world_size)) == (pp, layout.mp):
+        if current.dims == dims:
             return current
-    return init_parallelism(mp, pp)
+    return init_parallelism(dims=dims)

@@ -5,7 +5,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from mmpar.parallel.layout import ParallelismError
+from mmpar.parallel.dims import ParallelismError
 
 
 class Pending:

@@ -1,9 +1,11 @@
-"""Which ranks form the model, pipeline and data-parallel groups (pure).
+"""Which ranks form each axis's groups (pure arithmetic on integers).
 
-Ranks form a grid ``(dp, pp, mp)`` in row-major order, mp varying fastest, so
-that neighbouring ranks (usually on the same host, with the fastest link)
-share a model-parallel group, the most talkative one. With 8 ranks, mp=2 and
-pp=2::
+Ranks form a grid over :data:`mmpar.parallel.dims.AXES`
+``(dp_replicate, dp_shard, pp, tp)`` in row-major order, tp varying fastest,
+so that neighbouring ranks (usually on the same host, with the fastest link)
+share a tensor-parallel group, the most talkative one; ``dp`` is the
+flattened ``(dp_replicate, dp_shard)`` data axis. The seed names stay as
+keys: ``mp`` is ``tp``. With 8 ranks, tp=2 and pp=2::
 
     mp groups [[0, 1], [2, 3], [4, 5], [6, 7]]
     pp groups [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -14,32 +16,38 @@ layout without starting a process.
 """
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
+import torch
+
+from mmpar.parallel.dims import AXES, ParallelDims, ParallelismError
+
+# The seed's group kinds (mp is tp); ``ParallelLayout.groups`` also has one
+# entry per axis of AXES.
 DIMS = ('dp', 'pp', 'mp')
-
-
-class ParallelismError(RuntimeError):
-    """The parallel topology cannot be built or used as asked."""
 
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Every group of every kind for one ``(world, mp, pp)`` choice.
+    """Every group of every kind for one layout.
 
     Attributes:
         world_size: number of ranks.
-        mp: model-parallel size (ranks per mp group).
+        mp: tensor (model) parallel size (ranks per tp group).
         pp: pipeline-parallel size.
         dp: data-parallel size (``world_size // (mp * pp)``).
-        groups: ``{'mp': [[ranks], ...], 'pp': ..., 'dp': ...}``; each group
-            sorted, the groups of one kind partitioning ``range(world_size)``.
+        groups: ``{'tp': [[ranks], ...], 'pp': ..., 'dp': ...,
+            'dp_replicate': ..., 'dp_shard': ..., 'mp': (the tp groups)}``;
+            each group sorted, the groups of one kind partitioning
+            ``range(world_size)``.
+        dims: the named axes this layout was made from.
     """
     world_size: int
     mp: int
     pp: int
     dp: int
     groups: Dict[str, List[List[int]]]
+    dims: Optional[ParallelDims] = None
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -47,17 +55,12 @@ class ParallelLayout:
         return (self.dp, self.pp, self.mp)
 
     def group_of(self, kind: str, rank: int) -> List[int]:
-        """The ``kind`` (``mp``, ``pp`` or ``dp``) group holding ``rank``."""
-        dp_index, pp_index, mp_index = self.coords(rank)
-        if kind == 'mp':
-            # mp groups are listed by (dp, pp) position.
-            return self.groups['mp'][dp_index * self.pp + pp_index]
-        if kind == 'pp':
-            return self.groups['pp'][dp_index * self.mp + mp_index]
-        if kind == 'dp':
-            return self.groups['dp'][pp_index * self.mp + mp_index]
-        raise ValueError(f'kind={kind!r} is not a group kind; '
-                         f'allowed: {", ".join(DIMS)}')
+        """The ``kind`` group (an axis name, ``dp`` or ``mp``) of ``rank``."""
+        if kind not in self.groups:
+            raise ValueError(f'kind={kind!r} is not a group kind; '
+                             f'allowed: {", ".join(self.groups)}')
+        self.coords(rank)  # range check
+        return next(g for g in self.groups[kind] if rank in g)
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
         """``(dp_index, pp_index, mp_index)`` of ``rank`` in the grid."""
@@ -121,16 +124,31 @@ def parallel_layout(world_size: int,
     """
     mp, pp, dp = check_sizes(world_size, model_parallelism,
                              pipeline_parallelism)
-    block = mp * pp  # ranks holding one full model replica
-    groups = {
-        # Consecutive runs of mp ranks.
-        'mp': [list(range(s, s + mp)) for s in range(0, world_size, mp)],
-        # Inside each replica block, ranks with the same mp index, stride mp.
-        'pp': [
-            list(range(b + m, b + block, mp))
-            for b in range(0, world_size, block) for m in range(mp)
-        ],
-        # Ranks at the same place in every replica block, stride mp * pp.
-        'dp': [list(range(j, world_size, block)) for j in range(block)],
-    }
-    return ParallelLayout(world_size, mp, pp, dp, groups)
+    return layout_of(
+        ParallelDims(dp_replicate=1, dp_shard=dp, tp=mp, pp=pp,
+                     world_size=world_size))
+
+
+def axis_groups(dims: ParallelDims, axes: Tuple[str, ...]) -> List[List[int]]:
+    """The groups along ``axes`` (one axis, or several flattened together).
+
+    Ranks in one group differ only in their coordinates on ``axes``; groups
+    are listed in row-major order of the other coordinates, the order every
+    rank creates them in.
+    """
+    grid = torch.arange(dims.world_size).reshape(dims.shape)
+    moved = [AXES.index(a) for a in axes]
+    size = 1
+    for axis in axes:
+        size *= getattr(dims, axis)
+    last = list(range(len(AXES) - len(moved), len(AXES)))
+    return grid.movedim(moved, last).reshape(-1, size).tolist()
+
+
+def layout_of(dims: ParallelDims) -> ParallelLayout:
+    """Every group of every axis of ``dims``, plus ``dp`` and ``mp``."""
+    groups = {axis: axis_groups(dims, (axis, )) for axis in AXES}
+    groups['dp'] = axis_groups(dims, ('dp_replicate', 'dp_shard'))
+    groups['mp'] = groups['tp']
+    return ParallelLayout(dims.world_size, dims.tp, dims.pp, dims.dp, groups,
+                          dims)

@@ -1,20 +1,22 @@
-"""Build the mp / pp / dp process groups and a matching ``DeviceMesh``.
+"""This process's place in the parallel layout: groups, mesh, ranks.
 
-The groups live in one module-level slot because torch's process groups are
-process-global themselves; code that can should still pass the
-:class:`ParallelTopology` that :func:`init_parallelism` returns.
+The topology lives in one module-level slot because torch's process groups
+are process-global themselves (and the seed API, :func:`parallel_group_info`,
+needs it); code that can should pass the :class:`ParallelTopology` that
+:func:`init_parallelism` returns. Its groups and mesh come from
+:mod:`mmpar.parallel.mesh`, the only module that makes them.
 """
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mmpar.dist import collective_timeout, uses_cuda
+from mmpar.parallel.dims import (ParallelDims, ParallelismError,
+                                 node_local_shard)
 from mmpar.parallel.groups import GroupInfo
-from mmpar.parallel.layout import (DIMS, ParallelismError, ParallelLayout,
-                                   parallel_layout)
+from mmpar.parallel.layout import ParallelLayout, check_sizes
+from mmpar.parallel.mesh import ParallelMesh, build_mesh, fallback_data_mesh
 
 
 @dataclass(frozen=True)
@@ -22,20 +24,63 @@ class ParallelTopology:
     """This process's groups: what :func:`parallel_group_info` returns.
 
     Attributes:
-        layout: every group of every kind (the pure layout).
-        mp: this rank's model-parallel group.
+        dims: the named axes (sizes).
+        mesh: named sub-meshes: ``mesh['tp']``, ``mesh['pp']``,
+            ``mesh['dp']`` (the flattened data axis),
+            ``mesh['dp_replicate', 'dp_shard']``; ``mesh.root`` is the torch
+            ``DeviceMesh`` with dims ``('dp_replicate', 'dp_shard', 'pp',
+            'tp')``.
+        tp: this rank's tensor-parallel group (``mp`` is its seed name).
         pp: this rank's pipeline-parallel group.
-        dp: this rank's data-parallel group.
-        mesh: a ``DeviceMesh`` with dims ``('dp', 'pp', 'mp')`` built from
-            the same groups, for FSDP2/HSDP and tensor parallelism.
+        dp: this rank's data-parallel group (dp_replicate x dp_shard).
+        dp_replicate: this rank's replicate group (HSDP's outer axis).
+        dp_shard: this rank's shard group (FSDP's axis).
+        layout: every rank's groups (the pure layout).
     """
-    layout: ParallelLayout
-    mp: GroupInfo
+    dims: ParallelDims
+    mesh: ParallelMesh
+    tp: GroupInfo
     pp: GroupInfo
     dp: GroupInfo
-    mesh: DeviceMesh
-    created_groups: tuple  # every group this rank is a member of
+    dp_replicate: GroupInfo
+    dp_shard: GroupInfo
+    layout: ParallelLayout
+    created_groups: tuple  # every group this rank made
     world_group: dist.ProcessGroup  # the default group they were made in
+
+    @property
+    def mp(self) -> GroupInfo:
+        """The seed name of :attr:`tp`."""
+        return self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index on the data axis (what samplers shard by)."""
+        return self.dp.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.world_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.world_size - 1
+
+    @property
+    def prev_rank(self) -> Optional[int]:
+        """Global rank of the previous pipeline stage (None on the first)."""
+        return None if self.is_first_stage else \
+            self.pp.global_ranks[self.pp.rank - 1]
+
+    @property
+    def next_rank(self) -> Optional[int]:
+        """Global rank of the next pipeline stage (None on the last)."""
+        return None if self.is_last_stage else \
+            self.pp.global_ranks[self.pp.rank + 1]
 
 
 _current: Optional[ParallelTopology] = None
@@ -52,7 +97,17 @@ def _live() -> Optional[ParallelTopology]:
     if _current is not None and not (dist.is_initialized() and
                                      dist.group.WORLD is _current.world_group):
         _current = None
+        _forget_dtensor_specs()
     return _current
+
+
+def _forget_dtensor_specs() -> None:
+    # DTensor caches sharding results keyed by mesh *equality* (layout and
+    # ranks, not groups): a later mesh of the same layout would get an old
+    # mesh, and its destroyed groups, back ("Could not resolve the process
+    # group registered under the name ...").
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
 
 
 def _require_process_group() -> None:
@@ -66,22 +121,25 @@ def _require_process_group() -> None:
 def init_parallelism(model_parallelism: int = 1,
                      pipeline_parallelism: int = 1,
                      *,
+                     dims: Optional[ParallelDims] = None,
                      mp_backend: Optional[str] = None,
                      pp_backend: Optional[str] = None,
                      dp_backend: Optional[str] = None) -> ParallelTopology:
-    """Create the model, pipeline and data-parallel groups on every rank.
+    """Create every axis's groups and the mesh on every rank.
 
     Collective: every rank must call it with the same arguments, because
     ``torch.distributed.new_group`` must be called by all ranks, for every
     group, in the same order.
 
     Args:
-        model_parallelism: ranks per model-parallel group (clamped to the
-            world size, with a warning, when larger).
-        pipeline_parallelism: ranks per pipeline-parallel group.
-        mp_backend: backend of the mp groups; None uses the default group's.
+        model_parallelism: the seed API: ranks per tensor-parallel group
+            (clamped to the world size, with a warning, when larger).
+        pipeline_parallelism: the seed API: ranks per pipeline group.
+        dims: the named axes; when given, the two sizes above are ignored.
+        mp_backend: backend of the tp groups; None uses the default group's.
         pp_backend: backend of the pp groups; None uses the default group's.
-        dp_backend: backend of the dp groups; None uses the default group's.
+        dp_backend: backend of the data-axis groups (dp, dp_replicate,
+            dp_shard); None uses the default group's.
 
     Returns:
         This rank's topology (also available from
@@ -90,38 +148,31 @@ def init_parallelism(model_parallelism: int = 1,
     Raises:
         ParallelismError: no default process group, already initialised
             (call :func:`reset_parallelism` first), or sizes that do not
-            divide the world size.
+            fit the world size.
     """
     global _current
     _require_process_group()
     if _live() is not None:
         raise ParallelismError(
-            'parallelism is already initialised (mp='
-            f'{_current.layout.mp}, pp={_current.layout.pp}, dp='
-            f'{_current.layout.dp}); call reset_parallelism() first')
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = parallel_layout(world_size, model_parallelism,
-                             pipeline_parallelism)
-    backends = dict(mp=mp_backend, pp=pp_backend, dp=dp_backend)
-    mine, created = {}, []
-    for kind in ('mp', 'pp', 'dp'):
-        for ranks in layout.groups[kind]:
-            # Every rank joins every new_group call, member or not. The
-            # timeout is the default group's (env_cfg.dist_cfg.timeout), not
-            # torch's 30-minute default for new groups.
-            group = dist.new_group(
-                ranks, backend=backends[kind], timeout=collective_timeout())
-            if rank in ranks:
-                mine[kind] = GroupInfo(group, list(ranks), ranks.index(rank),
-                                       len(ranks))
-                created.append(group)
-    mesh = DeviceMesh.from_group(
-        [mine[dim].group for dim in DIMS],
-        'cuda' if uses_cuda() else 'cpu',
-        mesh=torch.arange(world_size).reshape(layout.shape),
-        mesh_dim_names=DIMS)
-    _current = ParallelTopology(layout, mine['mp'], mine['pp'], mine['dp'],
-                                mesh, tuple(created), dist.group.WORLD)
+            f'parallelism is already initialised ({_current.dims}); call '
+            'reset_parallelism() first')
+    world_size = dist.get_world_size()
+    if dims is None:
+        mp, pp, dp = check_sizes(world_size, model_parallelism,
+                                 pipeline_parallelism)
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp, tp=mp, pp=pp,
+                            world_size=world_size)
+    elif dims.world_size != world_size:
+        raise ParallelismError(f'{dims} is for {dims.world_size} ranks, the '
+                               f'world has {world_size}')
+    built = build_mesh(dims, dict(tp=mp_backend, pp=pp_backend,
+                                  dp=dp_backend, dp_replicate=dp_backend,
+                                  dp_shard=dp_backend))
+    groups = built.groups
+    _current = ParallelTopology(
+        dims, built.mesh, groups['tp'], groups['pp'], groups['dp'],
+        groups['dp_replicate'], groups['dp_shard'], built.layout,
+        built.created, dist.group.WORLD)
     return _current
 
 
@@ -165,6 +216,37 @@ def default_dp_group() -> Optional[dist.ProcessGroup]:
     return None if _live() is None else _current.dp.group
 
 
+def data_mesh(hybrid: bool = False,
+              hybrid_shard_size: Optional[int] = None) -> DeviceMesh:
+    """The mesh a sharded data-parallel wrapper (FSDP1/FSDP2) works over.
+
+    With a topology: ``mesh['dp_replicate', 'dp_shard']`` (2-D: replicate
+    outside, shard inside: HSDP) when its ``dp_replicate > 1``, else the
+    1-D ``mesh['dp']``: the layout decides, so every wrapper agrees. Without
+    one: the whole world, 1-D, or for ``hybrid`` split into shard groups of
+    ``hybrid_shard_size`` consecutive ranks (default: one node's ranks).
+
+    Raises:
+        ValueError: ``hybrid_shard_size`` that disagrees with the topology's
+            ``dp_shard``, or does not divide the world size.
+    """
+    topology = _live()
+    if topology is None:
+        if not hybrid:
+            return fallback_data_mesh(False)
+        return fallback_data_mesh(
+            True, node_local_shard(dist.get_world_size(), hybrid_shard_size))
+    dims = topology.dims
+    if hybrid_shard_size is not None and hybrid_shard_size != dims.dp_shard:
+        raise ValueError(
+            f'model_wrapper_cfg.hybrid_shard_size={hybrid_shard_size!r} '
+            f'disagrees with the layout (dp_shard={dims.dp_shard}); allowed: '
+            'leave it unset and give parallel.dp_shard instead')
+    if dims.dp_replicate_enabled:
+        return topology.mesh['dp_replicate', 'dp_shard']
+    return topology.mesh['dp']
+
+
 def reset_parallelism() -> None:
     """Forget the topology and destroy its groups; safe when not initialised.
 
@@ -177,3 +259,4 @@ def reset_parallelism() -> None:
         return
     for group in topology.created_groups:
         dist.destroy_process_group(group)
+    _forget_dtensor_specs()

@@ -18,16 +18,17 @@ from mmengine.runner.checkpoint import (_load_checkpoint,
 from torch import nn
 
 from mmpar.config_check import check_config
-from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
+from mmpar.dist import (check_launcher, init_dist, local_rank,
+                        usable_backend, uses_cuda)
 from mmpar.parallel.config import (DDP_WRAPPER, default_wrapper_cfg,
                                    setup_parallelism)
+from mmpar.parallelize.compose import parallelize
 from mmpar.registry import RUNNERS
-from mmpar.runner import sharded, sharded_checkpoint
+from mmpar.runner import data_axis, sharded, sharded_checkpoint
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
                                      collect_checkpoint,
                                      find_latest_complete_checkpoint,
                                      load_checkpoint_file, restore_rng_states)
-from mmpar.wrappers.builder import build_model_wrapper
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
 
@@ -53,17 +54,17 @@ class Runner(MMEngineRunner):
 
     def setup_env(self, env_cfg: dict) -> None:
         if self.distributed and not is_distributed():
+            # MMEngine fills a missing env_cfg with backend='nccl': only what
+            # the config itself says is the user's choice.
+            given = (self.cfg.get('env_cfg') or {}).get('dist_cfg') or {}
             dist_cfg = dict(env_cfg.get('dist_cfg') or {})
-            if dist_cfg.get('backend') == 'nccl' and \
-                    not torch.cuda.is_available():
-                raise ValueError(
-                    "env_cfg.dist_cfg.backend='nccl' needs CUDA, which is not "
-                    "available; allowed here: 'gloo', or leave it unset")
+            dist_cfg['backend'] = usable_backend(given.get('backend'))
             init_dist(self.launcher, **dist_cfg)
         super().setup_env(env_cfg)
-        # mp / pp / dp groups from the `parallel` section; wrappers reduce
-        # over the dp group (mmpar.parallel.default_dp_group).
-        self.topology = setup_parallelism(self.cfg.get('parallel'))
+        # The named axes from the `parallel` section; wrappers work over the
+        # data axis (mmpar.parallel.data_mesh, default_dp_group).
+        self.topology = setup_parallelism(self.cfg.get('parallel'),
+                                          self.cfg.get('model_wrapper_cfg'))
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict],
                    model: nn.Module) -> nn.Module:
@@ -82,13 +83,13 @@ class Runner(MMEngineRunner):
             if self.cfg.get('find_unused_parameters') and \
                     model_wrapper_cfg['type'] == DDP_WRAPPER:
                 model_wrapper_cfg['find_unused_parameters'] = True
-        if sharded.wrapper_shards(model_wrapper_cfg):
-            sharded.init_weights_before_sharding(model)
-        return build_model_wrapper(model_wrapper_cfg, model)
+        # TP, PP, then the data-parallel wrapper, in that fixed order.
+        return parallelize(model, self.topology, self.cfg.get('parallel'),
+                           model_wrapper_cfg)
 
     def _init_model_weights(self) -> None:
         if sharded.is_sharded(self.model):
-            return  # done in wrap_model, before the parameters were sharded
+            return  # done in parallelize, before the parameters were sharded
         super()._init_model_weights()
 
     @staticmethod
@@ -96,6 +97,19 @@ class Runner(MMEngineRunner):
         if uses_cuda():
             return torch.device('cuda', local_rank())
         return torch.device('cpu')
+
+    def build_dataloader(self, dataloader, seed=None, diff_rank_seed=False):
+        """MMEngine's, with the sampler sharding by the data-parallel rank
+        and size (tensor/pipeline peers read the same batches)."""
+        loader = super().build_dataloader(dataloader, seed, diff_rank_seed)
+        return data_axis.shard_loader_by_data_rank(
+            loader, getattr(self, 'topology', None))
+
+    def build_evaluator(self, evaluator):
+        """MMEngine's, with results collected over the data axis only."""
+        return data_axis.evaluate_metrics_on_data_axis(
+            super().build_evaluator(evaluator),
+            getattr(self, 'topology', None))
 
     def build_train_loop(self, loop):
         """MMEngine's, except that ``by_epoch=False`` without a ``type``

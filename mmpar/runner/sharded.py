@@ -5,7 +5,8 @@ MMEngine's Runner assumes every rank holds the whole model:
 * ``_init_model_weights`` broadcasts every tensor of the state dict after
   ``init_weights``; on sharded parameters that aborts (gloo) or fails
   (``c10d.broadcast_ ... does not have a sharding strategy``). mmpar
-  initialises and broadcasts the plain model *before* sharding instead.
+  initialises and broadcasts the plain model *before* sharding instead
+  (:mod:`mmpar.parallelize.compose`).
 * Loading a full checkpoint into a sharded model must scatter it, on every
   rank.
 * Sharded runs save the optimizer state in full, keyed by parameter names
@@ -20,40 +21,16 @@ asks sharded wrappers for ``full_state_dict`` / ``full_optim_state_dict``
 import copy
 import re
 from collections import OrderedDict
-from typing import Optional
 
-from mmengine.dist import broadcast
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_optimizer_state_dict)
 
-from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
+# One answer to "is it sharded?", kept importable from here.
+from mmpar.parallelize.compose import is_sharded, wrapper_shards  # noqa: F401
 from mmpar.wrappers.full_state import FullStateMixin
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is a wrapper that shards its parameters."""
-    return isinstance(model, FullStateMixin)
-
-
-def wrapper_shards(model_wrapper_cfg: Optional[dict]) -> bool:
-    """Whether the wrapper this config builds shards its parameters."""
-    cls = wrapper_class((model_wrapper_cfg or {}).get('type', DEFAULT_WRAPPER))
-    return issubclass(cls, FullStateMixin)
-
-
-def init_weights_before_sharding(model: nn.Module) -> None:
-    """MMEngine's ``_init_model_weights``, on the plain model.
-
-    Runs ``init_weights`` and broadcasts rank 0's tensors, as MMEngine does
-    after wrapping; the Runner then skips its own (sharded) version.
-    """
-    if hasattr(model, 'init_weights'):
-        model.init_weights()
-        for tensor in model.state_dict().values():
-            broadcast(tensor)
 
 
 def _revise(state: dict, revise_keys: list) -> dict:

@@ -31,12 +31,15 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         sharding_strategy: a ``ShardingStrategy`` or its name; default
             FULL_SHARD.
         process_group: FSDP's group, or for HYBRID strategies a
-            ``(shard_group, replicate_group)`` tuple. None: the default group;
-            for HYBRID, groups of ``hybrid_shard_size`` consecutive ranks if
-            given, else the topology's (mp, dp) groups if initialised, else
-            node-local groups (``LOCAL_WORLD_SIZE`` ranks).
-        hybrid_shard_size: ranks per shard group for HYBRID strategies when
-            no process groups are given.
+            ``(shard_group, replicate_group)`` tuple. None: the data axis
+            (:func:`mmpar.parallel.data_mesh`): with a topology whose
+            ``dp_replicate > 1``, HSDP (shard over ``dp_shard``, replicate
+            over ``dp_replicate``; FULL_SHARD becomes HYBRID_SHARD), else
+            sharding over ``dp``; without a topology the whole world, for
+            HYBRID split into groups of ``hybrid_shard_size`` consecutive
+            ranks (default: one node's, ``LOCAL_WORLD_SIZE``).
+        hybrid_shard_size: ranks per shard group for HYBRID strategies
+            without a topology (with one it must equal ``dp_shard``).
         cpu_offload: None, bool or ``CPUOffload`` (needs CUDA).
         fsdp_auto_wrap_policy: None, a registered name, ``dict(type=NAME,
             **kwargs)`` or a callable (see :mod:`mmpar.wrappers.policies`).
@@ -85,9 +88,8 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
                 'parameters in host memory, which fails without an '
                 'accelerator (on CPU the parameters already live in host '
                 'memory); use cpu_offload=None')
-        if strategy in args.HYBRID_STRATEGIES:
-            strategy, process_group = self._hybrid(strategy, process_group,
-                                                   hybrid_shard_size)
+        strategy, process_group = self._data_axis(strategy, process_group,
+                                                  hybrid_shard_size)
         if device_id is None:
             device_id = (torch.device('cuda', torch.cuda.current_device())
                          if uses_cuda() else torch.device('cpu'))
@@ -134,8 +136,11 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
             cfg.get('activation_checkpointing'))
 
     @staticmethod
-    def _hybrid(strategy, process_group, shard_size):
-        """(strategy, process group) for a HYBRID strategy.
+    def _data_axis(strategy, process_group, shard_size):
+        """(strategy, process group) over the data axis.
+
+        Explicit groups win; else the data mesh decides
+        (:func:`mmpar.wrappers.fsdp_args.fsdp1_process_group`).
 
         torch FSDP1 silently switches to NO_SHARD over the shard group when
         that group has one rank, which then never syncs gradients across the
@@ -143,13 +148,11 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         one-rank side of the hybrid is therefore rewritten to the plain
         strategy it is equivalent to.
         """
-        # Precedence: explicit groups, explicit size, the topology's
-        # (mp, dp) groups, node-local groups.
-        if process_group is None and shard_size is None:
-            process_group = args.topology_hybrid_groups()
         if process_group is None:
-            process_group = args.hybrid_groups(
-                args.hybrid_shard_size(shard_size))
+            strategy, process_group = args.fsdp1_process_group(
+                strategy, shard_size)
+        if strategy not in args.HYBRID_STRATEGIES:
+            return strategy, process_group
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(f'process_group={process_group!r}: a HYBRID '
                              'sharding strategy needs a (shard_group, '

@@ -5,17 +5,17 @@ dtype names, an enum or torch object) and returns one type, or raises an error
 that names the key, the bad value and what is allowed.
 """
 import functools
-import os
-from typing import Iterable, Optional, Tuple, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload,
                                     MixedPrecision, MixedPrecisionPolicy,
                                     ShardingStrategy)
 
+from mmpar.parallel.dims import node_local_shard
+from mmpar.parallel.topology import data_mesh, default_dp_group
 from mmpar.wrappers.policies import resolve_module_classes
 
 DTYPES = {
@@ -33,6 +33,12 @@ BACKWARD_PREFETCH = {
 SHARDING_STRATEGIES = tuple(s.name for s in ShardingStrategy)
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD,
                      ShardingStrategy._HYBRID_SHARD_ZERO2)
+# A sharding strategy on a 2-D (replicate x shard) data mesh, and back.
+_HYBRID = {
+    ShardingStrategy.FULL_SHARD: ShardingStrategy.HYBRID_SHARD,
+    ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy._HYBRID_SHARD_ZERO2,
+}
+_UNHYBRID = {v: k for k, v in _HYBRID.items()}
 
 
 def to_dtype(value: Union[str, torch.dtype], key: str) -> torch.dtype:
@@ -182,40 +188,8 @@ def check_sync_strategy_supported(sync_strategy: str, wrapper: str) -> None:
             'accumulation window) or multi_auto_sync')
 
 
-def _topology():
-    # mmpar.parallel (the topology issue) may not be installed with this
-    # branch; without it, or before init_parallelism, there is no topology.
-    try:
-        from mmpar.parallel import (parallel_group_info,
-                                    parallelism_is_initialized)
-    except ImportError:
-        return None
-    return parallel_group_info() if parallelism_is_initialized() else None
-
-
-def topology_hybrid_groups() -> Optional[Tuple[dist.ProcessGroup,
-                                               dist.ProcessGroup]]:
-    """(shard group, replicate group) from mmpar's parallel topology.
-
-    HYBRID_SHARD shards within the model-parallel group and replicates across
-    the data-parallel group. None while no topology is initialised.
-    """
-    topology = _topology()
-    return None if topology is None else (topology.mp.group,
-                                          topology.dp.group)
-
-
-def topology_hsdp_mesh() -> Optional[DeviceMesh]:
-    """The topology's 2-D ``(dp, mp)`` mesh for FSDP2 HSDP, or None.
-
-    Replicate across the data-parallel dim, shard across model-parallel.
-    """
-    topology = _topology()
-    return None if topology is None else topology.mesh['dp', 'mp']
-
-
 def hybrid_shard_size(explicit: Optional[int] = None) -> int:
-    """Ranks per shard group for HYBRID_SHARD.
+    """Ranks per shard group for HYBRID_SHARD without a topology.
 
     ``explicit`` if given, else ``LOCAL_WORLD_SIZE`` (ranks on this node,
     torch's default node-local split), else the whole world.
@@ -223,31 +197,28 @@ def hybrid_shard_size(explicit: Optional[int] = None) -> int:
     Raises:
         ValueError: a size that does not divide the world size.
     """
-    world = dist.get_world_size()
-    size = explicit or int(os.environ.get('LOCAL_WORLD_SIZE', world))
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 \
-            or world % size:
-        raise ValueError(f'hybrid_shard_size={size!r} must be an int >= 1 '
-                         f'that divides the world size {world}')
-    return size
+    return node_local_shard(dist.get_world_size(), explicit)
 
 
-def hybrid_groups(shard_size: int) -> Tuple[dist.ProcessGroup,
-                                            dist.ProcessGroup]:
-    """This rank's (shard, replicate) groups, shard groups node-local.
+def fsdp1_process_group(strategy: ShardingStrategy, hybrid_shard_size=None):
+    """(strategy, process group) for FSDP1 on the data axis.
 
-    Ranks ``[k*shard_size, (k+1)*shard_size)`` share a shard group; ranks
-    with the same offset inside their shard group share a replicate group.
-    Every rank creates every group (``new_group`` is collective).
+    The mesh comes from :func:`mmpar.parallel.data_mesh`: a 2-D mesh
+    (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP wrapper HSDP
+    (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding, so FSDP1
+    agrees with FSDP2 and DDP about the data axis. NO_SHARD reduces over
+    the whole data axis.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    shard = replicate = None
-    for start in range(0, world, shard_size):
-        group = dist.new_group(list(range(start, start + shard_size)))
-        if start <= rank < start + shard_size:
-            shard = group
-    for offset in range(shard_size):
-        group = dist.new_group(list(range(offset, world, shard_size)))
-        if rank % shard_size == offset:
-            replicate = group
-    return shard, replicate
+    hybrid = strategy in HYBRID_STRATEGIES
+    mesh = data_mesh(hybrid, hybrid_shard_size)
+    if mesh.ndim == 1:
+        if hybrid:  # a one-rank replicate side: plain sharding
+            strategy = _UNHYBRID[strategy]
+        return strategy, mesh.get_group()
+    if strategy == ShardingStrategy.NO_SHARD:
+        # Replicate everywhere: the flattened data axis (the whole world
+        # without a topology).
+        topology_dp = default_dp_group()
+        return strategy, topology_dp
+    groups = (mesh.get_group('dp_shard'), mesh.get_group('dp_replicate'))
+    return _HYBRID.get(strategy, strategy), groups

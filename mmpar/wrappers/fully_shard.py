@@ -11,11 +11,12 @@ from typing import Iterator, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, ShardingStrategy
 from torch.distributed.fsdp import fully_shard
 
 from mmpar.dist import uses_cuda
+from mmpar.parallel.topology import data_mesh
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers.base import StepMixin, check_sync_strategy
@@ -67,9 +68,10 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
             as ``fully_shard``).
         device_mesh: a ``DeviceMesh`` to use as is (1-D: shard; 2-D:
             replicate x shard).
-        hybrid_shard_size: ranks per shard group for HYBRID strategies;
-            None takes the topology's ``(dp, mp)`` mesh if initialised, else
-            ``LOCAL_WORLD_SIZE``.
+        hybrid_shard_size: ranks per shard group for HYBRID strategies
+            without a topology (default ``LOCAL_WORLD_SIZE``); with one the
+            layout decides (:func:`mmpar.parallel.data_mesh`: HSDP when
+            ``dp_replicate > 1``, whatever the strategy).
         fsdp_auto_wrap_policy: as FSDP1's; the chosen submodules get their own
             ``fully_shard``, children first, then the root.
         mixed_precision: None, ``MixedPrecisionPolicy`` or a dict of dtype
@@ -138,18 +140,8 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
 
     @staticmethod
     def _mesh(hybrid: bool, shard_size: Optional[int]) -> DeviceMesh:
-        device = 'cuda' if uses_cuda() else 'cpu'
-        world = dist.get_world_size()
-        if not hybrid:
-            return init_device_mesh(device, (world, ),
-                                    mesh_dim_names=('shard', ))
-        mesh = None if shard_size else args.topology_hsdp_mesh()
-        if mesh is not None:
-            return mesh
-        shard = args.hybrid_shard_size(shard_size)
-        return init_device_mesh(
-            device, (world // shard, shard),
-            mesh_dim_names=('replicate', 'shard'))
+        # The data axis: 1-D shards, 2-D (replicate x shard) is HSDP.
+        return data_mesh(hybrid, shard_size)
 
     @property
     def process_group(self) -> dist.ProcessGroup:

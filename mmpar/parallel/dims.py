@@ -1,0 +1,270 @@
+"""The named parallel axes of a job, validated in one place.
+
+A job's ranks form a grid with one named axis per technique (torchtitan's
+``ParallelDims`` is the model)::
+
+    dp_replicate  data parallel, model replicated (DDP, HSDP's outer axis)
+    dp_shard      data parallel, model sharded (FSDP, HSDP's inner axis)
+    pp            pipeline stages
+    tp            tensor parallel (fastest-varying: a tp group is consecutive
+                  ranks, i.e. inside one node)
+
+``dp = dp_replicate * dp_shard`` is the data axis: samplers, the evaluator
+and every data-parallel wrapper work over it. One axis may be ``-1``, "the
+rest of the world".
+
+:func:`resolve_dims` turns a ``parallel`` config section into a
+:class:`ParallelDims`, resolving the seed names (``model_parallelism``,
+``pipeline_parallelism``) and refusing layouts that cannot train correctly.
+The Runner, ``check_config`` and ``tools/plan.py`` all call it.
+"""
+import os
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Tuple
+
+# Mesh order: slowest-varying first. dp outermost keeps the seed's groups
+# for init_parallelism(mp, pp); tp innermost keeps a tp group on one node.
+AXES = ('dp_replicate', 'dp_shard', 'pp', 'tp')
+HYBRID_STRATEGIES = ('HYBRID_SHARD', '_HYBRID_SHARD_ZERO2')
+
+
+class ParallelismError(ValueError, RuntimeError):
+    """The parallel layout cannot be built or used as asked.
+
+    A ``ValueError`` (a user's sizes are wrong) and, for code written against
+    the seed API, a ``RuntimeError``.
+    """
+
+
+def _is_size(value: Any, allow_rest: bool = True) -> bool:
+    # bool is an int subclass; True is no size.
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and (value >= 1 or (allow_rest and value == -1)))
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How many ranks each named axis has; their product is the world.
+
+    Attributes:
+        dp_replicate: data-parallel replicas (gradients all-reduced).
+        dp_shard: data-parallel shards (FSDP shards parameters over it).
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        world_size: the number of ranks.
+
+    One of the four sizes may be ``-1``: it becomes whatever makes the
+    product equal the world size.
+
+    Raises:
+        ParallelismError: a size that is not an int >= 1 (or -1), more than
+            one -1, or sizes whose product is not the world size; the message
+            names the keys and numbers.
+    """
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not _is_size(self.world_size, allow_rest=False):
+            raise ParallelismError(
+                f'world_size={self.world_size!r} must be an int >= 1')
+        sizes = {name: getattr(self, name) for name in AXES}
+        for name, value in sizes.items():
+            if not _is_size(value):
+                raise ParallelismError(
+                    f'parallel.{name}={value!r} is not allowed; allowed: an '
+                    'int >= 1, or -1 for the rest of the world')
+        rest = [name for name, value in sizes.items() if value == -1]
+        if len(rest) > 1:
+            raise ParallelismError(
+                f'parallel: {" and ".join(rest)} are both -1; allowed: at '
+                'most one axis of dp_replicate, dp_shard, tp, pp set to -1')
+        known = 1
+        for value in sizes.values():
+            known *= max(value, 1)
+        product = ' * '.join(f'{n}={v}' for n, v in sizes.items() if v != -1)
+        if rest:
+            if self.world_size % known:
+                raise ParallelismError(
+                    f'world size {self.world_size} is not divisible by '
+                    f'{product} = {known}; allowed: sizes whose product '
+                    f'divides the world size ({rest[0]}=-1 takes the rest)')
+            # Frozen: resolve -1 once, here, so every reader sees sizes.
+            object.__setattr__(self, rest[0], self.world_size // known)
+        elif known != self.world_size:
+            raise ParallelismError(
+                f'world size {self.world_size} is not {product} = {known}; '
+                'allowed: sizes whose product is the world size (set one of '
+                'them to -1 to take the rest)')
+
+    @property
+    def dp(self) -> int:
+        """The data axis: ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def shape(self) -> Tuple[int, int, int, int]:
+        """Sizes in mesh order, :data:`AXES`."""
+        return tuple(getattr(self, name) for name in AXES)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _pick(parallel, new: str, old: str) -> Optional[int]:
+    """The value of ``new`` or its seed alias ``old`` (None if neither).
+
+    Raises:
+        ParallelismError: both given with different values, naming both.
+    """
+    new_value, old_value = getattr(parallel, new), getattr(parallel, old)
+    if new_value is not None and old_value is not None \
+            and new_value != old_value:
+        raise ParallelismError(
+            f'parallel.{new}={new_value!r} and parallel.{old}={old_value!r} '
+            f'disagree; {old} is the seed name of {new}: give one of them')
+    return new_value if new_value is not None else old_value
+
+
+def node_local_shard(dp: int, explicit: Optional[int] = None) -> int:
+    """HSDP shard size when the config gives no data axes.
+
+    ``explicit`` (``hybrid_shard_size``), else the ranks on one node
+    (``LOCAL_WORLD_SIZE``, torch's default split), at most ``dp``.
+
+    Raises:
+        ParallelismError: a size that does not divide ``dp``.
+    """
+    size = explicit or min(int(os.environ.get('LOCAL_WORLD_SIZE', dp)), dp)
+    if not _is_size(size, allow_rest=False) or dp % size:
+        raise ParallelismError(
+            f'model_wrapper_cfg.hybrid_shard_size={size!r} is not allowed; '
+            f'allowed: an int >= 1 that divides the data-parallel size {dp}')
+    return size
+
+
+def _mp_means_dp_shard(parallel, hybrid: bool) -> bool:
+    # The seed's HYBRID_SHARD sharded inside the mp group and replicated
+    # across dp: that is HSDP, model_parallelism=k meaning dp_shard=k.
+    return hybrid and parallel.tp is None and parallel.tp_plan is None
+
+
+def _requested(parallel, world_size: int, hybrid: bool,
+               hybrid_shard_size: Optional[int]) -> dict:
+    """Sizes as asked, seed aliases resolved (``-1`` where unset)."""
+    pp = _pick(parallel, 'pp', 'pipeline_parallelism') or 1
+    mp = parallel.model_parallelism
+    sizes = dict(dp_replicate=parallel.dp_replicate,
+                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp)
+    if mp is not None and _mp_means_dp_shard(parallel, hybrid):
+        sizes['dp_shard'] = _pick(parallel, 'dp_shard', 'model_parallelism')
+        sizes['tp'] = 1
+    else:
+        sizes['tp'] = _pick(parallel, 'tp', 'model_parallelism') or 1
+    if sizes['tp'] > world_size:
+        key = 'tp' if parallel.tp is not None else 'model_parallelism'
+        warnings.warn(f'{key}={sizes["tp"]} is larger than the world size '
+                      f'{world_size}; using {key}={world_size}')
+        sizes['tp'] = world_size
+    if sizes['dp_replicate'] is None and sizes['dp_shard'] is None:
+        if hybrid:
+            dp = world_size // (sizes['tp'] * pp) or 1
+            sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
+        else:
+            sizes['dp_replicate'] = 1
+    for name in ('dp_replicate', 'dp_shard'):
+        if sizes[name] is None:
+            taken = any(v == -1 for v in sizes.values())
+            sizes[name] = 1 if taken else -1
+    return sizes
+
+
+def _refuse_unsupported(parallel, dims: ParallelDims) -> None:
+    """Layouts no code can train correctly yet fail here, naming the key."""
+    if dims.tp_enabled and parallel.tp_plan is None:
+        key = 'tp' if parallel.tp is not None else 'model_parallelism'
+        raise ParallelismError(
+            f'parallel.{key}={dims.tp} asks for tensor parallelism but '
+            'parallel.tp_plan is not set, so tensor-parallel peers would '
+            'train diverging copies of the model; allowed: set '
+            f'parallel.tp_plan, or {key}=1 (with FSDP '
+            "sharding_strategy='HYBRID_SHARD', model_parallelism=k means "
+            'dp_shard=k; or set parallel.dp_shard=k for sharded data '
+            'parallelism)')
+    if dims.pp_enabled and parallel.pipeline is None:
+        key = 'pp' if parallel.pp is not None else 'pipeline_parallelism'
+        raise ParallelismError(
+            f'parallel.{key}={dims.pp} asks for pipeline parallelism but '
+            'parallel.pipeline (how to split the model into stages) is not '
+            f'set; allowed: set parallel.pipeline=dict(...), or {key}=1')
+
+
+def resolve_dims(parallel,
+                 world_size: int,
+                 *,
+                 hybrid: bool = False,
+                 hybrid_shard_size: Optional[int] = None) -> ParallelDims:
+    """The layout a ``parallel`` section asks for at ``world_size`` ranks.
+
+    Args:
+        parallel: a :class:`mmpar.parallel.config.ParallelConfig`.
+        world_size: the number of ranks.
+        hybrid: the FSDP wrapper uses a HYBRID sharding strategy; then
+            ``model_parallelism=k`` (with no ``tp``/``tp_plan``) means
+            ``dp_shard=k`` (HSDP), and with no data axes given the shard
+            axis is ``hybrid_shard_size`` or the ranks of one node.
+        hybrid_shard_size: the wrapper's ``hybrid_shard_size``, if any.
+
+    Returns:
+        The validated layout.
+
+    Raises:
+        ParallelismError: conflicting aliases, sizes that do not fit the
+            world, ``tp > 1`` without ``tp_plan`` or ``pp > 1`` without
+            ``pipeline``; the message names the key the user wrote.
+    """
+    sizes = _requested(parallel, world_size, hybrid, hybrid_shard_size)
+    try:
+        dims = ParallelDims(world_size=world_size, **sizes)
+    except ParallelismError as err:
+        # Name the keys the user wrote, not only the axes they became.
+        mp_axis = 'dp_shard' if _mp_means_dp_shard(parallel, hybrid) \
+            else 'tp'
+        seeds = [f'parallel.{old}={getattr(parallel, old)} is {new}'
+                 for old, new in (('model_parallelism', mp_axis),
+                                  ('pipeline_parallelism', 'pp'))
+                 if getattr(parallel, old) is not None]
+        if not seeds:
+            raise
+        raise ParallelismError(f'{err} ({"; ".join(seeds)})') from None
+    _refuse_unsupported(parallel, dims)
+    return dims
+
+
+def is_hybrid_strategy(strategy: Any) -> bool:
+    """Whether an FSDP ``sharding_strategy`` (name or enum) is HYBRID."""
+    return getattr(strategy, 'name', strategy) in HYBRID_STRATEGIES

@@ -1,0 +1,175 @@
+"""The only module that makes process groups and DeviceMeshes.
+
+:func:`build_mesh` turns a :class:`~mmpar.parallel.dims.ParallelDims` into
+one group per axis for this rank and a ``DeviceMesh`` with dims
+``('dp_replicate', 'dp_shard', 'pp', 'tp')`` plus the flattened data axis
+``'dp'``. :func:`fallback_data_mesh` serves wrappers built without a
+topology (tests, scripts): the whole world as the data axis, or split into
+HSDP's replicate x shard pair.
+
+Groups are made with ``new_group`` and the default group's timeout
+(``env_cfg.dist_cfg.timeout``), not torch's 30-minute default for new groups,
+so a hung rank ends the job in the time the user configured.
+"""
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed._mesh_layout import _MeshLayout
+from torch.distributed.device_mesh import DeviceMesh
+
+from mmpar.dist import collective_timeout, uses_cuda
+from mmpar.parallel.dims import AXES, ParallelDims
+from mmpar.parallel.groups import GroupInfo
+from mmpar.parallel.layout import ParallelLayout, layout_of
+
+DATA_AXES = ('dp_replicate', 'dp_shard')
+
+
+class ParallelMesh:
+    """Named sub-meshes of the job: ``mesh['tp']``, ``mesh['dp']``, ...
+
+    A thin view over the torch ``DeviceMesh`` (:attr:`root`, dims
+    :data:`AXES`) that also answers the flattened data axis ``'dp'``
+    directly: torch deprecates slicing a flattened dim from the root mesh and
+    asks callers to keep the flattened mesh themselves, which is what this
+    does. Any other attribute is the root mesh's.
+    """
+
+    def __init__(self, root: DeviceMesh, flattened: Dict[str, DeviceMesh]):
+        self.root = root
+        self.flattened = flattened
+
+    def __getitem__(self, names: Union[str, Tuple[str, ...]]) -> DeviceMesh:
+        key = names if isinstance(names, str) else tuple(names)
+        if isinstance(key, tuple) and len(key) == 1:
+            key = key[0]
+        if isinstance(key, str) and key in self.flattened:
+            return self.flattened[key]
+        return self.root[key]
+
+    def __getattr__(self, name: str):
+        return getattr(self.root, name)
+
+    def __repr__(self) -> str:
+        return f'ParallelMesh({self.root!r}, flattened={list(self.flattened)})'
+
+
+@dataclass(frozen=True)
+class BuiltMesh:
+    """What :func:`build_mesh` made for this rank.
+
+    Attributes:
+        mesh: the named view (``mesh['dp']``, ``mesh['tp']``, ...).
+        groups: this rank's :class:`GroupInfo` per axis and for ``'dp'``.
+        created: every group this rank belongs to (for teardown), once.
+        layout: every rank's groups (pure).
+    """
+    mesh: ParallelMesh
+    groups: Dict[str, GroupInfo]
+    created: tuple
+    layout: ParallelLayout
+
+
+def device_type() -> str:
+    return 'cuda' if uses_cuda() else 'cpu'
+
+
+def _new_groups(layout: ParallelLayout, kind: str, backend: Optional[str],
+                made: Dict[tuple, dist.ProcessGroup]) -> GroupInfo:
+    """Make every ``kind`` group (collective) and return this rank's.
+
+    ``made`` maps a rank tuple to an existing group: with dp_replicate=1 the
+    dp groups are the dp_shard groups, and one group serves both.
+    """
+    rank, mine = dist.get_rank(), None
+    for ranks in layout.groups[kind]:
+        key = (tuple(ranks), backend)
+        if key not in made:
+            # Every rank joins every new_group call, member or not.
+            made[key] = dist.new_group(
+                ranks, backend=backend, timeout=collective_timeout())
+        if rank in ranks:
+            mine = GroupInfo(made[key], list(ranks), ranks.index(rank),
+                             len(ranks))
+    return mine
+
+
+def _flatten(root: DeviceMesh, axes: Tuple[str, ...], name: str,
+             group: dist.ProcessGroup) -> DeviceMesh:
+    """A 1-D mesh over ``axes`` of ``root`` that uses ``group``.
+
+    torch's ``DeviceMesh._flatten`` would make its groups again (and with
+    torch's default timeout); this is what it builds, around the group made
+    above. Keeping ``root`` as its root lets FSDP2 combine it with a tp mesh.
+    """
+    layout = _MeshLayout([root[axes]._layout.collapse()])
+    flat = DeviceMesh(
+        root.device_type,
+        _layout=layout,
+        _rank_map=root._rank_map,
+        mesh_dim_names=(name, ),
+        _root_mesh=root,
+        _init_backend=False)
+    flat._dim_group_names = [group.group_name]
+    root._pg_registry[group.group_name] = group
+    root._flatten_mapping[name] = flat
+    return flat
+
+
+def build_mesh(dims: ParallelDims,
+               backends: Optional[Mapping[str, Optional[str]]] = None
+               ) -> BuiltMesh:
+    """Make every group of ``dims`` and the job's DeviceMesh.
+
+    Collective: every rank calls it with the same arguments (``new_group``
+    must be called by all ranks, for every group, in the same order).
+
+    Args:
+        dims: the layout; its world size must be the default group's.
+        backends: backend per axis name (or ``'dp'``); None uses the
+            default group's backend.
+
+    Returns:
+        This rank's mesh and groups.
+    """
+    backends = dict(backends or {})
+    layout = layout_of(dims)
+    made: Dict[tuple, dist.ProcessGroup] = {}
+    groups = {
+        kind: _new_groups(layout, kind, backends.get(kind), made)
+        for kind in (*AXES, 'dp')
+    }
+    root = DeviceMesh.from_group(
+        [groups[axis].group for axis in AXES],
+        device_type(),
+        mesh=torch.arange(dims.world_size).reshape(dims.shape),
+        mesh_dim_names=AXES)
+    flat = _flatten(root, DATA_AXES, 'dp', groups['dp'].group)
+    # Only this rank's groups: for the others new_group returned a
+    # non-member marker, which must never reach destroy_process_group.
+    mine = {id(info.group): info.group for info in groups.values()}
+    return BuiltMesh(
+        ParallelMesh(root, {'dp': flat}), groups, tuple(mine.values()),
+        layout)
+
+
+def fallback_data_mesh(hybrid: bool,
+                       shard_size: Optional[int] = None) -> DeviceMesh:
+    """The whole world as the data axis, for a wrapper with no topology.
+
+    Args:
+        hybrid: a 2-D ``('dp_replicate', 'dp_shard')`` mesh (HSDP) instead
+            of the 1-D ``('dp',)`` one.
+        shard_size: ranks per shard group when ``hybrid`` (consecutive
+            ranks); it must divide the world size.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if not hybrid:
+        return init_device_mesh(device_type(), (world, ),
+                                mesh_dim_names=('dp', ))
+    return init_device_mesh(
+        device_type(), (world // shard_size, shard_size),
+        mesh_dim_names=DATA_AXES)

@@ -1,0 +1,107 @@
+"""The one place that decides how a model is parallelised, in a fixed order.
+
+``parallelize`` applies, as torchtitan's and picotron's compose functions do:
+
+1. tensor parallelism over ``mesh['tp']`` (``parallel.tp_plan``),
+2. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``),
+3. activation checkpointing and ``torch.compile`` (today options of the FSDP
+   wrappers),
+4. the data-parallel wrapper over the data axis (``mesh['dp']``, or
+   ``mesh['dp_replicate', 'dp_shard']`` for HSDP).
+
+Steps 1 and 2 refuse until their techniques land, so no layout with
+``tp > 1`` or ``pp > 1`` ever trains silently wrong. The module also gives
+the one answer to "does this wrapper shard the parameters?".
+"""
+from typing import Optional
+
+from mmengine.dist import broadcast
+from torch import nn
+
+from mmpar.failures import ConfigError
+from mmpar.parallel.config import ParallelConfig
+from mmpar.parallel.topology import ParallelTopology
+from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
+                                    wrapper_class)
+from mmpar.wrappers.full_state import FullStateMixin
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is a wrapper that shards its parameters."""
+    return isinstance(model, FullStateMixin)
+
+
+def wrapper_shards(model_wrapper_cfg: Optional[dict]) -> bool:
+    """Whether the wrapper this config builds shards its parameters."""
+    cls = wrapper_class((model_wrapper_cfg or {}).get('type', DEFAULT_WRAPPER))
+    return issubclass(cls, FullStateMixin)
+
+
+def init_weights_before_sharding(model: nn.Module) -> None:
+    """MMEngine's ``_init_model_weights``, on the plain model.
+
+    MMEngine runs ``init_weights`` and broadcasts every tensor after
+    wrapping, which aborts (gloo) or fails (``c10d.broadcast_ ... does not
+    have a sharding strategy``) on sharded parameters. Here it runs before
+    sharding; the Runner then skips its own version for sharded models.
+    """
+    if hasattr(model, 'init_weights'):
+        model.init_weights()
+        for tensor in model.state_dict().values():
+            broadcast(tensor)
+
+
+def _tensor_parallel(model: nn.Module, topology: ParallelTopology,
+                     parallel: ParallelConfig) -> nn.Module:
+    # The tensor-parallel issue fills this step (apply_tp over mesh['tp']).
+    if not topology.dims.tp_enabled:
+        return model
+    raise ConfigError(
+        f'parallel.tp={topology.dims.tp} (tp_plan={parallel.tp_plan!r}): '
+        'tensor parallelism is not available in this version of mmpar; '
+        'allowed: tp=1 (model_parallelism=1)')
+
+
+def _pipeline(model: nn.Module, topology: ParallelTopology,
+              parallel: ParallelConfig) -> nn.Module:
+    # The pipeline-parallel issue fills this step (split over mesh['pp']).
+    if not topology.dims.pp_enabled:
+        return model
+    raise ConfigError(
+        f'parallel.pp={topology.dims.pp}: pipeline parallelism is not '
+        'available in this version of mmpar; allowed: pp=1 '
+        '(pipeline_parallelism=1)')
+
+
+def _data_parallel(model: nn.Module, model_wrapper_cfg: dict) -> nn.Module:
+    # Wrappers find the data axis themselves (mmpar.parallel.data_mesh and
+    # default_dp_group), so one built outside the Runner agrees with it.
+    if wrapper_shards(model_wrapper_cfg):
+        init_weights_before_sharding(model)
+    return build_model_wrapper(model_wrapper_cfg, model)
+
+
+def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
+                parallel_cfg, model_wrapper_cfg: dict) -> nn.Module:
+    """Lay ``model`` out over the ranks: TP, PP, then the DP wrapper.
+
+    Args:
+        model: the plain model, on its device.
+        topology: this rank's topology (None: no process group; the model
+            is returned unwrapped).
+        parallel_cfg: the ``parallel`` section (dict, ParallelConfig or
+            None).
+        model_wrapper_cfg: the data-parallel wrapper to build.
+
+    Returns:
+        The wrapped model.
+
+    Raises:
+        ConfigError: a technique the layout asks for that is not available.
+    """
+    if topology is None:
+        return model
+    parallel = ParallelConfig.from_cfg(parallel_cfg)
+    model = _tensor_parallel(model, topology, parallel)
+    model = _pipeline(model, topology, parallel)
+    return _data_parallel(model, model_wrapper_cfg)

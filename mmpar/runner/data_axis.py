@@ -1,0 +1,123 @@
+"""Data by data rank: samplers and the evaluator work over the data axis.
+
+MMEngine's samplers shard a data set by the global rank and world size, and
+its ``collect_results`` gathers every rank's results. With tensor- or
+pipeline-parallel peers (``tp > 1`` or ``pp > 1``) both are wrong: peers must
+read the same batch, and counting every peer's results would count each
+sample ``tp * pp`` times (then truncate to the data set's size, dropping
+real samples). The Runner passes its loaders and metrics through here; with
+``dp == world`` (every layout without tp/pp) nothing changes.
+
+Samplers are fixed after MMEngine builds them, so configs keep naming
+MMEngine's ``DefaultSampler`` / ``InfiniteSampler`` unchanged.
+"""
+import functools
+import math
+from typing import Optional
+
+import torch.distributed as dist
+from mmengine.dataset import DefaultSampler, InfiniteSampler
+from mmengine.evaluator import BaseMetric
+from mmengine.evaluator.metric import _to_cpu
+from torch.utils.data import DataLoader
+
+from mmpar.failures import ConfigError
+from mmpar.parallel.topology import ParallelTopology
+
+
+def _needs_data_axis(topology: Optional[ParallelTopology]) -> bool:
+    return topology is not None and \
+        topology.dp_size != topology.dims.world_size
+
+
+def shard_sampler(sampler, rank: int, size: int) -> None:
+    """Make an MMEngine sampler built for the world read ``rank``'s share
+    of ``size`` data ranks instead (in place).
+
+    Raises:
+        ConfigError: a sampler type that shards some other way.
+    """
+    if isinstance(sampler, DefaultSampler):
+        sampler.rank, sampler.world_size = rank, size
+        # DefaultSampler.__init__'s arithmetic, for the new rank and size.
+        if sampler.round_up:
+            sampler.num_samples = math.ceil(len(sampler.dataset) / size)
+            sampler.total_size = sampler.num_samples * size
+        else:
+            sampler.num_samples = math.ceil(
+                (len(sampler.dataset) - rank) / size)
+        return
+    if isinstance(sampler, InfiniteSampler):
+        sampler.rank, sampler.world_size = rank, size
+        # Built once in __init__ from rank and world size.
+        sampler.indices = sampler._indices_of_rank()
+        return
+    raise ConfigError(
+        f'sampler type={type(sampler).__name__!r} shards data by the global '
+        'rank, which is wrong when tp or pp > 1 (tensor/pipeline peers must '
+        'read the same batch); allowed: DefaultSampler, InfiniteSampler (or '
+        'subclasses)')
+
+
+def shard_loader_by_data_rank(loader: DataLoader,
+                              topology: Optional[ParallelTopology]
+                              ) -> DataLoader:
+    """Point ``loader``'s sampler and worker seeds at the data axis.
+
+    Returns:
+        ``loader`` (changed in place when tp or pp > 1).
+    """
+    if not _needs_data_axis(topology) or not isinstance(loader, DataLoader):
+        return loader
+    shard_sampler(loader.sampler, topology.dp_rank, topology.dp_size)
+    init_fn = loader.worker_init_fn
+    if isinstance(init_fn, functools.partial) and 'rank' in init_fn.keywords:
+        # MMEngine seeds workers by global rank: peers would augment the same
+        # samples differently.
+        keywords = dict(init_fn.keywords, rank=topology.dp_rank)
+        loader.worker_init_fn = functools.partial(init_fn.func, *init_fn.args,
+                                                  **keywords)
+    return loader
+
+
+def evaluate_on_data_axis(metric: BaseMetric, size: int,
+                          topology: ParallelTopology) -> dict:
+    """``BaseMetric.evaluate`` over the data axis only.
+
+    One rank per data index contributes (tp rank 0 of the last pipeline
+    stage, which holds the outputs); their results are gathered over their
+    dp group in MMEngine's order (interleaved by rank, truncated to
+    ``size``), the metric is computed on the first of them and broadcast to
+    every rank.
+    """
+    dims = topology.dims
+    contributes = topology.tp.rank == 0 and topology.is_last_stage
+    # Global rank of (dp 0, last stage, tp 0): tp fastest, then pp.
+    source = (dims.pp - 1) * dims.tp
+    metrics = [None]
+    if contributes:
+        parts = [None] * topology.dp_size
+        dist.all_gather_object(parts, metric.results,
+                               group=topology.dp.group)
+        if topology.dp_rank == 0:
+            ordered = [r for group in zip(*parts) for r in group][:size]
+            computed = metric.compute_metrics(_to_cpu(ordered))
+            if metric.prefix:
+                computed = {f'{metric.prefix}/{k}': v
+                            for k, v in computed.items()}
+            metrics = [computed]
+    dist.broadcast_object_list(metrics, src=source)
+    metric.results.clear()
+    return metrics[0]
+
+
+def evaluate_metrics_on_data_axis(evaluator,
+                                  topology: Optional[ParallelTopology]):
+    """Make every metric of an MMEngine ``Evaluator`` collect over the data
+    axis (in place); returns ``evaluator``."""
+    if not _needs_data_axis(topology):
+        return evaluator
+    for metric in evaluator.metrics:
+        metric.evaluate = functools.partial(evaluate_on_data_axis, metric,
+                                            topology=topology)
+    return evaluator

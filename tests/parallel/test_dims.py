@@ -1,0 +1,135 @@
+"""ParallelDims and resolve_dims: the one validator of the named axes (pure,
+no process group)."""
+import pytest
+
+from mmpar.parallel import ParallelDims, ParallelismError
+from mmpar.parallel.config import ParallelConfig
+
+
+def dims_of(world_size, model_wrapper_cfg=None, **section):
+    return ParallelConfig.from_cfg(section).dims(world_size,
+                                                 model_wrapper_cfg)
+
+
+def test_rest_axis_and_properties():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=1, pp=1,
+                        world_size=8)
+    assert dims.shape == (2, 4, 1, 1) and dims.dp == 8
+    assert dims.dp_enabled and dims.dp_shard_enabled
+    assert dims.dp_replicate_enabled
+    assert not dims.tp_enabled and not dims.pp_enabled
+    assert ParallelDims(world_size=1).shape == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize('kwargs,named', [
+    (dict(dp_replicate=3, dp_shard=-1), ['world size 8 is not divisible',
+                                         'dp_replicate=3']),
+    (dict(dp_replicate=2, dp_shard=2), ['world size 8 is not',
+                                        'dp_replicate=2 * dp_shard=2']),
+    (dict(dp_shard=-1, tp=-1), ['dp_shard and tp are both -1']),
+    (dict(dp_shard=0), ['parallel.dp_shard=0', 'an int >= 1, or -1']),
+    (dict(tp=True), ['parallel.tp=True']),
+])
+def test_bad_sizes_name_keys_and_numbers(kwargs, named):
+    with pytest.raises(ParallelismError) as err:
+        ParallelDims(world_size=8, **kwargs)
+    assert isinstance(err.value, ValueError)  # a user mistake
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_defaults_are_all_data_parallel():
+    assert dims_of(4).shape == (1, 4, 1, 1)
+    assert dims_of(4, dp_replicate=2).shape == (2, 2, 1, 1)
+    assert dims_of(4, dp_shard=2).shape == (2, 2, 1, 1)
+    assert dims_of(8, dp_replicate=2, dp_shard=2, tp=2,
+                   tp_plan='any').shape == (2, 2, 1, 2)
+
+
+def test_seed_names_are_aliases():
+    assert dims_of(8, model_parallelism=2, tp_plan='p').tp == 2
+    assert dims_of(8, pipeline_parallelism=2, pipeline=dict()).pp == 2
+    # The same value under both names is fine.
+    assert dims_of(8, tp=2, model_parallelism=2, tp_plan='p').tp == 2
+
+
+@pytest.mark.parametrize('section,named', [
+    (dict(tp=2, model_parallelism=4, tp_plan='p'),
+     ['parallel.tp=2', 'parallel.model_parallelism=4', 'disagree']),
+    (dict(pp=2, pipeline_parallelism=1, pipeline=dict()),
+     ['parallel.pp=2', 'parallel.pipeline_parallelism=1']),
+])
+def test_alias_and_name_disagreeing_is_an_error(section, named):
+    with pytest.raises(ParallelismError) as err:
+        dims_of(8, **section)
+    for text in named:
+        assert text in str(err.value)
+
+
+HYBRID = dict(type='MMFullyShardedDataParallel',
+              sharding_strategy='HYBRID_SHARD')
+
+
+def test_hybrid_model_parallelism_means_dp_shard():
+    # The seed's HYBRID_SHARD over (mp, dp) is HSDP.
+    assert dims_of(8, HYBRID, model_parallelism=2).shape == (4, 2, 1, 1)
+    assert dims_of(8, None, model_parallelism=4, use_fsdp=True,
+                   sharding_strategy='HYBRID_SHARD').shape == (2, 4, 1, 1)
+    # With a tp_plan, model_parallelism is tensor parallelism again.
+    assert dims_of(8, HYBRID, model_parallelism=2,
+                   tp_plan='p').shape == (1, 4, 1, 2)
+    with pytest.raises(ParallelismError, match='dp_shard=4 and parallel.'
+                       'model_parallelism=2 disagree'):
+        dims_of(8, HYBRID, model_parallelism=2, dp_shard=4)
+
+
+def test_hybrid_without_axes_shards_within_a_node(monkeypatch):
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
+    assert dims_of(8, HYBRID).shape == (2, 4, 1, 1)
+    assert dims_of(8, dict(HYBRID, hybrid_shard_size=2)).shape == \
+        (4, 2, 1, 1)
+    with pytest.raises(ParallelismError,
+                       match='hybrid_shard_size=3 is not allowed'):
+        dims_of(8, dict(HYBRID, hybrid_shard_size=3))
+
+
+@pytest.mark.parametrize('section,named', [
+    # The old silent-divergence config: default DDP, mp=2, 4 ranks.
+    (dict(model_parallelism=2), ['parallel.model_parallelism=2',
+                                 'parallel.tp_plan is not set',
+                                 "sharding_strategy='HYBRID_SHARD'"]),
+    (dict(tp=4), ['parallel.tp=4', 'tp_plan']),
+    (dict(pipeline_parallelism=2), ['parallel.pipeline_parallelism=2',
+                                    'parallel.pipeline', 'dict(...)']),
+    (dict(pp=2), ['parallel.pp=2']),
+])
+def test_layouts_that_cannot_train_are_refused(section, named):
+    with pytest.raises(ParallelismError) as err:
+        dims_of(4, **section)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_single_process_clamps_tp_with_warning():
+    with pytest.warns(UserWarning, match='model_parallelism=2 is larger'):
+        assert dims_of(1, model_parallelism=2).shape == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize('section,named', [
+    (dict(tp_plan=None, pipeline='1F1B'), ["parallel.pipeline='1F1B'",
+                                            'a dict']),
+    (dict(dp_replicate=-2), ['parallel.dp_replicate=-2', 'or -1']),
+    (dict(model_parallelism=-1), ['parallel.model_parallelism=-1',
+                                  'an int >= 1']),
+])
+def test_section_types_are_checked(section, named):
+    with pytest.raises(ValueError) as err:
+        ParallelConfig.from_cfg(section)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_tp_plan_and_pipeline_are_kept_as_given():
+    plan, pipeline = object(), dict(num_stages=2, schedule='1F1B')
+    cfg = ParallelConfig.from_cfg(dict(tp_plan=plan, pipeline=pipeline))
+    assert cfg.tp_plan is plan and cfg.pipeline == pipeline

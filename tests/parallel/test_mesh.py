@@ -1,0 +1,97 @@
+"""mesh.py makes every group and mesh; the topology hands out named views.
+
+Fake process group (8 ranks, this process is one of them): the real torch
+DeviceMesh and groups, no communication.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from mmpar.parallel import (AXES, ParallelDims, data_mesh, init_parallelism,
+                            layout_of, reset_parallelism)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fake_world(request):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    rank = getattr(request, 'param', 5)
+    dist.init_process_group('fake', store=FakeStore(), rank=rank,
+                            world_size=8)
+    yield rank
+    reset_parallelism()
+
+
+TWO_BY_TWO_TP = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1,
+                             world_size=8)
+
+
+def test_groups_and_named_meshes_match_the_layout(fake_world):
+    topology = init_parallelism(dims=TWO_BY_TWO_TP)
+    layout = layout_of(TWO_BY_TWO_TP)
+    # rank 5 = (dp_replicate 1, dp_shard 0, pp 0, tp 1): tp fastest.
+    assert topology.tp.global_ranks == [4, 5]
+    assert topology.dp_shard.global_ranks == [5, 7]
+    assert topology.dp_replicate.global_ranks == [1, 5]
+    assert topology.dp.global_ranks == [1, 3, 5, 7]
+    assert (topology.dp_rank, topology.dp_size) == (2, 4)
+    mesh = topology.mesh
+    assert mesh.mesh_dim_names == AXES
+    for kind in ('tp', 'pp', 'dp', 'dp_replicate', 'dp_shard'):
+        info = getattr(topology, kind)
+        assert info.global_ranks == layout.group_of(kind, 5)
+        assert mesh[kind].get_group() is info.group
+        assert mesh[kind].mesh.tolist() == info.global_ranks
+    hsdp = mesh['dp_replicate', 'dp_shard']
+    assert hsdp.mesh.tolist() == [[1, 3], [5, 7]]
+    assert hsdp.get_group('dp_shard') is topology.dp_shard.group
+    # The flattened data axis shares the root (FSDP2 + TP needs that).
+    assert mesh['dp']._get_root_mesh() is mesh.root
+
+
+def test_one_group_serves_identical_axes(fake_world):
+    # dp_replicate=1: the dp groups are the dp_shard groups, made once.
+    topology = init_parallelism(2)
+    assert topology.dp.group is topology.dp_shard.group
+    assert topology.dims.shape == (1, 4, 1, 2)
+
+
+@pytest.mark.parametrize('fake_world', [0, 3, 6], indirect=True)
+def test_pipeline_neighbours(fake_world):
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, pp=2, tp=2, world_size=8)
+    topology = init_parallelism(dims=dims)
+    # pp groups: [0, 2], [1, 3], [4, 6], [5, 7]
+    expected = {0: (True, False, None, 2), 3: (False, True, 1, None),
+                6: (False, True, 4, None)}[fake_world]
+    assert (topology.is_first_stage, topology.is_last_stage,
+            topology.prev_rank, topology.next_rank) == expected
+
+
+def test_data_mesh_follows_the_layout(fake_world):
+    init_parallelism(dims=TWO_BY_TWO_TP)
+    assert data_mesh().mesh_dim_names == ('dp_replicate', 'dp_shard')
+    assert data_mesh(hybrid=True, hybrid_shard_size=2).mesh.tolist() == \
+        [[1, 3], [5, 7]]
+    with pytest.raises(ValueError, match='hybrid_shard_size=4 disagrees'):
+        data_mesh(hybrid=True, hybrid_shard_size=4)
+    reset_parallelism()
+    init_parallelism(2)  # dp_replicate=1: one flat data axis
+    assert data_mesh(hybrid=True).mesh.tolist() == [1, 3, 5, 7]
+
+
+def test_data_mesh_without_topology_is_the_world(fake_world):
+    assert data_mesh().mesh.tolist() == list(range(8))
+    hybrid = data_mesh(hybrid=True, hybrid_shard_size=4)
+    assert hybrid.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_groups_and_meshes_are_made_in_one_module():
+    makers = re.compile(r'\b(new_group|init_device_mesh|DeviceMesh|from_group)\(')
+    offenders = [
+        str(path.relative_to(ROOT)) for path in (ROOT / 'mmpar').rglob('*.py')
+        if path.name != 'mesh.py' and makers.search(path.read_text())
+    ]
+    assert offenders == []
