@@ -7,11 +7,12 @@ so a typo in ``train_cfg`` or an unregistered optimizer surfaces as a
 :class:`~mmpar.failures.ConfigError` naming the key, the bad value and what
 is allowed. It reads the config and never changes it.
 """
+import contextlib
 import importlib
 import inspect
 import numbers
 import os.path as osp
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 
 from mmpar.dist import BACKENDS
@@ -277,12 +278,15 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
 
 
 def check_parallel(parallel: Any, launcher: Optional[str],
-                   model_wrapper_cfg: Any = None) -> None:
-    """The ``parallel`` section, and its layout at the launcher's world size
+                   model_wrapper_cfg: Any = None,
+                   world_size: Optional[int] = None) -> None:
+    """The ``parallel`` section against the wrapper, and its layout at the
+    world size (``world_size``, else the launcher's)
     (:func:`mmpar.parallel.dims.resolve_dims`, the one validator)."""
     from mmpar.parallel.config import ParallelConfig
     config = ParallelConfig.from_cfg(parallel)
-    world_size = _launch_world_size(launcher)
+    config.check_wrapper(model_wrapper_cfg)
+    world_size = world_size or _launch_world_size(launcher)
     if parallel is None or world_size is None:
         return  # an unknown world is checked when the process group exists
     config.dims(world_size, model_wrapper_cfg)
@@ -297,8 +301,39 @@ def _check_together(cfg: Any, keys: Iterable[str]) -> None:
                           'none of them')
 
 
-def check_config(cfg: Any) -> None:
+@contextlib.contextmanager
+def _as_config_error() -> Iterator[None]:
+    # Checks that live next to what they check (hooks' and wrappers'
+    # check_cfg, the parallel section) raise ValueError or TypeError.
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_layout(cfg: Any, world_size: Optional[int] = None) -> None:
+    """The wrapper and ``parallel`` sections: what ``check_config`` and the
+    plan tool (which plans partial configs) both check.
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    with _as_config_error():
+        check_wrapper_args(cfg.get('model_wrapper_cfg'))
+        check_parallel(cfg.get('parallel'), cfg.get('launcher'),
+                       cfg.get('model_wrapper_cfg'), world_size)
+
+
+def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
     """Validate a full Runner config (a ``Config`` or dict) up front.
+
+    Args:
+        cfg: the config.
+        world_size: the number of ranks to check the ``parallel`` layout
+            for; None reads it from the launcher's environment (the plan
+            tool passes its ``--world-size``).
 
     Raises:
         ConfigError: the first problem found, naming key, value and what is
@@ -337,17 +372,9 @@ def check_config(cfg: Any) -> None:
             check_type(f'param_scheduler[{index}]', scheduler,
                        PARAM_SCHEDULERS, scope)
     check_dist_cfg(cfg.get('env_cfg'))
-    # Checks that live next to what they check (hooks' and wrappers'
-    # check_cfg, the parallel section) raise ValueError or TypeError.
-    try:
+    with _as_config_error():
         check_hooks(cfg, scope)
-        check_wrapper_args(cfg.get('model_wrapper_cfg'))
-        check_parallel(cfg.get('parallel'), cfg.get('launcher'),
-                       cfg.get('model_wrapper_cfg'))
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as err:
-        raise ConfigError(str(err)) from None
+    check_layout(cfg, world_size)
     check_checkpoint_paths(cfg)
     checkpoint_format = cfg.get('checkpoint_format', 'full')
     if checkpoint_format not in CHECKPOINT_FORMATS:

@@ -30,37 +30,23 @@ from mmengine.registry import Registry
 
 SCOPE = 'mmpar'
 
-MODELS = Registry(
-    'model', parent=MMENGINE_MODELS, scope=SCOPE, locations=['mmpar.models'])
-MODEL_WRAPPERS = Registry(
-    'model_wrapper',
-    parent=MMENGINE_MODEL_WRAPPERS,
-    scope=SCOPE,
-    locations=['mmpar.wrappers'])
-DATASETS = Registry(
-    'dataset',
-    parent=MMENGINE_DATASETS,
-    scope=SCOPE,
-    locations=['mmpar.datasets'])
-METRICS = Registry(
-    'metric',
-    parent=MMENGINE_METRICS,
-    scope=SCOPE,
-    locations=['mmpar.evaluation'])
-OPTIM_WRAPPERS = Registry(
-    'optim_wrapper',
-    parent=MMENGINE_OPTIM_WRAPPERS,
-    scope=SCOPE,
-    locations=['mmpar.optim'])
-HOOKS = Registry(
-    'hook', parent=MMENGINE_HOOKS, scope=SCOPE, locations=['mmpar.runner'])
-LOOPS = Registry(
-    'loop', parent=MMENGINE_LOOPS, scope=SCOPE, locations=['mmpar.runner'])
-RUNNERS = Registry(
-    'runner',
-    parent=MMENGINE_RUNNERS,
-    scope=SCOPE,
-    locations=['mmpar.runner'])
+
+def _child(name: str, parent: Registry, location: str) -> Registry:
+    """mmpar's child of an MMEngine registry; ``location`` is imported on
+    first lookup, so its modules register without an explicit import."""
+    return Registry(name, parent=parent, scope=SCOPE, locations=[location])
+
+
+MODELS = _child('model', MMENGINE_MODELS, 'mmpar.models')
+MODEL_WRAPPERS = _child('model_wrapper', MMENGINE_MODEL_WRAPPERS,
+                        'mmpar.wrappers')
+DATASETS = _child('dataset', MMENGINE_DATASETS, 'mmpar.datasets')
+METRICS = _child('metric', MMENGINE_METRICS, 'mmpar.evaluation')
+OPTIM_WRAPPERS = _child('optim_wrapper', MMENGINE_OPTIM_WRAPPERS,
+                        'mmpar.optim')
+HOOKS = _child('hook', MMENGINE_HOOKS, 'mmpar.runner')
+LOOPS = _child('loop', MMENGINE_LOOPS, 'mmpar.runner')
+RUNNERS = _child('runner', MMENGINE_RUNNERS, 'mmpar.runner')
 
 # Children with nothing of mmpar's in them yet: they let a config with
 # default_scope='mmpar' build MMEngine's samplers, optimizers, schedulers and

@@ -352,7 +352,7 @@ def test_plan_tool_fsdp_at_world_8():
 
 def test_plan_tool_bad_sizes_exit_nonzero_naming_key(capsys):
     # tools/plan.py's main, in-process (the subprocess path is tested above).
-    from mmpar.parallel.plan import main
+    from mmpar.analysis.plan_report import main
     code = main([
         str(DATA / 'plan_ddp.py'), '--world-size', '6', '--cfg-options',
         'parallel.model_parallelism=4'
@@ -365,22 +365,29 @@ def test_plan_tool_bad_sizes_exit_nonzero_naming_key(capsys):
 
 def plan_of(name, world_size, rank=0, **options):
     from mmengine.config import Config
-    from mmpar.parallel.plan import make_plan
+    from mmpar.analysis.plan import make_plan
     cfg = Config.fromfile(str(DATA / name))
     cfg.merge_from_dict(options)
     return make_plan(cfg, world_size, rank)
 
 
 def test_plan_ddp_groups_and_memory():
-    from mmpar.parallel.plan import format_plan
+    from mmpar.analysis.plan_report import format_plan
+    # mp/pp > 1 now need a tp_plan / pipeline split (issue 11); the plan
+    # shows the layout and says they are not applied. The report names the
+    # axes (tp, not mp) and DDP's reduction axis is read from the wrapper.
     plan = plan_of('plan_ddp.py', 8, rank=1,
                    **{'parallel.model_parallelism': 2,
-                      'parallel.pipeline_parallelism': 2})
+                      'parallel.pipeline_parallelism': 2,
+                      'parallel.tp_plan': 'colwise',
+                      'parallel.pipeline': dict(num_stages=2)})
     text = format_plan(plan)
     assert 'pp groups: [0, 2] [1, 3] [4, 6] [5, 7]' in text
-    assert 'rank 1: mp [0, 1], pp [1, 3], dp [1, 5]' in text
+    assert 'rank 1: tp [0, 1], pp [1, 3], dp_shard [1, 5], ' \
+        'dp_replicate [1], dp [1, 5]' in text
     assert plan.wrapper_type == 'MMDistributedDataParallel'
-    assert plan.wrapper_args['process_group'] == 'dp group [1, 5]'
+    assert plan.axes == {'reduce': ('dp', [1, 5])}
+    assert 'all-reduces gradients over the dp axis: [1, 5]' in text
     numel = plan.param_numel
     assert plan.memory == [('params', numel, 4 * numel),
                            ('grads', numel, 4 * numel),
@@ -389,12 +396,17 @@ def test_plan_ddp_groups_and_memory():
     assert not dist.is_initialized()  # the fake world is torn down
 
 
-@pytest.mark.parametrize('strategy,mp,hybrid_size,shard', [
-    ('FULL_SHARD', 2, None, 4), ('HYBRID_SHARD', 2, None, 2),
-    ('HYBRID_SHARD', 1, 4, 4), ('NO_SHARD', 1, None, 1)])
-def test_plan_fsdp_units_cover_every_param(strategy, mp, hybrid_size, shard):
+# FULL_SHARD with mp=2 is now refused (no tp_plan); its 2-D replacement:
+# dp_replicate=2 makes FULL_SHARD HSDP over 4-rank shard groups.
+@pytest.mark.parametrize('strategy,section,hybrid_size,shard', [
+    ('FULL_SHARD', dict(dp_replicate=2), None, 4),
+    ('HYBRID_SHARD', dict(model_parallelism=2), None, 2),
+    ('HYBRID_SHARD', dict(model_parallelism=1), 4, 4),
+    ('NO_SHARD', dict(model_parallelism=1), None, 1)])
+def test_plan_fsdp_units_cover_every_param(strategy, section, hybrid_size,
+                                           shard):
     plan = plan_of('plan_fsdp.py', 8,
-                   **{'parallel.model_parallelism': mp,
+                   **{'parallel': dict(section, use_fsdp=True),
                       'model_wrapper_cfg.sharding_strategy': strategy,
                       'model_wrapper_cfg.hybrid_shard_size': hybrid_size})
     assert plan.shard_size == shard
@@ -406,9 +418,11 @@ def test_plan_fsdp_units_cover_every_param(strategy, mp, hybrid_size, shard):
 
 
 @pytest.mark.parametrize('options,named', [
+    # Messages now come from the Runner's own checks (check_config).
     ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
                                 cpu_offload=True)},
-     'model_wrapper_cfg.cpu_offload=True is an FSDP option'),
+     "model_wrapper_cfg.cpu_offload=True is not allowed; "
+     "MMDistributedDataParallel takes no argument 'cpu_offload'"),
     ({'parallel.use_fsdp': True,
       'model_wrapper_cfg': dict(type='MMDistributedDataParallel')},
      'parallel.use_fsdp=True'),
@@ -426,16 +440,16 @@ def test_plan_fsdp_units_cover_every_param(strategy, mp, hybrid_size, shard):
      "fsdp_auto_wrap_policy='no_such_policy'"),
     ({'model_wrapper_cfg': dict(type='MMDistributedDataParallel',
                                 bucket_cap=3)},
-     "unexpected keyword argument 'bucket_cap'"),
+     "model_wrapper_cfg.bucket_cap=3 is not allowed"),
     ({'model_wrapper_cfg': dict(type='MMFullyShardedDataParallel',
                                 sharding_strategy='HYBRID_SHARD',
                                 hybrid_shard_size=3)},
      'model_wrapper_cfg.hybrid_shard_size=3 is not allowed'),
     ({'parallel.pipeline_parallelism': 3},
-     'pipeline_parallelism = 1 * 3 = 3'),
+     'parallel.pipeline_parallelism=3 is pp'),
 ])
 def test_plan_rejects_bad_combinations(options, named):
-    from mmpar.parallel.plan import PlanError
+    from mmpar.analysis.plan import PlanError
     with pytest.raises(PlanError) as err:
         plan_of('plan_ddp.py', 8, **options)
     assert named in str(err.value)
@@ -451,7 +465,7 @@ def test_plan_fsdp_units_match_real_fsdp(fake_world, policy_cfg):
     # what the plan's arithmetic must reproduce, unit by unit.
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    from mmpar.parallel.plan import fsdp_units, resolve_policy
+    from mmpar.analysis.fsdp_units import fsdp_units, resolve_policy
     from tests.data.plan_model import PlanToyNet
     model = PlanToyNet()
     policy, _ = resolve_policy(policy_cfg, model)
@@ -518,7 +532,7 @@ def test_plan_fsdp2_units_match_real_fully_shard(fake_world):
     # FSDP2 on the fake world's dp mesh dim (rank 5, mp=2 pp=2: dp [1, 5]).
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from mmpar.parallel.plan import fsdp_units, resolve_policy
+    from mmpar.analysis.fsdp_units import fsdp_units, resolve_policy
     from tests.data.plan_model import PlanBlock, PlanToyNet
     topology = init_parallelism(2, 2)
     model = PlanToyNet()

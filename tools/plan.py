@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmpar.parallel.plan import main  # noqa: E402
+from mmpar.analysis.plan_report import main  # noqa: E402
 
 if __name__ == '__main__':
     sys.exit(main())

@@ -1,7 +1,8 @@
 """Parallel layout: named axes, their groups and one mesh.
 
-See ``docs/topology.md``. Importing this package is cheap (no MMEngine);
-``mmpar.parallel.plan`` (the dry run) loads MMEngine and is imported on demand.
+See ``docs/topology.md``. Importing this package is cheap (no MMEngine).
+
+The dry run (``tools/plan.py``) lives in ``mmpar.analysis.plan``.
 """
 from mmpar.parallel.config import (ParallelConfig, default_wrapper_cfg,
                                    setup_parallelism)

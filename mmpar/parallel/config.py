@@ -144,6 +144,23 @@ class ParallelConfig:
             data_parallel_cfg_for_tp(wrapper, dims.tp)
         return dims
 
+    def check_wrapper(self, model_wrapper_cfg: Optional[Mapping]) -> None:
+        """``use_fsdp=True`` only picks the wrapper when none is given.
+
+        Raises:
+            ValueError: ``use_fsdp=True`` with an explicit non-FSDP wrapper
+                (one of the two is a mistake).
+        """
+        if not self.use_fsdp or model_wrapper_cfg is None:
+            return
+        wrapper = model_wrapper_cfg.get('type', DDP_WRAPPER)
+        name = getattr(wrapper, '__name__', str(wrapper))
+        if 'FullyShard' not in name:
+            raise ValueError(
+                f'parallel.use_fsdp=True but model_wrapper_cfg.type={name!r} '
+                'is not FSDP; use_fsdp only picks the wrapper when '
+                'model_wrapper_cfg is absent: drop one of them')
+
     @classmethod
     def from_cfg(cls, cfg: Optional[Mapping]) -> 'ParallelConfig':
         """Build from a config's ``parallel`` dict (None: all defaults).

@@ -181,8 +181,12 @@ def _requested(parallel, world_size: int, hybrid: bool,
     sizes = dict(dp_replicate=parallel.dp_replicate,
                  dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp)
     if mp is not None and _mp_means_dp_shard(parallel, hybrid):
-        sizes['dp_shard'] = _pick(parallel, 'dp_shard', 'model_parallelism')
         sizes['tp'] = 1
+        # The wrapper's explicit hybrid_shard_size wins over the alias, as
+        # it did in the seed.
+        if hybrid_shard_size is None or parallel.dp_shard is not None:
+            sizes['dp_shard'] = _pick(parallel, 'dp_shard',
+                                      'model_parallelism')
     else:
         sizes['tp'] = _pick(parallel, 'tp', 'model_parallelism') or 1
     if sizes['tp'] > world_size:

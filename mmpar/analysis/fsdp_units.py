@@ -1,0 +1,108 @@
+"""FSDP units of a model, and what each rank holds of them (arithmetic).
+
+The plan tool shows, for an FSDP wrapper, the units its wrap policy makes and
+the parameters a rank keeps. Tests check these numbers against real torch
+FSDP1 flat parameters and FSDP2 ``fully_shard`` shards built on the fake
+process group.
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+from torch import nn
+from torch.distributed.fsdp.wrap import _recursive_wrap
+
+# Where a wrapper config names its wrap policy: mmpar's FSDP wrappers, then
+# MMEngine's / torch's spelling.
+POLICY_KEYS = ('fsdp_auto_wrap_policy', 'auto_wrap_policy')
+
+
+class PlanError(ValueError):
+    """A config that cannot run at the requested world size."""
+
+
+@dataclass
+class FsdpUnit:
+    """One FSDP unit: the module and the parameters its flat param holds."""
+    name: str
+    cls: str
+    numel: int
+    numel_per_rank: int
+
+
+def resolve_policy(policy_cfg, model: Optional[nn.Module] = None,
+                   key: str = 'fsdp_auto_wrap_policy'
+                   ) -> Tuple[Optional[Callable], Optional[str]]:
+    """Turn a wrap-policy config (name, dict, callable or None) into a callable.
+
+    Uses the FSDP wrappers' own resolver
+    (:func:`mmpar.wrappers.policies.resolve_wrap_policy`), so the plan and
+    training agree.
+
+    Returns:
+        ``(policy, description)``; ``(None, None)`` for no policy.
+
+    Raises:
+        PlanError: an unknown policy or bad arguments, naming ``key``.
+    """
+    from mmpar.wrappers.policies import resolve_wrap_policy
+    if policy_cfg is None:
+        return None, None
+    if callable(policy_cfg):
+        return policy_cfg, getattr(policy_cfg, '__name__', repr(policy_cfg))
+    if isinstance(policy_cfg, dict) and 'type' in policy_cfg:
+        kwargs = {k: v for k, v in policy_cfg.items() if k != 'type'}
+        name = policy_cfg['type']
+    else:
+        name, kwargs = policy_cfg, {}
+    description = f'{getattr(name, "__name__", name)}' + ''.join(
+        f', {k}={v!r}' for k, v in kwargs.items())
+    try:
+        return resolve_wrap_policy(policy_cfg, model), description
+    except (TypeError, ValueError) as err:
+        raise PlanError(f'model_wrapper_cfg.{key}: {err}') from err
+
+
+def fsdp_units(model: nn.Module, policy: Optional[Callable],
+               shard_size: int, per_param: bool = False) -> List[FsdpUnit]:
+    """The FSDP units ``policy`` makes of ``model``, root first.
+
+    Runs ``torch.distributed.fsdp.wrap._recursive_wrap`` (what FSDP1 runs for
+    a callable policy) with a wrapper that only records the module, so the
+    units are torch's own choice. Each unit holds the parameters not inside a
+    nested unit. FSDP1 flattens them into one parameter padded to a multiple
+    of the shard size: a rank holds ``ceil(numel / shard_size)``. FSDP2
+    (``per_param``) shards every parameter along dim 0, padded per parameter:
+    a rank holds ``ceil(rows / shard_size) * row_numel`` for each.
+    """
+    chosen = []
+
+    def record(module, **_):
+        chosen.append(module)
+        return module
+
+    if policy is not None:
+        _recursive_wrap(model, policy, record, set(), set(),
+                        only_wrap_children=True)
+    roots = [model] + [m for m in chosen if m is not model]
+    names = {m: n for n, m in model.named_modules()}
+    owner = {}
+    # Inner units first: a parameter belongs to the innermost unit over it.
+    depth = {m: len(names[m].split('.')) if names[m] else 0 for m in roots}
+    for unit in sorted(roots, key=depth.get, reverse=True):
+        for param in unit.parameters():
+            owner.setdefault(param, unit)
+    units = []
+    for unit in roots:
+        params = [p for p, u in owner.items() if u is unit]
+        numel = sum(p.numel() for p in params)
+        if per_param:
+            per_rank = sum(
+                math.ceil(p.shape[0] / shard_size) * (p.numel() // p.shape[0])
+                if p.dim() else p.numel() for p in params)
+        else:
+            per_rank = math.ceil(numel / shard_size)
+        units.append(
+            FsdpUnit(names[unit] or '(root)', type(unit).__name__, numel,
+                     per_rank))
+    return units

@@ -1,0 +1,306 @@
+"""Dry-run a config at world size N in one process: axes, wrapper, memory.
+
+``tools/plan.py CONFIG --world-size N`` calls :func:`make_plan` and prints
+:func:`mmpar.analysis.plan_report.format_plan`. Nothing here is modelled
+when it can be measured: torch's fake process-group backend lets one process
+act as rank ``r`` of ``N``, so the topology and the real data-parallel
+wrapper are built exactly as in training (collectives do nothing), and the
+axes each wrapper reduces and shards over are read back from the wrapper.
+
+The steps follow :mod:`mmpar.parallelize.compose` (TP, PP, then the DP
+wrapper); :func:`plan_tensor_parallel` and :func:`plan_pipeline` are where
+those techniques add their rows (per-rank bytes under TP; stages, bubble).
+"""
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+from mmengine.config import Config
+from mmengine.registry import DefaultScope
+from torch import nn
+
+from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
+                                       fsdp_units, resolve_policy)
+from mmpar.failures import ConfigError
+from mmpar.parallel.config import ParallelConfig, default_wrapper_cfg
+from mmpar.parallel.dims import ParallelDims, ParallelismError
+from mmpar.parallel.layout import ParallelLayout
+from mmpar.parallel.topology import (ParallelTopology, init_parallelism,
+                                     reset_parallelism)
+from mmpar.registry import MODELS, SCOPE
+
+# Optimizer state per parameter element, in parameter-sized tensors.
+OPTIMIZER_STATE_FACTORS = dict(
+    Adam=2, AdamW=2, Adamax=2, NAdam=2, RAdam=2, Adagrad=1, Lion=1)
+
+
+@dataclass
+class Plan:
+    """Everything :func:`~mmpar.analysis.plan_report.format_plan` prints.
+
+    ``axes`` says what the built wrapper communicates over, as global ranks:
+    ``{'reduce': [...]}`` (gradients all-reduced), ``{'shard': [...]}`` or
+    ``{'shard': [...], 'replicate': [...]}`` (HSDP), each with the axis name
+    it is (``'dp'``, ``'dp_shard'``, ``'dp_replicate'``).
+    """
+    world_size: int
+    rank: int
+    dims: ParallelDims
+    layout: ParallelLayout
+    wrapper_type: str
+    wrapper_source: str
+    wrapper_args: dict
+    model_cls: str
+    param_numel: int
+    param_bytes_per_elem: int
+    axes: Dict[str, Tuple[str, List[int]]] = field(default_factory=dict)
+    shard_size: int = 1
+    units: List[FsdpUnit] = field(default_factory=list)
+    policy: Optional[str] = None
+    memory: List[Tuple[str, int, int]] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+
+def _fake_world(world_size: int, rank: int):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise PlanError('a process group already exists in this process; '
+                        'the plan needs a fresh one')
+    dist.init_process_group(
+        'fake', store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def build_model(cfg: Config) -> nn.Module:
+    if 'model' not in cfg:
+        raise PlanError('the config has no `model` section to plan for')
+    with DefaultScope.overwrite_default_scope(cfg.get('default_scope',
+                                                      SCOPE)):
+        return MODELS.build(cfg.model)
+
+
+def optimizer_state_factor(cfg: Config) -> Tuple[Optional[int], str]:
+    """State tensors per parameter for the config's optimizer, and its name."""
+    optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer') or {}
+    opt_type = optimizer.get('type', 'none')
+    name = getattr(opt_type, '__name__', str(opt_type))
+    if name == 'SGD':
+        return (1 if optimizer.get('momentum', 0) else 0), name
+    return OPTIMIZER_STATE_FACTORS.get(name), name
+
+
+def resolved_wrapper_args(wrapper_cls: type, kwargs: dict) -> dict:
+    """The wrapper's keyword arguments with every default filled in.
+
+    Walks the ``__init__`` signatures up the class's MRO (a wrapper passes
+    ``**kwargs`` on to torch's class) until one takes no ``**kwargs``.
+    """
+    import inspect
+    resolved = {}
+    for klass in wrapper_cls.__mro__:
+        if '__init__' not in vars(klass) or klass is object:
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        for param in params:
+            if param.name in ('self', 'module') or param.kind in (
+                    param.VAR_KEYWORD, param.VAR_POSITIONAL):
+                continue
+            if param.default is not param.empty:
+                resolved.setdefault(param.name, param.default)
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    resolved.update(kwargs)
+    return resolved
+
+
+def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
+    """Plan ``cfg`` at ``world_size`` ranks, as seen from ``rank``.
+
+    The wrapper and ``parallel`` sections go through the Runner's own checks
+    (:func:`mmpar.config_check.check_layout` at ``world_size``), so the plan
+    refuses what training would.
+
+    Raises:
+        PlanError: anything the Runner would refuse, or a wrapper the real
+            constructor rejects; the message names the key.
+    """
+    from mmpar.config_check import check_custom_imports, check_layout
+    if not 0 <= rank < world_size:
+        raise PlanError(f'--rank={rank} is outside --world-size={world_size}')
+    try:
+        check_custom_imports(cfg.get('custom_imports'))
+        check_layout(cfg, world_size)
+    except ConfigError as err:
+        raise PlanError(str(err)) from None
+    parallel = ParallelConfig.from_cfg(cfg.get('parallel'))
+    explicit = cfg.get('model_wrapper_cfg') is not None
+    wrapper_cfg = copy.deepcopy(
+        dict(cfg.model_wrapper_cfg) if explicit else
+        default_wrapper_cfg(parallel))
+    dims = parallel.dims(world_size, cfg.get('model_wrapper_cfg'))
+    model = build_model(cfg)
+    _fake_world(world_size, rank)
+    try:
+        topology = init_parallelism(dims=dims)
+        return _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
+                              explicit)
+    except ParallelismError as err:
+        raise PlanError(f'parallel: {err}') from err
+    finally:
+        reset_parallelism()
+        dist.destroy_process_group()
+
+
+def plan_tensor_parallel(plan: Plan, model: nn.Module,
+                         topology: ParallelTopology,
+                         parallel: ParallelConfig) -> nn.Module:
+    """TP rows. Extension point: the tensor-parallel issue applies its plan
+    here (as :mod:`mmpar.parallelize.compose` does) and the per-rank counts
+    below then follow from the split parameters."""
+    if topology.dims.tp_enabled:
+        plan.notes.append(
+            f'tp={topology.dims.tp} (tp_plan={parallel.tp_plan!r}): tensor '
+            'parallelism is not applied by this version (training refuses '
+            'it): counts are for the unsplit model')
+    return model
+
+
+def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
+                  parallel: ParallelConfig) -> nn.Module:
+    """PP rows. Extension point: the pipeline issue splits the model into
+    stages here and adds rows for this rank's stage and the bubble."""
+    if topology.dims.pp_enabled:
+        plan.notes.append(
+            f'pp={topology.dims.pp}: pipeline parallelism is not applied by '
+            'this version (training refuses it): counts are for the whole '
+            'model')
+    return model
+
+
+def _ranks(group) -> List[int]:
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
+def _axis_name(ranks: List[int], topology: ParallelTopology) -> str:
+    for name in ('dp', 'dp_shard', 'dp_replicate', 'tp', 'pp'):
+        if getattr(topology, name).global_ranks == ranks:
+            return name
+    return 'world' if len(ranks) == topology.dims.world_size else 'group'
+
+
+def wrapper_axes(wrapper: nn.Module, topology: ParallelTopology
+                 ) -> Dict[str, Tuple[str, List[int]]]:
+    """What a built wrapper communicates over, read from the wrapper itself.
+
+    Returns:
+        ``{'reduce': (axis, ranks)}`` for replicating wrappers (DDP, naive,
+        bucketed, FSDP NO_SHARD); ``{'shard': ...}`` plus, for HSDP,
+        ``{'replicate': ...}`` for FSDP1/FSDP2.
+    """
+    mesh = getattr(wrapper, 'device_mesh', None)
+    strategy = getattr(getattr(wrapper, 'sharding_strategy', None), 'name',
+                       None)
+    if mesh is not None:  # FSDP2: replicate x shard, or shard
+        found = {'shard': mesh.get_group(mesh.ndim - 1)}
+        if mesh.ndim == 2:
+            found['replicate'] = mesh.get_group(0)
+    elif strategy == 'NO_SHARD':
+        found = {'reduce': wrapper.process_group}
+    elif strategy is not None:  # FSDP1; HYBRID keeps the replicate group
+        found = {'shard': wrapper.process_group}
+        if 'HYBRID' in strategy:
+            found['replicate'] = wrapper._inter_node_pg
+    else:
+        found = {'reduce': wrapper.process_group}
+    axes = {}
+    for role, group in found.items():
+        ranks = _ranks(group)
+        axes[role] = (_axis_name(ranks, topology), ranks)
+    return axes
+
+
+def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module):
+    from mmpar.wrappers.builder import build_model_wrapper
+    try:
+        # The real wrapper on the fake group: it rejects what it would reject
+        # in training, and nothing is sent anywhere.
+        return build_model_wrapper(wrapper_cfg, model)
+    except (TypeError, ValueError) as err:
+        raise PlanError(
+            f'model_wrapper_cfg for {plan.wrapper_type}: {err}') from err
+
+
+def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
+                   explicit) -> Plan:
+    from mmpar.parallelize.compose import wrapper_shards
+    from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    elem = params[0].element_size() if params else 4
+    kwargs = {k: v for k, v in wrapper_cfg.items() if k != 'type'}
+    wrapper_cls = wrapper_class(wrapper_cfg.get('type', DEFAULT_WRAPPER))
+    plan = Plan(
+        world_size=topology.dims.world_size,
+        rank=dist.get_rank(),
+        dims=topology.dims,
+        layout=topology.layout,
+        wrapper_type=wrapper_cls.__name__,
+        wrapper_source='model_wrapper_cfg' if explicit else
+        f'default for parallel.use_fsdp={parallel.use_fsdp}',
+        wrapper_args=resolved_wrapper_args(wrapper_cls, kwargs),
+        model_cls=type(model).__name__,
+        param_numel=numel,
+        param_bytes_per_elem=elem)
+    if plan.world_size == 1:
+        plan.notes.append('world size 1: the Runner does not wrap the model')
+    if explicit:
+        # The parallel section's FSDP options only shape the default wrapper.
+        unused = [f'parallel.{key}={value!r}'
+                  for key, value in parallel.fsdp_kwargs.items()
+                  if value != getattr(ParallelConfig, key)]
+        if unused:
+            plan.notes.append(f'{", ".join(unused)} not used: '
+                              'model_wrapper_cfg is given and wins')
+    # compose's order: TP, PP, then the data-parallel wrapper.
+    model = plan_tensor_parallel(plan, model, topology, parallel)
+    model = plan_pipeline(plan, model, topology, parallel)
+    sharded = wrapper_shards(wrapper_cfg)
+    if sharded:
+        # Before the wrapper: its errors then name the config key.
+        key = next((k for k in POLICY_KEYS if k in kwargs), POLICY_KEYS[0])
+        policy, plan.policy = resolve_policy(kwargs.get(key), model, key)
+        units_model = copy.deepcopy(model)  # the wrapper shards in place
+    plan.axes = wrapper_axes(_build_wrapper(plan, wrapper_cfg, model),
+                             topology)
+    if sharded:
+        _plan_fsdp(plan, units_model, policy, key, kwargs)
+    per_rank = sum(u.numel_per_rank for u in plan.units) if sharded \
+        else numel
+    factor, opt_name = optimizer_state_factor(cfg)
+    plan.memory = [('params', per_rank, per_rank * elem),
+                   ('grads', per_rank, per_rank * elem)]
+    if factor is None:
+        plan.notes.append(f'optimizer {opt_name}: state size unknown, '
+                          'not counted')
+    else:
+        state = factor * per_rank
+        plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
+                            'params)', state, state * elem))
+    return plan
+
+
+def _plan_fsdp(plan: Plan, model: nn.Module, policy, key: str,
+               kwargs: dict) -> None:
+    """FSDP units and shards, with the shard size the real wrapper uses."""
+    plan.shard_size = len(plan.axes['shard'][1]) if 'shard' in plan.axes \
+        else 1
+    plan.units = fsdp_units(model, policy, plan.shard_size,
+                            per_param=plan.wrapper_type == 'MMFullyShard')
+    if policy is not None and len(plan.units) == 1:
+        raise PlanError(
+            f'model_wrapper_cfg.{key}={kwargs.get(key)!r} wraps no '
+            f'module of {plan.model_cls}: only the root would be an FSDP '
+            'unit')
+    if kwargs.get('cpu_offload'):
+        plan.notes.append('cpu_offload=True: params and grads live in CPU '
+                          'memory (counts unchanged)')

@@ -1,0 +1,110 @@
+"""The plan as text, and the ``tools/plan.py`` command line."""
+import argparse
+import sys
+from typing import List, Optional
+
+from mmengine.config import Config, DictAction
+
+from mmpar.analysis.plan import Plan, PlanError, make_plan
+from mmpar.parallel.dims import AXES, ParallelismError
+
+# Group kinds in the order the report lists them: fastest axis first.
+KINDS = ('tp', 'pp', 'dp_shard', 'dp_replicate', 'dp')
+ROLES = dict(reduce='all-reduces gradients over',
+             shard='shards parameters over',
+             replicate='replicates (all-reduces) across')
+
+
+def _fmt_bytes(num: float) -> str:
+    for unit in ('B', 'KiB', 'MiB', 'GiB'):
+        if num < 1024 or unit == 'GiB':
+            return f'{num:.0f} {unit}' if unit == 'B' else f'{num:.2f} {unit}'
+        num /= 1024
+
+
+def _layout_lines(plan: Plan) -> List[str]:
+    dims, layout, rank = plan.dims, plan.layout, plan.rank
+    sizes = ' '.join(f'{axis}={getattr(dims, axis)}' for axis in AXES)
+    lines = [f'world size {plan.world_size}: {sizes}; dp={dims.dp} '
+             f'(mesh dims {AXES}, shape {dims.shape}; dp = dp_replicate x '
+             'dp_shard)']
+    for kind in KINDS:
+        groups = ' '.join(str(g) for g in layout.groups[kind])
+        lines.append(f'  {kind} groups: {groups}')
+    mine = ', '.join(f'{kind} {layout.group_of(kind, rank)}'
+                     for kind in KINDS)
+    return lines + [f'  rank {rank}: {mine}', '']
+
+
+def _wrapper_lines(plan: Plan) -> List[str]:
+    lines = [f'wrapper: {plan.wrapper_type} ({plan.wrapper_source})']
+    for role, (axis, ranks) in plan.axes.items():
+        lines.append(f'  {ROLES[role]} the {axis} axis: {ranks}')
+    lines += [f'  {key}={value!r}' for key, value in plan.wrapper_args.items()]
+    return lines + ['']
+
+
+def _unit_lines(plan: Plan) -> List[str]:
+    if not plan.units:
+        return []
+    lines = [f'FSDP units ({len(plan.units)}; policy: '
+             f'{plan.policy or "none, root only"}; shard size '
+             f'{plan.shard_size}):']
+    width = max(len(u.name) for u in plan.units)
+    for unit in plan.units:
+        lines.append(f'  {unit.name:<{width}}  {unit.cls:<20} '
+                     f'{unit.numel:>12,} params  '
+                     f'{unit.numel_per_rank:>12,} per rank')
+    return lines + ['']
+
+
+def _memory_lines(plan: Plan) -> List[str]:
+    lines = [f'per-rank memory (rank {plan.rank}; model {plan.model_cls}, '
+             f'{plan.param_numel:,} trainable params, '
+             f'{plan.param_bytes_per_elem} bytes each):']
+    total_count = total_bytes = 0
+    for name, count, num_bytes in plan.memory:
+        lines.append(f'  {name:<34} {count:>14,}  {_fmt_bytes(num_bytes):>11}')
+        total_count += count
+        total_bytes += num_bytes
+    lines.append(f'  {"total":<34} {total_count:>14,}  '
+                 f'{_fmt_bytes(total_bytes):>11}')
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the text ``tools/plan.py`` prints."""
+    lines = (_layout_lines(plan) + _wrapper_lines(plan) + _unit_lines(plan) +
+             _memory_lines(plan))
+    lines += [f'note: {note}' for note in plan.notes]
+    return '\n'.join(lines)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description='Dry-run a config at world size N (no processes, no GPU)')
+    parser.add_argument('config', help='config file')
+    parser.add_argument('--world-size', type=int, required=True)
+    parser.add_argument(
+        '--rank', type=int, default=0,
+        help='the rank whose groups and memory are shown')
+    parser.add_argument(
+        '--cfg-options', nargs='+', action=DictAction,
+        help='override config keys, e.g. parallel.dp_replicate=2')
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``tools/plan.py``: print the plan, or ``error: ...`` and return 2."""
+    args = parse_args(argv)
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    try:
+        plan = make_plan(cfg, args.world_size, args.rank)
+    except (PlanError, ParallelismError, ValueError) as err:
+        print(f'error: {err}', file=sys.stderr)
+        return 2
+    print(f'plan for {args.config}')
+    print(format_plan(plan))
+    return 0

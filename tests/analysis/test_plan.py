@@ -1,0 +1,119 @@
+"""The plan tells the truth for every axis: at 8 fake ranks, with tp > 1 and
+with dp_shard < dp, the groups each real wrapper reduces and shards over are
+the layout's, and the per-rank counts are the real wrappers' shards."""
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+
+from mmpar.analysis.plan import make_plan
+from mmpar.analysis.plan_report import format_plan
+from mmpar.parallel import AXES
+
+DATA = Path(__file__).resolve().parents[1] / 'data'
+POLICY = dict(type='module_class', module_classes=['PlanBlock'])
+WRAPPERS = {
+    'ddp': dict(type='MMDistributedDataParallel'),
+    'naive': dict(type='MMNaiveDataParallel'),
+    'bucket': dict(type='MMBucketDataParallel'),
+    'fsdp1': dict(type='MMFullyShardedDataParallel',
+                  fsdp_auto_wrap_policy=POLICY),
+    'fsdp2': dict(type='MMFullyShard', fsdp_auto_wrap_policy=POLICY),
+}
+TP_LAYOUT = dict(dp_replicate=2, dp_shard=2, tp=2, tp_plan='colwise')
+HSDP_LAYOUT = dict(dp_replicate=2, dp_shard=4)
+
+
+def brute_force_group(shape, rank, axes):
+    """Ranks sharing every coordinate of ``rank`` except those on ``axes``,
+    by enumerating the (dp_replicate, dp_shard, pp, tp) grid."""
+    coords = list(itertools.product(*(range(n) for n in shape)))
+    fixed = [i for i, name in enumerate(AXES) if name not in axes]
+    mine = coords[rank]
+    return [r for r, c in enumerate(coords)
+            if all(c[i] == mine[i] for i in fixed)]
+
+
+def plan_for(wrapper, section, rank):
+    cfg = Config.fromfile(str(DATA / 'plan_ddp.py'))
+    cfg.model_wrapper_cfg = WRAPPERS[wrapper]
+    cfg.parallel = section  # replaces plan_ddp.py's seed-named section
+    return make_plan(cfg, 8, rank)
+
+
+@pytest.mark.parametrize('section', [TP_LAYOUT, HSDP_LAYOUT],
+                         ids=['tp2', 'dp_shard4_of_8'])
+@pytest.mark.parametrize('wrapper', sorted(WRAPPERS))
+@pytest.mark.parametrize('rank', [0, 5])
+def test_wrapper_axes_are_the_layouts(wrapper, section, rank):
+    plan = plan_for(wrapper, section, rank)
+    shape = plan.dims.shape
+    dp = brute_force_group(shape, rank, ('dp_replicate', 'dp_shard'))
+    shard = brute_force_group(shape, rank, ('dp_shard', ))
+    replicate = brute_force_group(shape, rank, ('dp_replicate', ))
+    if wrapper.startswith('fsdp'):
+        # The 2-D data layout makes FULL_SHARD HSDP in both FSDPs.
+        assert plan.axes == {'shard': ('dp_shard', shard),
+                             'replicate': ('dp_replicate', replicate)}
+        assert plan.shard_size == len(shard) < len(dp)
+    else:
+        assert plan.axes == {'reduce': ('dp', dp)}
+    # tp peers never average gradients with each other.
+    tp = brute_force_group(shape, rank, ('tp', ))
+    assert all(set(ranks) & set(tp) == {rank}
+               for _, ranks in plan.axes.values())
+    text = format_plan(plan)
+    assert 'tp groups: ' in text and f'rank {rank}: tp {tp}' in text
+    if section is TP_LAYOUT:
+        assert any('tp=2' in n and 'not applied' in n for n in plan.notes)
+
+
+def _real_local_numel(wrapper, shard_group_ranks):
+    """Parameters one rank holds under the real wrapper (fake group)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from mmpar.parallel import init_parallelism, reset_parallelism
+    from mmpar.parallel.config import ParallelConfig
+    from mmpar.wrappers import build_model_wrapper
+    from tests.data.plan_model import PlanToyNet
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group('fake', store=FakeStore(), rank=5, world_size=8)
+    try:
+        dims = ParallelConfig.from_cfg(HSDP_LAYOUT).dims(8)
+        init_parallelism(dims=dims)
+        built = build_model_wrapper(WRAPPERS[wrapper], PlanToyNet())
+        if wrapper == 'fsdp1':
+            return sum(m._flat_param.numel()
+                       for m in FSDP.fsdp_modules(built))
+        return sum(p.to_local().numel() for p in built.parameters())
+    finally:
+        reset_parallelism()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize('wrapper', ['fsdp1', 'fsdp2'])
+def test_per_rank_params_are_the_real_shards(wrapper):
+    plan = plan_for(wrapper, HSDP_LAYOUT, 5)
+    name, count, num_bytes = plan.memory[0]
+    assert name == 'params'
+    assert count == _real_local_numel(wrapper, plan.axes['shard'][1])
+    assert num_bytes == 4 * count
+    # Sharded over 4 of 8 ranks: a quarter (plus padding), not an eighth.
+    assert plan.param_numel / 4 <= count < plan.param_numel / 4 + 64
+
+
+def test_replicating_wrappers_hold_everything():
+    plan = plan_for('ddp', TP_LAYOUT, 3)
+    assert plan.memory[0][1] == plan.param_numel
+    assert plan.memory[2] == ('optimizer state (SGD: 1 x params)',
+                              plan.param_numel, 4 * plan.param_numel)
+
+
+def test_refused_layout_fails_the_plan_too():
+    from mmpar.analysis.plan import PlanError
+    with pytest.raises(PlanError, match='parallel.tp=2 asks for tensor'):
+        plan_for('ddp', dict(tp=2), 0)
+    assert not dist.is_initialized()
