@@ -21,7 +21,8 @@ CHECKPOINT = dict(full='epoch_1.pth', sharded='epoch_1')
 
 def _wrapper_name(config, work_dir, max_epochs, name, fmt, **extra):
     runner = _train(config, work_dir, max_epochs, name, fmt, **extra)
-    return type(runner.model).__name__, runner.iter
+    # _has_loaded: the checkpoint was loaded (resume), not silently skipped.
+    return type(runner.model).__name__, runner.iter, runner._has_loaded
 
 
 def _assert_plain_checkpoint(path):
@@ -34,7 +35,7 @@ def test_tp2_checkpoint_resumes_on_other_layouts(run_dist, tmp_path, fmt):
     first = tmp_path / 'tp2'
     names = run_dist(_wrapper_name, CONFIG, str(first), 1, f'tp2_{fmt}', fmt,
                      parallel=TP2)
-    assert [n for n, _ in names] == ['MMTensorParallelDDP'] * 2
+    assert [n for n, _, _ in names] == ['MMTensorParallelDDP'] * 2
     saved = first / CHECKPOINT[fmt]
     for layout, runner_world in (('dp2', 2), ('one', 1)):
         work = tmp_path / layout
@@ -45,20 +46,22 @@ def test_tp2_checkpoint_resumes_on_other_layouts(run_dist, tmp_path, fmt):
         if runner_world == 2:  # tp=1 x dp=2, the default DDP
             results = run_dist(_wrapper_name, CONFIG, str(work), 2,
                                f'{layout}_{fmt}', 'full', **resume)
-            assert [n for n, _ in results] == ['MMDistributedDataParallel'] * 2
+            assert [n for n, _, _ in results] == ['MMDistributedDataParallel'] * 2
         else:  # this process, unsplit
             runner = _train(CONFIG, work, 2, f'{layout}_{fmt}', 'full',
                             launcher='none', **resume)
-            results = [(type(runner.model).__name__, runner.iter)]
+            results = [(type(runner.model).__name__, runner.iter,
+                        runner._has_loaded)]
         # Resumed after epoch 1 and trained epoch 2.
-        assert all(it > names[0][1] for _, it in results), (results, names)
+        assert all(loaded and it > names[0][1]
+                   for _, it, loaded in results), (results, names)
         _assert_plain_checkpoint(work / 'epoch_2.pth')
 
 
 def test_fsdp2_x_tp2_at_4_ranks_saves_a_plain_checkpoint(run_dist, tmp_path):
     names = run_dist(_wrapper_name, FSDP2_CONFIG, str(tmp_path), 1,
                      'fsdp2_tp2', 'full', parallel=TP2, world_size=4)
-    assert [n for n, _ in names] == ['MMFullyShard'] * 4
+    assert [n for n, _, _ in names] == ['MMFullyShard'] * 4
     _assert_plain_checkpoint(tmp_path / 'epoch_1.pth')
 
 
