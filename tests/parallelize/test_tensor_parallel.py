@@ -194,3 +194,40 @@ def test_fsdp1_with_tp_refused_naming_fully_shard():
 def test_naive_with_tp_refused():
     with pytest.raises(ValueError, match=r"'MMNaiveDataParallel'.*allowed"):
         data_parallel_cfg_for_tp(dict(type='MMNaiveDataParallel'), 2)
+
+
+def _skip_nonfinite_window():
+    """NonFiniteLossHook(action='skip') under tp=2 x DDP dp=2: a NaN on one
+    data rank drops the window on every rank, as one process would."""
+    from mmpar.runner import NonFiniteLossHook
+    from tests.test_nonfinite import _fake_runner
+    mesh = tp_cases.world_mesh(2)
+    model = tp_cases.make_vit()
+    batches = tp_cases.make_image_batches()
+    batches[1]['inputs'][0, 0, 0, 0] = float('nan')  # dp rank 0's slice
+    reference = tp_cases.make_vit()
+    ref_optim = tp_cases.optim_wrapper_for(reference)
+    for batch in tp_cases.make_image_batches()[tp_cases.ACCUMULATE:]:
+        reference.train_step(batch, ref_optim)
+    apply_tp(model, mesh['tp'], 'digits_vit')
+    wrapper = WRAPPERS['ddp'](model, mesh)
+    optim_wrapper = tp_cases.optim_wrapper_for(model)
+    hook = NonFiniteLossHook(action='skip')
+    runner = _fake_runner(wrapper, optim_wrapper)
+    hook.before_train(runner)
+    dp_rank, dp = mesh['dp'].get_local_rank(), mesh['dp'].size()
+    try:
+        for batch in batches:
+            wrapper.train_step(tp_cases.dp_slice(batch, dp_rank, dp),
+                               optim_wrapper)
+            runner.iter += 1
+    finally:
+        hook.after_train(runner)
+    state = wrapper.full_state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6,
+                                   msg=key)
+
+
+def test_nonfinite_skip_under_tp(run_dist):
+    run_dist(_skip_nonfinite_window, world_size=4)
