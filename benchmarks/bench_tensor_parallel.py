@@ -212,16 +212,20 @@ def format_report(rows: List[dict], quick: bool) -> str:
     return '\n'.join(lines)
 
 
+def write(quick: bool, out: str) -> str:
+    """Measure, rewrite the section of ``out/benchmarks.md``, return it."""
+    report = format_report(measure(quick), quick)
+    write_section(os.path.join(out, 'benchmarks.md'), SECTION, report)
+    return report
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--quick', action='store_true')
     parser.add_argument('--out', default=os.path.join(ROOT, 'docs'))
     args = parser.parse_args()
     start = time.time()
-    rows = measure(args.quick)
-    report = format_report(rows, args.quick)
-    write_section(os.path.join(args.out, 'benchmarks.md'), SECTION, report)
-    print(report)
+    print(write(args.quick, args.out))
     print(f'({time.time() - start:.0f} s)', file=sys.stderr)
 
 

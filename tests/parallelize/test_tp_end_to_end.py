@@ -67,3 +67,50 @@ def test_dist_train_refuses_a_plan_matching_nothing(tmp_path):
     assert 'Iter(train)' not in output
     assert not list(tmp_path.glob('*.pth'))
 
+
+
+def test_two_nodes_keep_each_tp_group_on_one_node(tmp_path):
+    """NNODES=2 loopback nodes of 2 processes, tp=2 x dp=2: every tp group
+    lies inside one node (from the ranks' node and local ranks), and the run
+    ends with the same weights as one node of 4 processes."""
+    import json
+    import subprocess
+
+    from tests.e2e import ROOT, tool_env
+    config = tmp_path / 'placement.py'
+    config.write_text('\n'.join([
+        f"_base_ = '{ROOT / CONFIG}'",
+        "custom_imports = dict(imports=['tests.parallelize.placement_hook'], "
+        'allow_failed_imports=False)',
+        "custom_hooks = [dict(type='RecordPlacement')]",
+    ]) + '\n')
+    options = ['--cfg-options', *TP, 'train_cfg.max_iters=4', *SHORT]
+    one_node = tmp_path / 'one_node'
+    run_tool(['bash', 'tools/dist_train.sh', config, 4, '--work-dir',
+              one_node, *options])
+    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1')
+    nodes = [
+        subprocess.Popen(
+            ['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',
+             str(tmp_path / f'node{n}'), *options],
+            cwd=ROOT, env=dict(env, NODE_RANK=str(n)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-4000:]
+    records = [
+        json.loads(path.read_text())
+        for n in (0, 1) for path in (tmp_path / f'node{n}').glob(
+            'placement_rank*.json')
+    ]
+    assert sorted(r['rank'] for r in records) == [0, 1, 2, 3]
+    node_of = {r['rank']: r['node'] for r in records}
+    for record in records:
+        assert record['node'] == record['rank'] // 2
+        assert record['local_rank'] == record['rank'] % 2
+        assert {node_of[r] for r in record['tp_ranks']} == {record['node']}
+    assert_same_training_state(
+        load_ckpt(tmp_path / 'node0' / 'iter_4.pth'),
+        load_ckpt(one_node / 'iter_4.pth'))
