@@ -178,7 +178,6 @@ def _mib(nbytes: float) -> str:
 def format_report(rows: List[dict], quick: bool) -> str:
     model_kwargs = QUICK_MODEL if quick else MODEL
     lines = [
-        SECTION, '',
         f'`{sys.argv[0] if __name__ == "__main__" else __file__}`, '
         f'{machine_description("gloo", 4)}, {utc_now()}. The user model of '
         '`examples/my_pkg/tp_vit.py` with '
@@ -207,7 +206,10 @@ def format_report(rows: List[dict], quick: bool) -> str:
         'in backward (3 where a fused qkv needs 1): 6 collectives per block '
         'and step instead of 4. FSDP2 rows also all-gather parameters, not '
         'counted here; torch DDP reduces in C++, out of the counter\'s '
-        'sight.', ''
+        'sight. Step times come from 2 shared CPU cores running up to 4 '
+        'ranks: compare rows of one world size only, and expect TP to cost '
+        'time on CPU (its activation all-reduces sit on the critical path).',
+        ''
     ]
     return '\n'.join(lines)
 
