@@ -82,7 +82,9 @@ FSDP_WRAP_POLICIES = Registry(
 TP_PLANS = Registry(
     'tensor-parallel plan',
     scope=SCOPE,
-    locations=['mmpar.parallelize.tensor', 'mmpar.models'])
+    locations=[
+        'mmpar.parallelize.tensor', 'mmpar.parallelize.hf_plan', 'mmpar.models'
+    ])
 
 
 def registered_names(registry: Registry) -> list:

@@ -174,7 +174,8 @@ def _check_split(name: str, module: nn.Module, style: str, tp_size: int,
             f'size {size}; allowed: a tp that divides {size}')
 
 
-def _style(entry: dict, sequence_parallel: bool) -> ParallelStyle:
+def _style(entry: dict, sequence_parallel: bool,
+           module: nn.Module) -> ParallelStyle:
     kwargs = {
         k: (parse_layout(v, k) if k.endswith('layouts') else v)
         for k, v in entry.items() if k != 'style' and v is not None
@@ -185,6 +186,10 @@ def _style(entry: dict, sequence_parallel: bool) -> ParallelStyle:
             kwargs.setdefault('input_layouts', Shard(SEQUENCE_DIM))
         return ColwiseParallel(**kwargs)
     if style == 'rowwise':
+        if isinstance(module, nn.Embedding):
+            # Token ids are whole on every rank; torch's default (a shard of
+            # the last dim) would read them as pieces of a longer sequence.
+            kwargs.setdefault('input_layouts', Replicate())
         if sequence_parallel:
             kwargs.setdefault('output_layouts', Shard(SEQUENCE_DIM))
         return RowwiseParallel(**kwargs)
@@ -232,7 +237,7 @@ def module_plan_styles(model: nn.Module, plan: dict, tp_size: int,
                 raise ValueError(f'{key}: {name!r} is matched by more than '
                                  f'one pattern (the last is {pattern!r})')
             _check_split(name, modules[name], entry['style'], tp_size, key)
-            styles[name] = _style(entry, sequence_parallel)
+            styles[name] = _style(entry, sequence_parallel, modules[name])
     return styles
 
 
@@ -350,6 +355,22 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor._local_tensor  # no autograd view: in-place edits land
     return tensor
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param.grad``, laid out as ``param`` is.
+
+    DTensor's backward may leave a gradient in another layout than its
+    parameter (a vocabulary-split embedding gets a replicated gradient); it
+    is redistributed to the parameter's layout first (from Replicate no
+    communication, from Partial a reduce-scatter every tp rank joins).
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
+            param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+        param.grad = grad
+    return local_tensor(grad)
 
 
 def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

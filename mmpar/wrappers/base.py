@@ -14,7 +14,7 @@ from mmengine.optim import OptimWrapper
 from torch import nn
 
 from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
-from mmpar.parallelize.tensor import local_tensor
+from mmpar.parallelize.tensor import local_grad
 
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
 
@@ -80,7 +80,7 @@ class StepMixin:
         group = getattr(self, 'process_group', None)
         world_size = dist.get_world_size(group)
         grads = [
-            local_tensor(p.grad) for p in self.module.parameters()
+            local_grad(p) for p in self.module.parameters()
             if p.grad is not None
         ]
         for grad in grads:

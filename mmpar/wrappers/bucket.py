@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from mmpar.parallelize.tensor import like_param, local_tensor
+from mmpar.parallelize.tensor import like_param, local_grad, local_tensor
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.dp_base import PythonDataParallel
 
@@ -250,7 +250,7 @@ class MMBucketDataParallel(PythonDataParallel):
                 Variable._execution_engine.queue_callback(self._end_backward)
             view = bucket.views[slot]
             if param.grad is not view:  # else autograd added into the bucket
-                view.add_(local_tensor(param.grad))
+                view.add_(local_grad(param))
                 param.grad = view if bucket.aliased[slot] else None
             bucket.used[slot] = True
             if self._syncing:

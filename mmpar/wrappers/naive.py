@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmpar.parallelize.tensor import local_tensor
+from mmpar.parallelize.tensor import local_grad
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.dp_base import PythonDataParallel
 
@@ -53,6 +53,6 @@ class MMNaiveDataParallel(PythonDataParallel):
         # diverges. Reduce `param.grad`.
         if not self.require_backward_grad_sync:
             return
-        grad = local_tensor(param.grad)  # a TP parameter: its shard
+        grad = local_grad(param)  # a TP parameter: its shard
         dist.all_reduce(grad, group=self.process_group)
         grad.div_(self.world_size)
