@@ -306,14 +306,6 @@ def check_tp_plan(cfg: PlanCfg) -> None:
     resolve_tp_plan(cfg)
 
 
-def check_tp_size(tp_size: int, world_size: int) -> None:
-    """Raise ValueError unless ``tp_size`` divides ``world_size``."""
-    if world_size % tp_size:
-        raise ValueError(f'parallel.tp={tp_size} does not divide the world '
-                         f'size {world_size}; allowed: a divisor of '
-                         f'{world_size}')
-
-
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
              tp_plan: PlanCfg) -> nn.Module:
     """Split ``model``'s layers over ``tp_mesh`` as ``tp_plan`` says.

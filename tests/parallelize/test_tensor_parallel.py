@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from mmpar.parallelize.tensor import (apply_tp, check_tp_plan,
                                       data_parallel_cfg_for_tp,
-                                      check_tp_size, match_modules,
+                                      match_modules,
                                       module_plan_styles, registered_plans)
 from mmpar.wrappers.fully_shard import MMFullyShard
 from mmpar.wrappers.tp_replicate import MMTensorParallelDDP
@@ -54,11 +54,6 @@ def test_tp_not_dividing_split_dim_names_module_and_sizes():
     with pytest.raises(ValueError,
                        match=r"tp=3.*'blocks.0.mlp.0'.*size 32"):
         module_plan_styles(tp_cases.make_vit(), VIT_PLAN, 3)
-
-
-def test_tp_not_dividing_world():
-    with pytest.raises(ValueError, match=r'parallel.tp=3.*world size 4'):
-        check_tp_size(3, 4)
 
 
 def test_style_on_unsplittable_module():
