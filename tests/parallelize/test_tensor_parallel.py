@@ -90,7 +90,8 @@ def _parity(wrapper_name: str, tp: int, plan, model_name='vit', amp=False,
     expected = tp_cases.reference_state(model, amp)
     apply_tp(model, mesh['tp'], plan)
     split = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    assert split and all(('mlp' in n or 'attn' in n) for n in split), split
+    assert split and all(('mlp' in n or 'attn' in n or 'norm' in n)
+                         for n in split), split
     wrapper = WRAPPERS[wrapper_name](model, mesh, **wrapper_kwargs)
     dp_rank, dp = mesh['dp'].get_local_rank(), mesh['dp'].size()
     actual = tp_cases.train_layout(wrapper, dp_rank, dp, amp)
@@ -138,6 +139,15 @@ def test_tp2_x_ddp_dp2_sync_strategies(run_dist, sync_strategy):
 def test_tp2_x_dp2_bf16_autocast(run_dist, wrapper_name):
     assert run_dist(_parity, wrapper_name, 2, 'digits_vit', world_size=4,
                     amp=True) == [0, 1, 2, 3]
+
+
+def test_replicate_style_parity(run_dist):
+    """Norms kept whole as replicated DTensors between split layers."""
+    from examples.my_pkg.tp_vit import TP_PLAN
+    plan = dict(TP_PLAN, **{'blocks.*.norm1': 'replicate',
+                            'blocks.*.norm2': 'replicate'})
+    assert run_dist(_parity, 'ddp', 2, dict(type='module_plan', plan=plan),
+                    'splittable') == [0, 1]
 
 
 def _clip_mixed_meshes():
