@@ -16,7 +16,7 @@ setup(
     long_description=(HERE / 'README.md').read_text(),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmpar', 'mmpar.*']),
-    package_data={'mmpar.datasets': ['data/*.npz', 'data/*.md']},
+    package_data={'mmpar.datasets': ['data/*.npz', 'data/*.md', 'data/*.xz']},
     python_requires='>=3.9',
     # Ranges a user on a GPU machine can meet with the torch build they already
     # have; requirements.txt holds the exact set CI tests.
