@@ -282,6 +282,9 @@ class Llama(BaseModel):
         self.register_buffer('rope_cos', torch.empty(0), persistent=False)
         self.register_buffer('rope_sin', torch.empty(0), persistent=False)
         self.reset_parameters()
+        # Counted now: a sharding wrapper (FSDP1 flat parameters) hides the
+        # real sizes later, and FLOPs are those of the whole model.
+        self._matmul_params = self.num_params()
 
     def reset_parameters(self) -> None:
         """Initialise every weight (also after building on the meta device).
@@ -356,6 +359,7 @@ class Llama(BaseModel):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): ``6 N`` for the
         matmuls plus ``12 L H D T`` for attention scores and values (PaLM,
-        appendix B; torchtitan's ``get_num_flop_per_token``)."""
-        return 6.0 * self.num_params() + (
+        appendix B; torchtitan's ``get_num_flop_per_token``). N is the
+        whole model's, counted at construction."""
+        return 6.0 * self._matmul_params + (
             12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len)
