@@ -17,6 +17,7 @@ import torch
 
 from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
+from mmpar.parallelize.compile import check_compile_cfg
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Top-level ``checkpoint_format`` (docs/checkpoints.md).
@@ -352,6 +353,7 @@ def check_config(cfg: Any) -> None:
         check_hooks(cfg, scope)
         check_wrapper_args(cfg.get('model_wrapper_cfg'))
         check_parallel(cfg.get('parallel'), cfg.get('launcher'))
+        check_compile_cfg(cfg.get('model_compile'))
     except ConfigError:
         raise
     except (ValueError, TypeError) as err:

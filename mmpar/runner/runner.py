@@ -21,6 +21,7 @@ from mmpar.config_check import check_config
 from mmpar.dist import check_launcher, init_dist, local_rank, uses_cuda
 from mmpar.parallel.config import (DDP_WRAPPER, default_wrapper_cfg,
                                    setup_parallelism)
+from mmpar.parallelize.compile import apply_compile
 from mmpar.registry import RUNNERS
 from mmpar.runner import sharded, sharded_checkpoint
 from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
@@ -70,6 +71,9 @@ class Runner(MMEngineRunner):
         if is_model_wrapper(model):
             return super().wrap_model(model_wrapper_cfg, model)
         model = model.to(self._device())
+        # Per-block torch.compile, before any data-parallel wrapper (the lead
+        # moves this into parallelize/compose.py's fixed order).
+        model = apply_compile(model, self.cfg.get('model_compile'))
         if self.world_size == 1:
             self.logger.info('World size 1: the model is not wrapped.')
             return revert_sync_batchnorm(model)
