@@ -21,6 +21,7 @@ setup(
     # Ranges a user on a GPU machine can meet with the torch build they already
     # have; requirements.txt holds the exact set CI tests.
     install_requires=['torch>=2.4', 'mmengine>=0.10.5,<0.11', 'numpy>=1.24'],
-    extras_require={'tests': ['pytest>=7.4']},
+    # pip install -e '.[hf]': Hugging Face models from config (HFCausalLM).
+    extras_require={'tests': ['pytest>=7.4'], 'hf': ['transformers>=4.45']},
     license='Apache-2.0',
 )

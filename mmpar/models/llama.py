@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 from torch import nn
 
+from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
 from mmpar.registry import MODELS
 
 # Module-name patterns -> tensor-parallel styles for :class:`Llama`, as plain
@@ -209,13 +210,6 @@ def _check_sizes(dim: int, num_heads: int, num_kv_heads: int) -> None:
                          'number of query heads)')
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy ``(B, T)`` of logits ``(B, T, V)``."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(),
-        reduction='none').view_as(targets)
-
-
 @MODELS.register_module()
 class Llama(BaseModel):
     """Llama-style causal LM over token ids.
@@ -330,19 +324,7 @@ class Llama(BaseModel):
                 inputs: torch.Tensor,
                 data_samples: Optional[torch.Tensor] = None,
                 mode: str = 'tensor') -> Union[Dict, List, torch.Tensor]:
-        logits = self.logits(inputs)
-        if mode == 'tensor':
-            return logits
-        if mode == 'loss':
-            return dict(loss=token_loss(logits, data_samples).mean())
-        if mode == 'predict':
-            losses = token_loss(logits, data_samples).detach()
-            return [
-                dict(loss_sum=row.sum().item(), num_tokens=row.numel())
-                for row in losses
-            ]
-        raise ValueError(f'mode={mode!r} is not supported; allowed: tensor, '
-                         'loss, predict')
+        return lm_outputs(self.logits(inputs), data_samples, mode)
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameters counted once (tied weights once); by default without
@@ -357,9 +339,9 @@ class Llama(BaseModel):
         return sum(params.values())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): ``6 N`` for the
-        matmuls plus ``12 L H D T`` for attention scores and values (PaLM,
-        appendix B; torchtitan's ``get_num_flop_per_token``). N is the
+        """Training FLOPs per token at ``seq_len`` (see
+        :func:`~mmpar.models.lm_loss.transformer_flops_per_token`); N is the
         whole model's, counted at construction."""
-        return 6.0 * self._matmul_params + (
-            12.0 * self.num_layers * self.num_heads * self.head_dim * seq_len)
+        return transformer_flops_per_token(self._matmul_params,
+                                           self.num_layers, self.num_heads,
+                                           self.head_dim, seq_len)

@@ -28,12 +28,26 @@ SHRINK = {
     'val_dataloader.dataset.num_windows': 8,
     'default_hooks.logger.interval': 1,
 }
+HF_SHRINK = {
+    **{k: v for k, v in SHRINK.items() if not k.startswith('model.')},
+    'model.config.hidden_size': 32,
+    'model.config.intermediate_size': 64,
+    'model.config.num_hidden_layers': 2,
+    'model.config.num_attention_heads': 2,
+    'model.config.num_key_value_heads': 2,
+}
+
+
+def shrink_options(config: str) -> dict:
+    """The --cfg-options that shrink ``config`` for a test."""
+    return HF_SHRINK if Path(config).stem.endswith(
+        ('_hf', '_hf_fsdp2')) else SHRINK
 
 
 def _shrunk_cfg(config, work_dir, name, max_iters, **extra):
     from mmengine.config import Config
     cfg = Config.fromfile(str(ROOT / config))
-    cfg.merge_from_dict(SHRINK)
+    cfg.merge_from_dict(shrink_options(config))
     cfg.merge_from_dict({
         'train_cfg.max_iters': max_iters,
         'train_cfg.val_interval': max_iters,
@@ -68,6 +82,8 @@ def _train(config, work_dir, name, max_iters=4, **extra):
 def test_llama_config_trains(run_dist, config, tmp_path):
     from mmengine.config import Config
     stem = Path(config).stem
+    if '_hf' in stem:
+        pytest.importorskip('transformers')
     world_size = WORLD_SIZES.get(stem, 2)
     results = run_dist(_train, config, tmp_path, f'{stem}_{tmp_path.name}',
                        world_size=world_size)
