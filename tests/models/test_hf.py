@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from mmpar.registry import MODELS
 from mmpar.wrappers import build_model_wrapper
+from tests.lm_toy import make_token_batches
 from tests.toy import (assert_states_close, make_optim_wrapper, shard_batch,
                        train_reference)
 
@@ -27,15 +28,6 @@ def _model():
     return MODELS.build(dict(type='HFCausalLM', config=TINY))
 
 
-def _batches(num=4, batch_size=4):
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(num):
-        tokens = torch.randint(0, 64, (batch_size, 17), generator=gen)
-        out.append(dict(inputs=tokens[:, :-1], data_samples=tokens[:, 1:]))
-    return out
-
-
 def test_missing_transformers_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, 'transformers', None)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[hf\]'"):
@@ -48,7 +40,7 @@ def test_builds_offline_and_speaks_mmpars_interface():
     assert type(model.hf_model).__name__ == 'LlamaForCausalLM'
     assert model.decoder_layer_class == 'LlamaDecoderLayer'
     assert model.max_seq_len == 16
-    batch = _batches(1)[0]
+    batch = make_token_batches(1)[0]
     logits = model(batch['inputs'])
     assert logits.shape == (4, 16, 64)
     torch.testing.assert_close(
@@ -92,7 +84,7 @@ def _train_fsdp2(batches):
 
 @needs_transformers
 def test_fsdp2_matches_one_process(run_dist):
-    batches = _batches()
+    batches = make_token_batches()
     expected = train_reference(_model(), batches, **OPTIM)
     for units, state in run_dist(_train_fsdp2, batches):
         assert units == 3  # two decoder layers and the root

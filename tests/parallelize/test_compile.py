@@ -16,6 +16,7 @@ from mmpar.models import Llama, LlamaBlock
 from mmpar.parallelize.compile import (apply_compile, check_compile_cfg,
                                        find_blocks)
 from mmpar.wrappers import build_model_wrapper
+from tests.lm_toy import make_token_batches
 from tests.toy import (assert_states_close, make_optim_wrapper, shard_batch,
                        train_reference)
 
@@ -27,15 +28,6 @@ def _model():
     torch.manual_seed(0)
     return Llama(vocab_size=64, dim=32, num_layers=2, num_heads=2,
                  max_seq_len=16)
-
-
-def _batches(num=4, batch_size=4):
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(num):
-        tokens = torch.randint(0, 64, (batch_size, 17), generator=gen)
-        out.append(dict(inputs=tokens[:, :-1], data_samples=tokens[:, 1:]))
-    return out
 
 
 def test_blocks_are_found_and_names_kept():
@@ -75,7 +67,7 @@ def test_config_check_refuses_at_start_up():
 
 
 def test_one_process_parity():
-    batches = _batches()
+    batches = make_token_batches()
     expected = train_reference(_model(), batches, **OPTIM)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -109,7 +101,7 @@ def _train_compiled(wrapper_cfg, batches):
         type='module_class', module_classes=['LlamaBlock'])),
 ], ids=['ddp', 'fsdp2'])
 def test_two_rank_parity(run_dist, wrapper_cfg):
-    batches = _batches()
+    batches = make_token_batches()
     expected = train_reference(_model(), batches, **OPTIM)
     for state in run_dist(_train_compiled, wrapper_cfg, batches):
         assert_states_close(state, expected, atol=1e-6, rtol=1e-5)
