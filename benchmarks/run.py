@@ -609,6 +609,9 @@ def main():
                         '(default: docs)')
     parser.add_argument('--json', help='also write the raw results here')
     parser.add_argument('--world-size', type=int, default=2)
+    parser.add_argument('--skip-llm', action='store_true',
+                        help='leave out the language-model section '
+                        '(benchmarks/bench_llm.py)')
     parser.add_argument('--device', choices=('auto', 'cpu', 'cuda'),
                         default='auto', help='auto: CUDA when every rank '
                         'has a GPU, else CPU')
@@ -626,6 +629,9 @@ def main():
         with open(args.json, 'w') as f:
             json.dump(dict(result, plan=plan), f, indent=1)
     print(report)
+    if not args.skip_llm and device == 'cpu':
+        from benchmarks import bench_llm
+        print(bench_llm.run_cpu(args.quick, args.out, args.world_size))
 
 
 if __name__ == '__main__':
