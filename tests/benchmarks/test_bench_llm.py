@@ -25,6 +25,7 @@ def test_every_layout_has_a_row_with_sane_numbers(quick):
     by_name = {r['strategy']: r for r in rows}
     for row in rows:
         assert row['tokens_per_s'] > 0 and row['vs_hand_written'] > 0
+        assert row['paired'] > 0
         assert row['state_bytes'] > 0
     assert by_name[bench_llm.HAND_DDP]['vs_hand_written'] == 1.0
     assert by_name['MMFullyShard']['baseline'] == bench_llm.HAND_FSDP2
