@@ -17,8 +17,12 @@ class LanguageModelMetric(BaseMetric):
     which drops the samples a sampler repeated to even out the ranks) before
     the division, so the result is the one-process value.
 
-    Reports ``lm/loss`` (nats per token), ``lm/perplexity`` (``exp`` of it)
-    and ``lm/bits_per_byte`` (``loss / ln 2 / bytes_per_token``).
+    Reports ``lm/cross_entropy`` (the validation loss, nats per token),
+    ``lm/perplexity`` (``exp`` of it) and ``lm/bits_per_byte``
+    (``cross_entropy / ln 2 / bytes_per_token``). No name contains "loss":
+    MMEngine's LogProcessor averages every scalar matching its
+    ``mean_pattern`` (``loss|time|...``) over the last validations, so a
+    ``lm/loss`` key would be logged as a running mean, not this value.
 
     Args:
         bytes_per_token: mean UTF-8 bytes per token (1 for the byte-level
@@ -50,6 +54,6 @@ class LanguageModelMetric(BaseMetric):
         tokens = sum(n for _, n in results)
         loss = total / max(tokens, 1)
         return dict(
-            loss=loss,
+            cross_entropy=loss,
             perplexity=math.exp(min(loss, 700.0)),
             bits_per_byte=loss / math.log(2) / self.bytes_per_token)

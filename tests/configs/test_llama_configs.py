@@ -70,7 +70,7 @@ def _train(config, work_dir, name, max_iters=4, **extra):
     return dict(
         world_size=dist.get_world_size() if dist.is_initialized() else 1,
         wrapper=type(runner.model).__name__,
-        val_loss=hub.get_scalar('val/lm/loss').current(),
+        val_loss=hub.get_scalar('val/lm/cross_entropy').current(),
         bits_per_byte=hub.get_scalar('val/lm/bits_per_byte').current(),
         tokens_per_s=hub.get_scalar('train/tokens_per_s').current(),
         tokens_per_s_total=hub.get_scalar(

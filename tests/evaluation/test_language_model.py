@@ -22,7 +22,7 @@ def test_one_process():
     metric.process(None, SAMPLES)
     out = metric.evaluate(len(SAMPLES))
     loss = _expected()
-    assert out['lm/loss'] == pytest.approx(loss)
+    assert out['lm/cross_entropy'] == pytest.approx(loss)
     assert out['lm/perplexity'] == pytest.approx(math.exp(loss))
     assert out['lm/bits_per_byte'] == pytest.approx(loss / math.log(2))
 
@@ -48,4 +48,17 @@ def _evaluate_on_rank():
 def test_gathered_over_two_ranks(run_dist):
     results = run_dist(_evaluate_on_rank)
     for out in results:
-        assert out['lm/loss'] == pytest.approx(_expected())
+        assert out['lm/cross_entropy'] == pytest.approx(_expected())
+
+
+def test_names_escape_mmengine_log_smoothing():
+    """MMEngine's LogProcessor logs keys matching its mean_pattern (any
+    'loss') as a mean over past validations; the metric's must be current."""
+    import re
+
+    from mmengine.runner import LogProcessor
+    metric = LanguageModelMetric()
+    metric.process(None, SAMPLES)
+    pattern = LogProcessor().mean_pattern
+    for key in metric.evaluate(len(SAMPLES)):
+        assert not re.search(pattern, key), key
