@@ -184,3 +184,19 @@ def test_flops_per_token():
     n = model.num_params()
     assert n == sum(p.numel() for p in model.parameters()) - 64 * 32
     assert model.flops_per_token(16) == 6 * n + 12 * 2 * 4 * 8 * 16
+
+
+def test_meta_device_build_then_initialise():
+    """Built on the meta device (no memory), materialised, then
+    reset_parameters: the path that initialises after parallelising."""
+    with torch.device('meta'):
+        model = Llama(**TINY)
+    assert model.output.weight.is_meta
+    model.to_empty(device='cpu')
+    torch.manual_seed(0)
+    model.reset_parameters()
+    tokens = torch.randint(0, 64, (2, 8))
+    logits = model(tokens)
+    assert torch.isfinite(logits).all()
+    assert model.rope_cos.device.type == 'cpu'
+    torch.testing.assert_close(model.rope_cos, _model().rope_cos)
