@@ -16,11 +16,12 @@ setup(
     long_description=(HERE / 'README.md').read_text(),
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmpar', 'mmpar.*']),
-    package_data={'mmpar.datasets': ['data/*.npz', 'data/*.md']},
+    package_data={'mmpar.datasets': ['data/*.npz', 'data/*.md', 'data/*.xz']},
     python_requires='>=3.9',
     # Ranges a user on a GPU machine can meet with the torch build they already
     # have; requirements.txt holds the exact set CI tests.
     install_requires=['torch>=2.4', 'mmengine>=0.10.5,<0.11', 'numpy>=1.24'],
-    extras_require={'tests': ['pytest>=7.4']},
+    # pip install -e '.[hf]': Hugging Face models from config (HFCausalLM).
+    extras_require={'tests': ['pytest>=7.4'], 'hf': ['transformers>=4.45']},
     license='Apache-2.0',
 )

@@ -79,7 +79,8 @@ def _build(model_kwargs: dict, tp: int, wrapper: str):
 
     from examples.my_pkg.tp_vit import TP_PLAN, SplittableViT
     from mmpar.dist import uses_cuda
-    from mmpar.parallelize.tensor import apply_tp, data_parallel_cfg_for_tp
+    from mmpar.parallelize.tensor import apply_tp
+    from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
     from mmpar.wrappers.builder import wrapper_class
     from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(0)

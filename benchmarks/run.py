@@ -609,6 +609,9 @@ def main():
                         '(default: docs)')
     parser.add_argument('--json', help='also write the raw results here')
     parser.add_argument('--world-size', type=int, default=2)
+    parser.add_argument('--skip-llm', action='store_true',
+                        help='leave out the language-model section '
+                        '(benchmarks/bench_llm.py)')
     parser.add_argument('--device', choices=('auto', 'cpu', 'cuda'),
                         default='auto', help='auto: CUDA when every rank '
                         'has a GPU, else CPU')
@@ -630,6 +633,9 @@ def main():
         # Tensor parallelism next to DDP/FSDP2 (2 and 4 ranks): its own file.
         from benchmarks import bench_tensor_parallel
         print(bench_tensor_parallel.write(args.quick, args.out))
+    if not args.skip_llm and device == 'cpu':
+        from benchmarks import bench_llm
+        print(bench_llm.run_cpu(args.quick, args.out, args.world_size))
 
 
 if __name__ == '__main__':

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
+from mmpar.parallelize.compile import check_compile_cfg
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Top-level ``checkpoint_format`` (docs/checkpoints.md).
@@ -400,6 +401,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
     check_sync_bn(cfg.get('sync_bn'), cfg.get('launcher'))
     with _as_config_error():
         check_hooks(cfg, scope)
+        check_compile_cfg(cfg.get('model_compile'))
     check_layout(cfg, world_size)
     check_checkpoint_paths(cfg)
     checkpoint_format = cfg.get('checkpoint_format', 'full')

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmpar import cli
+from mmpar.generation import parse_generate_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').rglob('*.md'))
@@ -15,6 +16,7 @@ BLOCK = re.compile(r'```(\w+)\n(.*?)```', re.S)
 PARSERS = {
     'tools/train.py': cli.parse_train_args,
     'tools/test.py': cli.parse_test_args,
+    'tools/generate.py': parse_generate_args,
 }
 
 

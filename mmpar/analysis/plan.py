@@ -240,9 +240,9 @@ def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module):
 def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                    explicit) -> Plan:
     from mmpar.parallelize.compose import wrapper_shards
-    from mmpar.parallelize.tensor import (TP_DDP_WRAPPER,
-                                          data_parallel_cfg_for_tp,
-                                          local_tensor)
+    from mmpar.parallelize.tensor import local_tensor
+    from mmpar.parallelize.tp_wrapper import (TP_DDP_WRAPPER,
+                                              data_parallel_cfg_for_tp)
     from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
     if topology.dims.tp_enabled:
         # The wrapper compose builds around a TP model (DDP replicates it as

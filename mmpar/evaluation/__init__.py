@@ -1,3 +1,4 @@
 from mmpar.evaluation.accuracy import Accuracy
+from mmpar.evaluation.language_model import LanguageModelMetric
 
-__all__ = ['Accuracy']
+__all__ = ['Accuracy', 'LanguageModelMetric']

@@ -140,7 +140,7 @@ class ParallelConfig:
             hybrid_shard_size=wrapper.get('hybrid_shard_size'))
         if dims.tp_enabled:
             # The wrapper must compose with TP (FSDP1 does not).
-            from mmpar.parallelize.tensor import data_parallel_cfg_for_tp
+            from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
             data_parallel_cfg_for_tp(wrapper, dims.tp)
         return dims
 

@@ -11,7 +11,7 @@
 
 Step 2 refuses until its technique lands, so no layout with ``pp > 1``
 ever trains silently wrong. With ``tp > 1`` the data-parallel wrapper is the
-one that composes with TP (:func:`mmpar.parallelize.tensor.
+one that composes with TP (:func:`mmpar.parallelize.tp_wrapper.
 data_parallel_cfg_for_tp`: DDP becomes ``MMTensorParallelDDP``, FSDP1 is
 refused). The module also gives the one answer to "does this wrapper shard
 the parameters?".
@@ -24,7 +24,9 @@ from torch import nn
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.topology import ParallelTopology
-from mmpar.parallelize.tensor import apply_tp, data_parallel_cfg_for_tp
+from mmpar.parallelize.compile import apply_compile
+from mmpar.parallelize.tensor import apply_tp
+from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
                                     wrapper_class)
 from mmpar.wrappers.full_state import FullStateMixin
@@ -79,9 +81,12 @@ def _data_parallel(model: nn.Module, model_wrapper_cfg: dict) -> nn.Module:
     return build_model_wrapper(model_wrapper_cfg, model)
 
 
-def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
-                parallel_cfg, model_wrapper_cfg: dict) -> nn.Module:
-    """Lay ``model`` out over the ranks: TP, PP, then the DP wrapper.
+def parallelize(model: nn.Module,
+                topology: Optional[ParallelTopology],
+                parallel_cfg,
+                model_wrapper_cfg: Optional[dict],
+                compile_cfg=None) -> nn.Module:
+    """Lay ``model`` out over the ranks: TP, PP, compile, then the DP wrapper.
 
     Args:
         model: the plain model, on its device.
@@ -90,6 +95,9 @@ def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
         parallel_cfg: the ``parallel`` section (dict, ParallelConfig or
             None).
         model_wrapper_cfg: the data-parallel wrapper to build.
+        compile_cfg: ``model_compile`` (per-block ``torch.compile``), applied
+            after the split and before the data-parallel wrapper, as
+            torchtitan orders it; also without a topology (one process).
 
     Returns:
         The wrapped model.
@@ -98,7 +106,7 @@ def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
         ConfigError: a technique the layout asks for that is not available.
     """
     if topology is None:
-        return model
+        return apply_compile(model, compile_cfg)
     parallel = ParallelConfig.from_cfg(parallel_cfg)
     if topology.dims.tp_enabled:
         model_wrapper_cfg = data_parallel_cfg_for_tp(model_wrapper_cfg,
@@ -108,4 +116,5 @@ def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
         init_weights_before_sharding(model)
     model = _tensor_parallel(model, topology, parallel)
     model = _pipeline(model, topology, parallel)
+    model = apply_compile(model, compile_cfg)
     return _data_parallel(model, model_wrapper_cfg)

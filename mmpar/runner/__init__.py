@@ -4,9 +4,11 @@ from mmpar.runner.loops import (FastResumeIterBasedTrainLoop,
                                 SkippableInfiniteSampler)
 from mmpar.runner.nonfinite import NonFiniteLossError, NonFiniteLossHook
 from mmpar.runner.runner import Runner
+from mmpar.runner.throughput import ThroughputHook
 
 __all__ = [
     'Runner', 'PlainCheckpointHook', 'CheckpointLoadError',
     'load_checkpoint_file', 'FastResumeIterBasedTrainLoop',
-    'SkippableInfiniteSampler', 'NonFiniteLossHook', 'NonFiniteLossError'
+    'SkippableInfiniteSampler', 'NonFiniteLossHook', 'NonFiniteLossError',
+    'ThroughputHook'
 ]

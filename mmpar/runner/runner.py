@@ -17,16 +17,15 @@ from mmengine.runner.checkpoint import (_load_checkpoint,
                                         _load_checkpoint_to_model)
 from torch import nn
 
+from mmpar import checkpoint as ckpt
+from mmpar.checkpoint.format import checkpoint_format, sharded_hook_names
 from mmpar.config_check import check_config
 from mmpar.dist import (check_launcher, init_dist, local_rank,
                         usable_backend, uses_cuda)
 from mmpar.parallel.config import (DDP_WRAPPER, default_wrapper_cfg,
                                    setup_parallelism)
-from mmpar.parallelize.compose import parallelize
+from mmpar.parallelize.compose import is_sharded, parallelize
 from mmpar.registry import RUNNERS
-from mmpar import checkpoint as ckpt
-from mmpar.checkpoint.format import checkpoint_format, sharded_hook_names
-from mmpar.parallelize.compose import is_sharded
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
 
@@ -70,9 +69,11 @@ class Runner(MMEngineRunner):
         if is_model_wrapper(model):
             return super().wrap_model(model_wrapper_cfg, model)
         model = model.to(self._device())
+        compile_cfg = self.cfg.get('model_compile')
         if self.world_size == 1:
             self.logger.info('World size 1: the model is not wrapped.')
-            return revert_sync_batchnorm(model)
+            return parallelize(revert_sync_batchnorm(model), None, None, None,
+                               compile_cfg)
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
@@ -82,9 +83,9 @@ class Runner(MMEngineRunner):
             if self.cfg.get('find_unused_parameters') and \
                     model_wrapper_cfg['type'] == DDP_WRAPPER:
                 model_wrapper_cfg['find_unused_parameters'] = True
-        # TP, PP, then the data-parallel wrapper, in that fixed order.
+        # TP, PP, compile, then the data-parallel wrapper, in that order.
         return parallelize(model, self.topology, self.cfg.get('parallel'),
-                           model_wrapper_cfg)
+                           model_wrapper_cfg, compile_cfg)
 
     def _init_model_weights(self) -> None:
         if is_sharded(self.model):

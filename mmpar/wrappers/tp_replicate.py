@@ -9,7 +9,7 @@ the same tp coordinate hold the same shard): the bucketed wrapper does
 exactly that for DTensor parameters. This class adds full (gathered)
 checkpoints, and is what ``MMDistributedDataParallel`` and
 ``MMBucketDataParallel`` configs become when ``parallel.tp > 1``
-(:func:`mmpar.parallelize.tensor.data_parallel_cfg_for_tp`).
+(:func:`mmpar.parallelize.tp_wrapper.data_parallel_cfg_for_tp`).
 """
 from torch import nn
 

@@ -1,0 +1,347 @@
+"""A Llama-family decoder-only causal language model, written for parallelism.
+
+RMSNorm, rotary position embeddings, a SwiGLU MLP and optional grouped-query
+attention, as in Llama 2/3 (and torchtitan's ``models/llama3``). Three choices
+make it easy to parallelise:
+
+* :class:`Attention` derives its *local* head count from the width of its
+  projections' outputs, so a tensor-parallel plan that splits ``wq``/``wk``/
+  ``wv`` by columns and ``wo`` by rows needs no change here (see
+  :data:`TP_PLAN`).
+* The blocks sit in ``layers``, an ``nn.ModuleDict`` keyed ``'0'``, ``'1'``,
+  ...; a pipeline stage deletes the blocks it does not own and sets
+  ``tok_embeddings`` / ``norm`` / ``output`` to ``None`` where they live on
+  another stage, and :meth:`Llama.logits` skips what is missing (see
+  :func:`pipeline_split_points`).
+* Embeddings are untied by default: tied weights cannot live on two pipeline
+  stages or take two different tensor-parallel layouts.
+"""
+import math
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from mmengine.model import BaseModel
+from torch import nn
+
+from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
+from mmpar.registry import MODELS
+
+# Module-name patterns -> tensor-parallel styles for :class:`Llama`, as plain
+# data (the tensor-parallel ``module_plan`` form). Column-split q/k/v and the
+# SwiGLU gate/up projections, row-split the output projections: one
+# all-reduce per attention and one per MLP, as Megatron-LM does. The norms
+# run sequence-parallel between the blocks.
+TP_PLAN: Dict[str, str] = {
+    'tok_embeddings': 'rowwise',
+    'layers.*.attn_norm': 'sequence_parallel',
+    'layers.*.attn.wq': 'colwise',
+    'layers.*.attn.wk': 'colwise',
+    'layers.*.attn.wv': 'colwise',
+    'layers.*.attn.wo': 'rowwise',
+    'layers.*.mlp_norm': 'sequence_parallel',
+    'layers.*.mlp.w1': 'colwise',
+    'layers.*.mlp.w3': 'colwise',
+    'layers.*.mlp.w2': 'rowwise',
+    'norm': 'sequence_parallel',
+    'output': 'colwise',
+}
+
+# The same split without sequence parallelism (norms replicated): the simplest
+# plan, and the one to use when the sequence length does not divide by tp.
+TP_PLAN_NO_SP: Dict[str, str] = {
+    name: ('replicate' if style == 'sequence_parallel' else style)
+    for name, style in TP_PLAN.items() if name != 'tok_embeddings'
+}
+
+
+def pipeline_split_points(num_layers: int, num_stages: int) -> List[str]:
+    """Default pipeline split points: ``num_stages`` runs of blocks.
+
+    Blocks are spread as evenly as possible; the remainder goes to the
+    middle stages first, then the first stage, because the last stage also
+    runs the output head (a ``dim x vocab`` matmul) and the first only an
+    embedding lookup.
+
+    Args:
+        num_layers: number of transformer blocks (``Llama.num_layers``).
+        num_stages: number of pipeline stages.
+
+    Returns:
+        ``num_stages - 1`` module names such as ``'layers.2'``; a new stage
+        starts at each of them.
+
+    Raises:
+        ValueError: when there are fewer blocks than stages.
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise ValueError(f'pipeline stages={num_stages} needs 1 <= stages <= '
+                         f'num_layers={num_layers}')
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base] * num_stages
+    # Middle stages first, then outwards; on a tie the earlier stage.
+    order = sorted(range(num_stages),
+                   key=lambda s: abs(s - (num_stages - 1) / 2))
+    for stage in order[:extra]:
+        sizes[stage] += 1
+    points, start = [], 0
+    for size in sizes[:-1]:
+        start += size
+        points.append(f'layers.{start}')
+    return points
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (no mean subtraction, no bias)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(
+            x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_tables(head_dim: int, max_seq_len: int,
+                  theta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each ``(max_seq_len, head_dim // 2)``."""
+    freqs = 1.0 / theta**(
+        torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, T, H, D)`` by position (half-split pairs, as Hugging
+    Face's Llama: dimension i pairs with i + D/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos = cos[:x.shape[1], None, :].to(x.dtype)
+    sin = sin[:x.shape[1], None, :].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with optional grouped-query heads.
+
+    Args:
+        dim: model width.
+        num_heads: query heads.
+        num_kv_heads: key/value heads; must divide ``num_heads``.
+        head_dim: width of one head.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, num_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(num_heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1, not a stored head count: under tensor parallelism each rank's
+        # wq/wk/wv produce only its own heads (a column shard of the weight).
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm attention and SwiGLU MLP, each with a residual connection.
+
+    The natural unit for FSDP wrapping (``module_classes=['LlamaBlock']``),
+    activation checkpointing and per-block ``torch.compile``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, hidden_dim: int, norm_eps: float):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, norm_eps)
+        self.attn = Attention(dim, num_heads, num_kv_heads, head_dim)
+        self.mlp_norm = RMSNorm(dim, norm_eps)
+        self.mlp = FeedForward(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _check_sizes(dim: int, num_heads: int, num_kv_heads: int) -> None:
+    if dim % num_heads:
+        raise ValueError(f'model.num_heads={num_heads} must divide '
+                         f'model.dim={dim}')
+    if num_heads % num_kv_heads:
+        raise ValueError(f'model.num_kv_heads={num_kv_heads} must divide '
+                         f'model.num_heads={num_heads} (grouped-query '
+                         'attention shares each key/value head by a whole '
+                         'number of query heads)')
+
+
+@MODELS.register_module()
+class Llama(BaseModel):
+    """Llama-style causal LM over token ids.
+
+    Args:
+        vocab_size: number of token ids (256 for bytes).
+        dim: model width.
+        num_layers: number of :class:`LlamaBlock`.
+        num_heads: query heads per block.
+        num_kv_heads: key/value heads (``None``: as ``num_heads``; fewer is
+            grouped-query attention).
+        hidden_dim: SwiGLU hidden width (``None``: 8/3 x dim rounded up to
+            ``multiple_of``).
+        multiple_of: rounding of the default ``hidden_dim``.
+        max_seq_len: longest sequence the rotary tables cover.
+        rope_theta: rotary base.
+        norm_eps: RMSNorm epsilon.
+        tie_embeddings: share the input embedding with the output head.
+        init_std: standard deviation of the weight initialisation.
+        data_preprocessor: MMEngine data preprocessor config.
+
+    ``forward(inputs, data_samples, mode)`` with ``inputs`` and
+    ``data_samples`` token ids ``(B, T)`` (targets: inputs shifted by one):
+    ``'loss'`` returns ``dict(loss=mean cross-entropy)``; ``'predict'`` a list
+    of ``dict(loss_sum, num_tokens)``, one per sample, for
+    :class:`mmpar.evaluation.LanguageModelMetric`; ``'tensor'`` the logits
+    ``(B, T, vocab_size)``.
+    """
+
+    def __init__(self,
+                 vocab_size: int = 256,
+                 dim: int = 128,
+                 num_layers: int = 4,
+                 num_heads: int = 4,
+                 num_kv_heads: Optional[int] = None,
+                 hidden_dim: Optional[int] = None,
+                 multiple_of: int = 32,
+                 max_seq_len: int = 256,
+                 rope_theta: float = 10000.0,
+                 norm_eps: float = 1e-5,
+                 tie_embeddings: bool = False,
+                 init_std: float = 0.02,
+                 data_preprocessor: Optional[dict] = None):
+        super().__init__(data_preprocessor=data_preprocessor)
+        num_kv_heads = num_kv_heads or num_heads
+        _check_sizes(dim, num_heads, num_kv_heads)
+        if hidden_dim is None:
+            hidden_dim = multiple_of * math.ceil(8 * dim / 3 / multiple_of)
+        self.num_layers, self.num_heads = num_layers, num_heads
+        self.head_dim = dim // num_heads
+        self.max_seq_len, self.rope_theta = max_seq_len, rope_theta
+        self.init_std = init_std
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict({
+            str(i): LlamaBlock(dim, num_heads, num_kv_heads, self.head_dim,
+                               hidden_dim, norm_eps)
+            for i in range(num_layers)
+        })
+        self.norm = RMSNorm(dim, norm_eps)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        if tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Derived, not learnt: kept out of the state dict.
+        self.register_buffer('rope_cos', torch.empty(0), persistent=False)
+        self.register_buffer('rope_sin', torch.empty(0), persistent=False)
+        self.reset_parameters()
+        # Counted now: a sharding wrapper (FSDP1 flat parameters) hides the
+        # real sizes later, and FLOPs are those of the whole model.
+        self._matmul_params = self.num_params()
+
+    def reset_parameters(self) -> None:
+        """Initialise every weight (also after building on the meta device).
+
+        Normal(0, init_std) for embeddings and projections; the projections
+        that write into the residual stream (``wo``, ``w2``) are scaled by
+        ``1/sqrt(2 * num_layers)`` (GPT-2) so the residual grows slowly.
+        """
+        cos, sin = rotary_tables(self.head_dim, self.max_seq_len,
+                                 self.rope_theta)
+        device = self.tok_embeddings.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        residual_std = self.init_std / math.sqrt(2 * self.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(
+                    ('.wo', '.w2')) else self.init_std
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` to logits ``(B, T, V)``.
+
+        Modules set to ``None`` (on another pipeline stage) are skipped: a
+        middle stage maps hidden states to hidden states.
+        """
+        h = tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(h)
+        if h.shape[1] > self.rope_cos.shape[0]:
+            raise ValueError(f'sequence length {h.shape[1]} exceeds '
+                             f'model.max_seq_len={self.max_seq_len}')
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    def forward(self,
+                inputs: torch.Tensor,
+                data_samples: Optional[torch.Tensor] = None,
+                mode: str = 'tensor') -> Union[Dict, List, torch.Tensor]:
+        return lm_outputs(self.logits(inputs), data_samples, mode)
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        """Parameters counted once (tied weights once); by default without
+        the input embedding, which is a lookup, not a matmul."""
+        params = {id(p): p.numel() for p in self.parameters()}
+        if exclude_embedding and self.tok_embeddings is not None:
+            params.pop(id(self.tok_embeddings.weight), None)
+            if self.output is not None and \
+                    self.output.weight is self.tok_embeddings.weight:
+                # Tied: the head is a matmul and still counts.
+                params[id(self.output.weight)] = self.output.weight.numel()
+        return sum(params.values())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (see
+        :func:`~mmpar.models.lm_loss.transformer_flops_per_token`); N is the
+        whole model's, counted at construction."""
+        return transformer_flops_per_token(self._matmul_params,
+                                           self.num_layers, self.num_heads,
+                                           self.head_dim, seq_len)
