@@ -25,14 +25,15 @@ from mmengine.model import BaseModel
 from torch import nn
 
 from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
-from mmpar.registry import MODELS
+from mmpar.parallelize.tensor import module_plan
+from mmpar.registry import MODELS, TP_PLANS
 
 # Module-name patterns -> tensor-parallel styles for :class:`Llama`, as plain
 # data (the tensor-parallel ``module_plan`` form). Column-split q/k/v and the
 # SwiGLU gate/up projections, row-split the output projections: one
 # all-reduce per attention and one per MLP, as Megatron-LM does. The norms
 # run sequence-parallel between the blocks.
-TP_PLAN: Dict[str, str] = {
+TP_PLAN: Dict[str, Union[str, dict]] = {
     'tok_embeddings': 'rowwise',
     'layers.*.attn_norm': 'sequence_parallel',
     'layers.*.attn.wq': 'colwise',
@@ -44,15 +45,33 @@ TP_PLAN: Dict[str, str] = {
     'layers.*.mlp.w3': 'colwise',
     'layers.*.mlp.w2': 'rowwise',
     'norm': 'sequence_parallel',
-    'output': 'colwise',
+    # Vocabulary-split head, logits gathered whole: the loss is computed on
+    # every tp rank from the full logits (a local vocabulary shard would give
+    # a wrong cross-entropy).
+    'output': dict(style='colwise', output_layouts='replicate'),
 }
 
 # The same split without sequence parallelism (norms replicated): the simplest
 # plan, and the one to use when the sequence length does not divide by tp.
-TP_PLAN_NO_SP: Dict[str, str] = {
+TP_PLAN_NO_SP: Dict[str, Union[str, dict]] = {
     name: ('replicate' if style == 'sequence_parallel' else style)
     for name, style in TP_PLAN.items() if name != 'tok_embeddings'
 }
+
+
+@TP_PLANS.register_module(name='llama')
+def llama_tp_plan(model: nn.Module, tp_mesh) -> None:
+    """Split :class:`Llama` over ``tp_mesh`` (:data:`TP_PLAN`: Megatron
+    splits with sequence-parallel norms; the sequence length must divide by
+    tp)."""
+    module_plan(model, tp_mesh, TP_PLAN)
+
+
+@TP_PLANS.register_module(name='llama_no_sp')
+def llama_no_sp_tp_plan(model: nn.Module, tp_mesh) -> None:
+    """Split :class:`Llama` over ``tp_mesh`` without sequence parallelism
+    (:data:`TP_PLAN_NO_SP`: norms and embedding replicated)."""
+    module_plan(model, tp_mesh, TP_PLAN_NO_SP)
 
 
 def pipeline_split_points(num_layers: int, num_stages: int) -> List[str]:

@@ -13,8 +13,9 @@ from tests.e2e import assert_same_training_state, load_ckpt
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / 'configs' / 'llama_shakespeare'
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in CONFIG_DIR.glob('*.py'))
-# HSDP needs 2 shard groups of 2 ranks to replicate anything.
-WORLD_SIZES = {'llama_shakespeare_hsdp': 4}
+# HSDP needs 2 shard groups of 2 ranks to replicate anything; 2-D layouts
+# need 2 ranks on each axis.
+WORLD_SIZES = {'llama_shakespeare_hsdp': 4, 'llama_shakespeare_tp_fsdp2': 4}
 # What --cfg-options would pass: a 2-block model, 32-byte windows, 8 val
 # windows, a checkpoint at the end.
 SHRINK = {
@@ -90,6 +91,10 @@ def test_llama_config_trains(run_dist, config, tmp_path):
     cfg = Config.fromfile(str(ROOT / config))
     named = (cfg.get('model_wrapper_cfg') or {}).get(
         'type', 'MMDistributedDataParallel')
+    tp = (cfg.get('parallel') or {}).get('tp', 1)
+    if tp > 1:  # DDP replicates a TP model as MMTensorParallelDDP
+        from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
+        named = data_parallel_cfg_for_tp(dict(type=named), tp)['type']
     assert [r['world_size'] for r in results] == [world_size] * world_size
     assert {r['wrapper'] for r in results} == {named}
     # Every rank evaluated the same model on the same windows.
@@ -98,8 +103,9 @@ def test_llama_config_trains(run_dist, config, tmp_path):
     assert 0 < loss < 1.5 * math.log(256)
     assert results[0]['bits_per_byte'] == pytest.approx(loss / math.log(2))
     for r in results:
+        # Tensor-parallel peers read the same tokens: data ranks only.
         assert r['tokens_per_s_total'] == pytest.approx(
-            r['tokens_per_s'] * world_size)
+            r['tokens_per_s'] * (world_size // tp))
         assert r['flops_per_s'] > 0
     sharded = cfg.get('checkpoint_format', 'full') == 'sharded'
     saved = tmp_path / ('iter_4' if sharded else 'iter_4.pth')
