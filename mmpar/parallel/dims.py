@@ -161,9 +161,11 @@ def node_local_shard(dp: int, explicit: Optional[int] = None) -> int:
     """
     size = explicit or min(int(os.environ.get('LOCAL_WORLD_SIZE', dp)), dp)
     if not _is_size(size, allow_rest=False) or dp % size:
+        key = 'model_wrapper_cfg.hybrid_shard_size' if explicit else \
+            'the HYBRID shard size (LOCAL_WORLD_SIZE, ranks per node)'
         raise ParallelismError(
-            f'model_wrapper_cfg.hybrid_shard_size={size!r} is not allowed; '
-            f'allowed: an int >= 1 that divides the data-parallel size {dp}')
+            f'{key}={size!r} is not allowed; allowed: an int >= 1 that '
+            f'divides the data-parallel size {dp} (or set parallel.dp_shard)')
     return size
 
 
@@ -196,7 +198,8 @@ def _requested(parallel, world_size: int, hybrid: bool,
         sizes['tp'] = world_size
     if sizes['dp_replicate'] is None and sizes['dp_shard'] is None:
         if hybrid:
-            dp = world_size // (sizes['tp'] * pp) or 1
+            # -1 ("the rest") on tp or pp leaves no room for data shards.
+            dp = world_size // (max(sizes['tp'], 1) * max(pp, 1)) or 1
             sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
         else:
             sizes['dp_replicate'] = 1
