@@ -25,7 +25,7 @@ from mmengine.model import BaseModel
 from torch import nn
 
 from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
-from mmpar.parallelize.tensor import module_plan
+from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import MODELS, TP_PLANS
 
 # Module-name patterns -> tensor-parallel styles for :class:`Llama`, as plain

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mmpar.parallelize.module_plan import match_modules, module_plan_styles
 from mmpar.parallelize.tensor import (apply_tp, check_tp_plan,
-                                      match_modules, module_plan_styles,
                                       registered_plans)
 from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
 from mmpar.wrappers.fully_shard import MMFullyShard
