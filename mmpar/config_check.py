@@ -283,7 +283,7 @@ def check_checkpoint_paths(cfg: Any) -> None:
     load_from = cfg.get('load_from')
     if load_from is None or '://' in str(load_from):
         return
-    # A directory is a sharded checkpoint (mmpar/runner/sharded_checkpoint).
+    # A directory is a sharded checkpoint (mmpar/checkpoint/sharded.py).
     if not osp.exists(load_from):
         key = 'load_from (resume)' if cfg.get('resume') else 'load_from'
         _fail(key, load_from, 'the file does not exist; allowed: an '

@@ -11,11 +11,11 @@ import torch
 from mmengine.config import Config
 
 from mmpar.models import DigitsViT
-from mmpar.runner.checkpoint import (find_latest_complete_checkpoint,
+from mmpar.checkpoint.format import check_checkpoint_format
+from mmpar.checkpoint.latest import (find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
-from mmpar.runner.sharded_checkpoint import (PLAIN_FILE,
-                                             check_checkpoint_format, merge,
-                                             sharded_to_full, split_tensors)
+from mmpar.checkpoint.sharded import (PLAIN_FILE, merge, sharded_to_full,
+                                      split_tensors)
 from tests.e2e import (DEFAULT_CONFIG, ROOT, assert_same_training_state,
                        load_ckpt, run_tool)
 
@@ -139,14 +139,14 @@ def test_interrupted_sharded_save_leaves_previous_checkpoint(
     """A save that dies after DCP wrote its shards (here: while writing the
     plain-data file) leaves only ``epoch_2.tmp``; epoch_1 stays the newest
     complete checkpoint and a new save of the same name succeeds."""
-    from mmpar.runner import sharded_checkpoint
+    from mmpar.checkpoint import sharded
     runner, epoch_1 = one_process_runner
     shutil.copytree(epoch_1, tmp_path / 'epoch_1')
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sharded_checkpoint, 'atomic_save', killed)
+    monkeypatch.setattr(sharded, 'atomic_save', killed)
     with pytest.raises(KeyboardInterrupt):
         runner.save_checkpoint(str(tmp_path), 'epoch_2')
     assert (tmp_path / 'epoch_2.tmp' / '.metadata').is_file()
@@ -240,11 +240,11 @@ class _CaptureLoaded:
         raise AttributeError(name)
 
     def before_train(self, runner):
-        from mmpar.runner.sharded_checkpoint import _stateful_module
+        from mmpar.checkpoint.state import stateful_module
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict)
         full = get_optimizer_state_dict(
-            _stateful_module(runner.model), runner.optim_wrapper.optimizer,
+            stateful_module(runner.model), runner.optim_wrapper.optimizer,
             options=StateDictOptions(full_state_dict=True))
         self.state = {
             name: {k: v.clone() for k, v in value.items()}

@@ -13,8 +13,7 @@ import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
-from mmpar.runner.checkpoint import atomic_save  # noqa: E402
-from mmpar.runner.sharded_checkpoint import sharded_to_full  # noqa: E402
+from mmpar.checkpoint import atomic_save, sharded_to_full  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -24,11 +24,11 @@ from mmpar.parallel.config import (DDP_WRAPPER, default_wrapper_cfg,
                                    setup_parallelism)
 from mmpar.parallelize.compose import parallelize
 from mmpar.registry import RUNNERS
-from mmpar.runner import data_axis, sharded, sharded_checkpoint
-from mmpar.runner.checkpoint import (PlainCheckpointHook, atomic_save,
-                                     collect_checkpoint,
-                                     find_latest_complete_checkpoint,
-                                     load_checkpoint_file, restore_rng_states)
+from mmpar import checkpoint as ckpt
+from mmpar.checkpoint.format import checkpoint_format, sharded_hook_names
+from mmpar.parallelize.compose import is_sharded
+from mmpar.runner import data_axis
+from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
 
@@ -47,9 +47,8 @@ class Runner(MMEngineRunner):
         if given.get('cfg') is not None:
             # The whole config, model_wrapper_cfg and `parallel` included.
             check_config(given['cfg'])
-        # 'full' or 'sharded' (mmpar/runner/sharded_checkpoint.py).
-        self.checkpoint_format = sharded_checkpoint.checkpoint_format(
-            given.get('cfg'))
+        # 'full' or 'sharded' (mmpar/checkpoint/format.py).
+        self.checkpoint_format = checkpoint_format(given.get('cfg'))
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -88,7 +87,7 @@ class Runner(MMEngineRunner):
                            model_wrapper_cfg)
 
     def _init_model_weights(self) -> None:
-        if sharded.is_sharded(self.model):
+        if is_sharded(self.model):
             return  # done in parallelize, before the parameters were sharded
         super()._init_model_weights()
 
@@ -140,7 +139,7 @@ class Runner(MMEngineRunner):
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
         if self.checkpoint_format == 'sharded':
             # Sharded checkpoints are directories: epoch_N, not epoch_N.pth.
-            default_hooks = sharded_checkpoint.sharded_hook_names(
+            default_hooks = sharded_hook_names(
                 default_hooks or
                 dict(checkpoint=dict(type='CheckpointHook', interval=1)))
         super().register_hooks(default_hooks, custom_hooks)
@@ -153,23 +152,25 @@ class Runner(MMEngineRunner):
                         revise_keys: list = [(r'^module.', '')]) -> dict:
         """Load a checkpoint into the model (``weights_only=True``).
 
-        Local files go through :func:`load_checkpoint_file` (clear errors on
+        Local files go through :func:`mmpar.checkpoint.load_checkpoint_file` (clear errors on
         missing or corrupt files); URLs and other schemes through MMEngine;
         a directory is a sharded checkpoint, loaded by every rank.
         """
-        if sharded_checkpoint.is_sharded_checkpoint(filename):
-            checkpoint = sharded_checkpoint.load_sharded(self, filename, strict)
+        if ckpt.is_sharded_checkpoint(filename):
+            checkpoint = ckpt.load_sharded(
+                self.model, self.optim_wrapper, filename, strict,
+                after_read=self._after_load_hooks)
             self._has_loaded = True
             self.logger.info(f'Load sharded checkpoint from {filename}')
             return checkpoint
         if '://' in filename:
             checkpoint = _load_checkpoint(filename, map_location=map_location)
         else:
-            checkpoint = load_checkpoint_file(filename, map_location)
-        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        if sharded.is_sharded(self.model):
-            sharded.load_full_model_state(self.model, checkpoint, strict,
-                                          revise_keys)
+            checkpoint = ckpt.load_checkpoint_file(filename, map_location)
+        self._after_load_hooks(checkpoint)
+        if is_sharded(self.model):
+            ckpt.load_full_model_state(self.model, checkpoint, strict,
+                                       revise_keys)
         else:
             model = self.model.module if is_model_wrapper(
                 self.model) else self.model
@@ -177,7 +178,7 @@ class Runner(MMEngineRunner):
                 model, checkpoint, strict, revise_keys=revise_keys)
         # Name-keyed (full) optimizer state, as sharded runs save it, becomes
         # this process's own form for MMEngine's resume.
-        sharded.localize_optim_state(self, checkpoint)
+        ckpt.localize_optim_state(self.model, self.optim_wrapper, checkpoint)
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
@@ -208,29 +209,38 @@ class Runner(MMEngineRunner):
         sync_buffers = getattr(self.model, 'sync_buffers', None)
         if sync_buffers is not None:
             sync_buffers()
+        extras = checkpoint_extras(self, meta, by_epoch, save_param_scheduler)
+        path = osp.join(out_dir, filename)
         if self.checkpoint_format == 'sharded':
-            sharded_checkpoint.save_sharded(
-                self, osp.join(out_dir, filename), meta, by_epoch,
-                save_optimizer, save_param_scheduler)
+            ckpt.save_sharded(self.model, self.optim_wrapper, path, extras,
+                              save_optimizer, self._before_save_hooks)
             return
-        checkpoint = collect_checkpoint(self, meta, by_epoch, save_optimizer,
-                                        save_param_scheduler)
+        checkpoint = ckpt.collect_checkpoint(self.model, self.optim_wrapper,
+                                             extras, save_optimizer)
         if is_main_process():
-            self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
-            atomic_save(checkpoint, osp.join(out_dir, filename))
+            self._before_save_hooks(checkpoint)
+            ckpt.atomic_save(checkpoint, path)
         barrier()
+
+    def _before_save_hooks(self, checkpoint: dict) -> None:
+        self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+
+    def _after_load_hooks(self, checkpoint: dict) -> None:
+        self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
 
     def resume(self, filename: str, *args, **kwargs) -> None:
         """MMEngine's resume, then every rank's saved RNG states (when the
         world size matches), so random draws continue where they stopped."""
         super().resume(filename, *args, **kwargs)
-        restore_rng_states(self, getattr(self, '_loaded_rng_states', None))
+        ckpt.restore_rng_states(
+            getattr(self, '_loaded_rng_states', None), self.rank,
+            self.world_size, self.logger.warning)
 
     def load_or_resume(self) -> None:
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
         checkpoint, not whatever ``last_checkpoint`` names."""
         if self._resume and self._load_from is None and not self._has_loaded:
-            latest = find_latest_complete_checkpoint(self.work_dir)
+            latest = ckpt.find_latest_complete_checkpoint(self.work_dir)
             if latest is None:
                 self.logger.info('No complete checkpoint in the work dir: '
                                  'training starts from scratch.')

@@ -1,0 +1,115 @@
+"""Checkpoints as plain data, loadable with ``torch.load(weights_only=True)``.
+
+torch >= 2.6 loads with ``weights_only=True`` by default, and MMEngine 0.10.7
+pickles its message hub's ``HistoryBuffer`` objects into every checkpoint, so
+its own ``resume``/``load_from`` fail. Allow-listing HistoryBuffer is no fix:
+it pickles bound methods, so ``builtins.getattr`` would have to be allowed too,
+which defeats the restricted unpickler. mmpar instead stores that state as
+plain lists and numbers and rebuilds the buffers after loading.
+"""
+import os
+import os.path as osp
+import pickle
+import zipfile
+from typing import Any, Union
+
+import numpy as np
+import torch
+from mmengine.logging import HistoryBuffer
+
+_BUFFER_TAG = '__history_buffer__'
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint file that cannot be read."""
+
+
+def to_plain(obj: Any) -> Any:
+    """Tensors, numbers, strings and containers of them; nothing else.
+
+    ``HistoryBuffer`` becomes a tagged dict, numpy arrays lists, numpy scalars
+    Python numbers.
+    """
+    if isinstance(obj, HistoryBuffer):
+        log, count = obj.data
+        return {
+            _BUFFER_TAG: True,
+            'log_history': np.asarray(log).tolist(),
+            'count_history': np.asarray(count).tolist(),
+            'max_length': int(obj.max_length),
+        }
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return type(obj)((k, to_plain(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_plain(v) for v in obj)
+    return obj
+
+
+def from_plain(obj: Any) -> Any:
+    """Undo :func:`to_plain` for ``HistoryBuffer`` entries."""
+    if isinstance(obj, dict):
+        if obj.get(_BUFFER_TAG):
+            return HistoryBuffer(obj['log_history'], obj['count_history'],
+                                 obj['max_length'])
+        return type(obj)((k, from_plain(v)) for k, v in obj.items())
+    return obj
+
+
+def load_checkpoint_file(filename: str,
+                         map_location: Union[str, torch.device,
+                                             None] = 'cpu') -> dict:
+    """``torch.load(filename, weights_only=True)`` with errors a person reads.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        CheckpointLoadError: the file is truncated, corrupt or holds objects
+            other than plain data; the message names the file and suggests
+            the previous checkpoint.
+    """
+    if not os.path.isfile(filename):
+        raise FileNotFoundError(f'checkpoint {filename!r} does not exist')
+    try:
+        return torch.load(
+            filename, map_location=map_location, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError,
+            zipfile.BadZipFile, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err) else ''
+        raise CheckpointLoadError(
+            f'cannot load checkpoint {filename!r}: it is truncated, corrupt '
+            f'or not a plain-data checkpoint ({type(err).__name__}: '
+            f'{first_line}). Resume from an earlier checkpoint in the same '
+            'directory instead.') from None
+
+
+def atomic_save(checkpoint: dict, path: str) -> None:
+    """Write ``checkpoint`` to ``path`` so that ``path`` is always complete.
+
+    The data go to a temporary file in the same directory, are flushed to
+    disk, and only then renamed over ``path`` (an atomic ``os.replace``). A
+    process killed mid-save leaves the earlier files untouched and at most a
+    ``*.tmp`` file that nothing loads.
+    """
+    tmp_path = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp_path, 'wb') as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp_path, path)
+    finally:
+        if osp.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def is_complete_file(path: str) -> bool:
+    """Whether ``path`` is a whole torch zip archive (a cheap check: a
+    truncated file has no readable central directory)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(n.endswith('data.pkl') for n in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False

@@ -1,0 +1,39 @@
+"""The ``checkpoint_format`` config value and what it changes in the hooks."""
+import copy
+from typing import Any, Optional
+
+from mmpar.config_check import CHECKPOINT_FORMATS
+
+FORMATS = CHECKPOINT_FORMATS
+
+
+def check_checkpoint_format(value: Any) -> str:
+    """The validated ``checkpoint_format`` config value.
+
+    Raises:
+        ValueError: not one of :data:`FORMATS`.
+    """
+    if value not in FORMATS:
+        raise ValueError(f'checkpoint_format={value!r} is not a checkpoint '
+                         f'format; allowed: {", ".join(map(repr, FORMATS))}')
+    return value
+
+
+def checkpoint_format(cfg) -> str:
+    """``cfg.checkpoint_format`` (default ``'full'``), validated."""
+    return check_checkpoint_format((cfg or {}).get('checkpoint_format',
+                                                   'full'))
+
+
+def sharded_hook_names(default_hooks: Optional[dict]) -> Optional[dict]:
+    """``default_hooks`` with CheckpointHook naming directories without
+    ``.pth`` (``epoch_{}`` / ``iter_{}``) unless the user chose a template.
+
+    Returns a copy; the user's config is not changed.
+    """
+    hooks = copy.deepcopy(default_hooks) if default_hooks else default_hooks
+    ckpt = (hooks or {}).get('checkpoint')
+    if isinstance(ckpt, dict) and ckpt.get('filename_tmpl') is None:
+        by_epoch = ckpt.get('by_epoch', True)
+        ckpt['filename_tmpl'] = 'epoch_{}' if by_epoch else 'iter_{}'
+    return hooks

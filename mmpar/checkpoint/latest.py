@@ -1,0 +1,42 @@
+"""Which checkpoint in a work directory to resume from."""
+import glob
+import os.path as osp
+from typing import Optional
+
+from mmpar.checkpoint.files import is_complete_file
+from mmpar.checkpoint.sharded import is_complete_sharded_checkpoint
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a whole torch zip archive (a cheap check: a
+    truncated file has no readable central directory), or a complete
+    sharded checkpoint directory."""
+    if osp.isdir(path):
+        return is_complete_sharded_checkpoint(path)
+    return is_complete_file(path)
+
+
+def find_latest_complete_checkpoint(work_dir: str) -> Optional[str]:
+    """The newest complete ``epoch_*.pth`` / ``iter_*.pth`` file or sharded
+    ``epoch_*`` / ``iter_*`` directory in ``work_dir``.
+
+    Unlike MMEngine's ``find_latest_checkpoint`` it does not trust the
+    ``last_checkpoint`` pointer alone: a pointer to a missing or truncated
+    file falls back to the newest complete checkpoint.
+    """
+    pointer = osp.join(work_dir, 'last_checkpoint')
+    if osp.isfile(pointer):
+        with open(pointer) as file:
+            pointed = file.read().strip()
+        if is_complete_checkpoint(pointed):
+            return pointed
+    # Temporary files and directories of unfinished saves end in '.tmp'.
+    candidates = [
+        path for pattern in ('epoch_*', 'iter_*')
+        for path in glob.glob(osp.join(work_dir, pattern))
+        if not path.endswith('.tmp')
+    ]
+    for path in sorted(candidates, key=osp.getmtime, reverse=True):
+        if is_complete_checkpoint(path):
+            return path
+    return None

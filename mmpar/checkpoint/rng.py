@@ -1,0 +1,59 @@
+"""Every rank's random-number generator states, saved and restored."""
+import random
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict:
+    """This process's random-number generator states (Python, NumPy, torch
+    and, once CUDA is in use, every CUDA device)."""
+    state = dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned (also after :func:`to_plain`
+    and a weights-only load, which turn NumPy's array into a list)."""
+    version, internal, gauss = state['python']
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state['numpy']
+    np.random.set_state(
+        (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def all_rng_states() -> list:
+    """Every rank's :func:`rng_state`, in rank order (a collective when
+    distributed: every rank must call it)."""
+    import torch.distributed as dist
+    local = rng_state()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, local)
+    return states
+
+
+def restore_rng_states(states: Optional[list], rank: int, world_size: int,
+                       warn: Callable[[str], None] = print) -> bool:
+    """Give rank ``rank`` its saved generator states; False (and one
+    ``warn`` call) when there are none or they come from another world size.
+    """
+    if not states:
+        return False
+    if len(states) != world_size:
+        warn(f'the checkpoint holds RNG states of {len(states)} ranks and '
+             f'this run has {world_size}: random number generators are not '
+             'restored')
+        return False
+    set_rng_state(states[rank])
+    return True
