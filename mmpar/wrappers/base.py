@@ -63,8 +63,9 @@ class StepMixin:
                     sync_strategy: str = 'single_auto_sync',
                     buffer_sync: Optional[str] = None) -> None:
         self.sync_strategy = check_sync_strategy(sync_strategy)
-        # mmpar/wrappers/buffers.py: wrappers that do not broadcast buffers
-        # every forward, as DDP does, pass 'broadcast' by default.
+        # mmpar/wrappers/buffers.py: every data-parallel wrapper passes
+        # 'broadcast' by default (DDP too: it broadcasts only before training
+        # forwards, so the last one leaves each rank its own statistics).
         self.buffer_sync = check_buffer_sync(buffer_sync)
         self._buffers_in_sync = True
 

@@ -1,12 +1,14 @@
 """Keep module buffers (BatchNorm running statistics) equal on data ranks.
 
-DDP broadcasts rank 0's buffers at every forward (``broadcast_buffers``).
-FSDP1, FSDP2 and the naive and bucketed wrappers do not, so each rank's
-running statistics drift towards its own shard of the data: in-training
-validation then differs from DDP's, a full checkpoint holds rank 0's buffers
-and a sharded one a mixture. These wrappers instead sync buffers over the
-data axis before the first evaluation step after training and before a
-checkpoint is built (``buffer_sync``):
+DDP broadcasts rank 0's buffers before every training forward
+(``broadcast_buffers``), so after the last one each rank holds its own
+update. FSDP1, FSDP2 and the naive and bucketed wrappers never broadcast, so
+each rank's running statistics drift towards its own shard of the data.
+Left alone, ranks evaluate with different statistics, a full checkpoint
+holds rank 0's buffers and a sharded one a mixture (DCP saves each replicated
+tensor from one rank, spread over the ranks). Every data-parallel wrapper
+therefore syncs buffers over the data axis before the first evaluation step
+after training and before a checkpoint is built (``buffer_sync``):
 
 - ``'broadcast'`` (default): data rank 0's buffers, DDP's result;
 - ``'average'``: the mean of floating-point buffers over data ranks (integer

@@ -27,6 +27,14 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
         process_group: the data-parallel group; None uses
             :func:`mmpar.parallel.default_dp_group` (the topology's dp group,
             or the default group when no topology is initialised).
+        buffer_sync: ``'broadcast'`` (default), ``'average'`` or None: how
+            buffers (BatchNorm statistics) are made equal before evaluation
+            and checkpoints (:mod:`mmpar.wrappers.buffers`). DDP broadcasts
+            rank 0's buffers *before* each training forward, so after the
+            last one every rank holds its own update; without a sync the
+            ranks evaluate with different statistics and a sharded
+            checkpoint (DCP spreads replicated tensors over ranks) holds a
+            mixture.
         **kwargs: any other ``DistributedDataParallel`` argument.
 
     Raises:
@@ -38,8 +46,9 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
                  sync_strategy: str = 'single_auto_sync',
                  device_ids: Optional[list] = None,
                  process_group: Optional[dist.ProcessGroup] = None,
+                 buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
-        self._init_steps(sync_strategy)
+        self._init_steps(sync_strategy, buffer_sync)
         if device_ids is None and uses_cuda():
             device_ids = [local_rank()]
         if process_group is None:
@@ -49,6 +58,10 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
             device_ids=device_ids,
             process_group=process_group,
             **kwargs)
+
+    @property
+    def data_group(self) -> Optional[dist.ProcessGroup]:
+        return self.process_group
 
     @property
     def eval_forward_module(self) -> nn.Module:

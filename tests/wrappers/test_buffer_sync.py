@@ -1,6 +1,7 @@
-"""BatchNorm buffers under the wrappers that do not broadcast them every
-forward (FSDP1, FSDP2, naive, bucketed): ``buffer_sync`` makes them equal
-over the data axis before evaluation and before checkpoints."""
+"""BatchNorm buffers under every data-parallel wrapper (DDP, FSDP1, FSDP2,
+naive, bucketed): ``buffer_sync`` makes them equal over the data axis before
+evaluation and before checkpoints. (DDP broadcasts rank 0's buffers before
+each training forward only, so after the last one the ranks differ too.)"""
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +11,8 @@ from mmpar.wrappers.builder import build_model_wrapper
 from tests.e2e import ROOT, load_ckpt
 from tests.toy import make_optim_wrapper
 
-WRAPPERS = ('MMFullyShardedDataParallel', 'MMFullyShard',
+WRAPPERS = ('MMDistributedDataParallel', 'MMFullyShardedDataParallel',
+            'MMFullyShard',
             'MMNaiveDataParallel', 'MMBucketDataParallel')
 
 
@@ -120,8 +122,9 @@ def _train_and_test(wrapper_type, checkpoint_format, work_dir):
     return val, test
 
 
-@pytest.mark.parametrize('wrapper_type',
-                         ['MMFullyShardedDataParallel', 'MMFullyShard'])
+@pytest.mark.parametrize(
+    'wrapper_type',
+    ['MMDistributedDataParallel', 'MMFullyShardedDataParallel', 'MMFullyShard'])
 def test_full_and_sharded_checkpoints_evaluate_alike(run_dist, tmp_path,
                                                      wrapper_type):
     full_val, full_test = run_dist(_train_and_test, wrapper_type, 'full',
@@ -134,6 +137,13 @@ def test_full_and_sharded_checkpoints_evaluate_alike(run_dist, tmp_path,
     assert full_val == sharded_val
     assert full_test == full_val
     assert sharded_test == full_val
+    from mmpar.runner.sharded_checkpoint import sharded_to_full
     full = load_ckpt(tmp_path / 'full' / 'epoch_1.pth')['state_dict']
+    sharded = sharded_to_full(str(tmp_path / 'sharded' / 'epoch_1'))
     running = [k for k in full if 'running' in k]
     assert running
+    # The same statistics in both formats: DCP spreads replicated tensors
+    # over the ranks, so unsynced buffers would come from different ranks.
+    for key in running:
+        torch.testing.assert_close(sharded['state_dict'][key], full[key],
+                                   rtol=0, atol=0, msg=key)
