@@ -112,3 +112,25 @@ def test_unused_parameters_pair_up_and_stay_none(run_dist):
 def test_naive_bucket_cap_validated_up_front():
     with pytest.raises(ValueError, match='bucket_cap_mb=0 .*allowed'):
         check_wrapper_cfg(dict(type='MMNaiveDataParallel', bucket_cap_mb=0))
+
+
+def _launched_during_backward(armed):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    reducer = ForcedSyncBuckets(model.parameters(), bucket_cap_mb=0.001)
+    if armed:
+        reducer.arm()
+    batch = shard_batch(make_batches(num_batches=1)[0], rank, world)
+    model(**batch, mode='loss')['loss'].backward()
+    started = sum(b.handle is not None for b in reducer.buckets)
+    reducer.finish()
+    return started, len(reducer.buckets)
+
+
+def test_buckets_start_during_the_armed_backward_only(run_dist):
+    for started, num_buckets in run_dist(_launched_during_backward, True):
+        # Every parameter got its gradient, so every bucket started before
+        # backward returned, none waiting for finish().
+        assert started == num_buckets == 3
+    for started, _ in run_dist(_launched_during_backward, False):
+        assert started == 0
