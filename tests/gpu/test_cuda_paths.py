@@ -1,8 +1,8 @@
 """The CUDA paths, end to end through the real tools (``pytest -m gpu``).
 
-Every test here is marked ``gpu`` and skipped when ``torch.cuda.is_available()``
-is False (tests/conftest.py), so the CPU suite collects them and skips them
-cleanly. ``bash tools/gpu_check.sh`` runs them and the CUDA benchmark smoke
+Every test here is marked ``gpu`` and skipped when
+``torch.cuda.is_available()`` is False (tests/conftest.py), so the CPU suite
+collects them and skips them cleanly. ``bash tools/gpu_check.sh`` runs them and the CUDA benchmark smoke
 run on a machine with a GPU. Each trains one epoch of the default example.
 """
 import pytest

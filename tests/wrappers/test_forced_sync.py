@@ -73,7 +73,8 @@ def _train(cfg, batches):
     optim_wrapper = make_optim_wrapper(wrapper.module, **OPTIM_KWARGS)
     for batch in batches:
         wrapper.train_step(shard_batch(batch, rank, world), optim_wrapper)
-    return {k: v.detach().clone() for k, v in wrapper.module.state_dict().items()}
+    state = wrapper.module.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 @pytest.mark.parametrize('kind', list(CFGS))
