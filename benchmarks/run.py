@@ -558,7 +558,7 @@ def _own_baseline_checks(same: dict) -> List[str]:
 NOTES = '''Reading the report:
 
 - `python benchmarks/run.py` regenerates this section and the chart (about
-  4-6 minutes here; `--quick` is a smoke run of a step or two each).
+  5-10 minutes here; `--quick` is a smoke run of a step or two each).
 - *vs hand-written DDP*: step time over that of a plain loop around the same
   module in torch DDP (forward, `loss.backward()`, clip, AdamW step).
   `MMDistributedDataParallel` runs the same C++ reducer; what it adds is
