@@ -65,6 +65,11 @@ OWN_BASELINE = {
     FSDP1_ROW: FSDP1_BASELINE,
     FSDP2_ROW: FSDP2_BASELINE,
 }
+# Further report sections run after this one by main(), each ``fn(args)``
+# (the parsed command line: --quick, --out, --device, --world-size) writing
+# its own ``## `` section of OUT/benchmarks.md with _common.write_section.
+# The tensor-, pipeline-parallel and LLM benchmarks append theirs here.
+SECTIONS: List[Callable[[argparse.Namespace], None]] = []
 FORCED_SYNC_GOAL = 1.10  # forced_sync step time / single_auto_sync's
 OWN_BASELINE_GOAL = 0.98  # a wrapper's speed / its hand-written loop's
 ACCUMULATION = 4  # k micro-batches per optimizer step when counting
@@ -683,6 +688,8 @@ def main():
         with open(args.json, 'w') as f:
             json.dump(dict(result, plan=plan), f, indent=1)
     print(report)
+    for section in SECTIONS:
+        section(args)
 
 
 if __name__ == '__main__':

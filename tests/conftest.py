@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason='needs CUDA (torch.cuda.is_available() '
                             'is False); run bash tools/gpu_check.sh on a GPU')
     for item in items:
-        if 'gpu' in item.keywords:
+        if item.get_closest_marker('gpu') is not None:
             item.add_marker(skip)
 
 
