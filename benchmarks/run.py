@@ -42,11 +42,52 @@ sys.path.insert(0, ROOT)
 from benchmarks._common import (counting_collectives,  # noqa: E402
                                 machine_description, median, slowest_rank,
                                 spawn, time_steps, utc_now, write_section)
+from benchmarks.baselines import BASELINES  # noqa: E402
 
 SECTION = '## Every strategy side by side'
 CHART = 'images/benchmarks.png'
 BASELINE = 'torch DDP, hand-written loop'
+FSDP1_BASELINE = 'torch FSDP1, hand-written loop'
+FSDP2_BASELINE = 'torch FSDP2, hand-written loop'
 DDP_ROW = 'MMDistributedDataParallel'
+FSDP1_ROW = 'MMFullyShardedDataParallel, FULL_SHARD'
+FSDP2_ROW = 'MMFullyShard, FULL_SHARD'
+DDP_FORCED_ROW = 'MMDistributedDataParallel, forced_sync'
+NAIVE_ROW = 'MMNaiveDataParallel'
+NAIVE_FORCED_ROW = 'MMNaiveDataParallel, forced_sync'
+# Each row's own baseline: the hand-written loop of its technique, or for
+# forced_sync the same wrapper with single_auto_sync. Rows added by other
+# sections (tensor, pipeline) may add theirs here.
+OWN_BASELINE = {
+    DDP_ROW: BASELINE,
+    DDP_FORCED_ROW: DDP_ROW,
+    NAIVE_FORCED_ROW: NAIVE_ROW,
+    FSDP1_ROW: FSDP1_BASELINE,
+    FSDP2_ROW: FSDP2_BASELINE,
+}
+# Further report sections run after this one by main(), each ``fn(args)``
+# (the parsed command line: --quick, --out, --device, --world-size) writing
+# its own ``## `` section of OUT/benchmarks.md with _common.write_section.
+# The tensor-, pipeline-parallel and LLM benchmarks append theirs here.
+SECTIONS: List[Callable[[argparse.Namespace], None]] = []
+
+
+def _tensor_parallel_section(args: argparse.Namespace) -> None:
+    # Tensor parallelism next to DDP/FSDP2 (2 and 4 ranks): its own file.
+    if args.world_size == 2 and args.device == 'cpu':
+        from benchmarks import bench_tensor_parallel
+        print(bench_tensor_parallel.write(args.quick, args.out))
+
+
+def _llm_section(args: argparse.Namespace) -> None:
+    if not args.skip_llm and args.device == 'cpu':
+        from benchmarks import bench_llm
+        print(bench_llm.run_cpu(args.quick, args.out, args.world_size))
+
+
+SECTIONS += [_tensor_parallel_section, _llm_section]
+FORCED_SYNC_GOAL = 1.10  # forced_sync step time / single_auto_sync's
+OWN_BASELINE_GOAL = 0.98  # a wrapper's speed / its hand-written loop's
 ACCUMULATION = 4  # k micro-batches per optimizer step when counting
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
 # Gradient all-reduce rounds per optimizer step that each strategy promises.
@@ -78,16 +119,21 @@ def load_plan(quick: bool, device: str = 'cpu') -> dict:
             dict(name=f'(b) wider, DigitsViT {dims.format(**wider)}',
                  cfg=wider, steps=wide_steps),
         ],
+        # A config with ``baseline`` names a hand-written loop
+        # (benchmarks/baselines.py); the others are mmpar wrapper configs.
         strategies={
-            BASELINE: None,
+            BASELINE: dict(baseline='ddp'),
             DDP_ROW: dict(type='MMDistributedDataParallel'),
-            'MMDistributedDataParallel, forced_sync': dict(
+            DDP_FORCED_ROW: dict(
                 type='MMDistributedDataParallel', sync_strategy='forced_sync'),
-            'MMNaiveDataParallel': dict(type='MMNaiveDataParallel'),
+            NAIVE_ROW: dict(type='MMNaiveDataParallel'),
+            NAIVE_FORCED_ROW: dict(
+                type='MMNaiveDataParallel', sync_strategy='forced_sync'),
             'MMBucketDataParallel': dict(type='MMBucketDataParallel'),
-            'MMFullyShardedDataParallel, FULL_SHARD':
-            fsdp1.model_wrapper_cfg.to_dict(),
-            'MMFullyShard, FULL_SHARD': fsdp2.model_wrapper_cfg.to_dict(),
+            FSDP1_BASELINE: dict(baseline='fsdp1'),
+            FSDP1_ROW: fsdp1.model_wrapper_cfg.to_dict(),
+            FSDP2_BASELINE: dict(baseline='fsdp2'),
+            FSDP2_ROW: fsdp2.model_wrapper_cfg.to_dict(),
         },
         optim_wrapper=cfg.optim_wrapper.to_dict(),
         batch_size=cfg.train_dataloader.batch_size,
@@ -161,30 +207,6 @@ def model_state_bytes(optimizer: torch.optim.Optimizer) -> Dict[str, int]:
     return {kind: sum(sizes.values()) for kind, sizes in seen.items()}
 
 
-class HandWrittenDDP:
-    """The baseline: torch DDP around the same module, a plain loop."""
-
-    def __init__(self, model, optim_cfg: dict, device):
-        from torch.nn.parallel import DistributedDataParallel
-        self.ddp = DistributedDataParallel(
-            model, device_ids=[device] if device.type == 'cuda' else None)
-        opt = dict(optim_cfg['optimizer'])
-        assert opt.pop('type') == 'AdamW', opt
-        self.optimizer = torch.optim.AdamW(model.parameters(), **opt)
-        self.max_norm = (optim_cfg.get('clip_grad') or {}).get('max_norm')
-        self.keep_grads = False
-
-    def step(self, batch: dict) -> None:
-        losses = self.ddp(batch['inputs'], batch['data_samples'], mode='loss')
-        losses['loss'].backward()
-        if self.max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.ddp.parameters(),
-                                           self.max_norm)
-        self.optimizer.step()
-        if not self.keep_grads:
-            self.optimizer.zero_grad()
-
-
 class MMStep:
     """An mmpar wrapper driven as MMEngine's train loop drives it."""
 
@@ -214,8 +236,8 @@ def build_step(model_cfg: dict, wrapper_cfg: Optional[dict], optim_cfg: dict,
     from mmengine.optim import build_optim_wrapper
     from mmpar.wrappers.builder import build_model_wrapper
     model = build_model(model_cfg, device)
-    if wrapper_cfg is None:
-        return HandWrittenDDP(model, optim_cfg, device)
+    if 'baseline' in wrapper_cfg:
+        return BASELINES[wrapper_cfg['baseline']](model, optim_cfg, device)
     wrapper = build_model_wrapper(wrapper_cfg, model)
     # After wrapping: FSDP2 replaces the parameters with sharded ones.
     return MMStep(wrapper, build_optim_wrapper(wrapper, copy.deepcopy(
@@ -262,7 +284,8 @@ def measure_model(spec: dict, plan: dict, rank: int, world_size: int,
     if plan['prewarm']:
         # Process-wide one-time costs (allocator pools, gloo buffers, lazy
         # initialisation) would otherwise all land on the first strategy.
-        warm = build_step(spec['cfg'], None, plan['optim_wrapper'], device)
+        warm = build_step(spec['cfg'], dict(baseline='ddp'),
+                          plan['optim_wrapper'], device)
         time_steps(cycling(warm.step, batches), plan['warmup'])
         del warm
     state = {}
@@ -328,7 +351,7 @@ def count_rounds(plan: dict, device) -> List[dict]:
     assert opt.pop('type') == 'AdamW', opt
     rows, seen = [], set()
     for wrapper_cfg in plan['strategies'].values():
-        if wrapper_cfg is None or wrapper_cfg['type'] in seen:
+        if 'baseline' in wrapper_cfg or wrapper_cfg['type'] in seen:
             continue
         seen.add(wrapper_cfg['type'])
         syncs = SYNC_STRATEGIES[:2] if 'Fully' in wrapper_cfg[
@@ -358,10 +381,20 @@ def count_rounds(plan: dict, device) -> List[dict]:
                         wrapper.train_step(batch, optim_wrapper)
             rows.append(dict(
                 wrapper=wrapper_cfg['type'], sync_strategy=sync,
-                calls=len(calls) / num_steps,
+                calls=len(calls) / num_steps, buckets=num_buckets(wrapper),
                 rounds=sum(b for _, b in calls) / num_steps / grad_bytes,
                 expected=EXPECTED_ROUNDS[sync]))
     return rows
+
+
+def num_buckets(wrapper) -> Optional[int]:
+    """Gradient buckets (one collective each) of a bucketing wrapper's
+    forced_sync or its backward; None where the wrapper has no buckets."""
+    forced = getattr(wrapper, '_forced_sync', None)
+    if forced is not None:
+        return len(forced.buckets)
+    buckets = getattr(wrapper, '_buckets', None)
+    return None if buckets is None else len(buckets)
 
 
 def measure(plan: dict) -> dict:
@@ -416,15 +449,28 @@ def add_ratios(rows: List[dict], world_size: int) -> None:
             t / b for t, b in zip(row['step_times'],
                                   same[BASELINE]['step_times'])
         ]
+        own = OWN_BASELINE.get(row['strategy'])
+        if own in same:
+            row['own_baseline'] = own
+            row['own_paired_ratios'] = [
+                t / b for t, b in zip(row['step_times'],
+                                      same[own]['step_times'])
+            ]
     for row in rows:
         row['samples_per_s'] = world_size * row['batch_size'] / row['step_s']
 
 
-def _paired(row: dict) -> str:
+def _paired(row: dict, key: str = 'paired_ratios') -> str:
     """Median step-paired ratio and its quartiles."""
-    low, mid, high = statistics.quantiles(row['paired_ratios'], n=4) if len(
-        row['paired_ratios']) > 1 else [row['paired_ratios'][0]] * 3
-    return f'{median(row["paired_ratios"]):.3f}x [{low:.2f}-{high:.2f}]'
+    low, mid, high = statistics.quantiles(row[key], n=4) if len(
+        row[key]) > 1 else [row[key][0]] * 3
+    return f'{median(row[key]):.3f}x [{low:.2f}-{high:.2f}]'
+
+
+def _own(row: dict) -> str:
+    if 'own_baseline' not in row:
+        return '-'
+    return f'{_paired(row, "own_paired_ratios")} vs {row["own_baseline"]}'
 
 
 def _mb(nbytes) -> str:
@@ -455,18 +501,19 @@ def format_report(result: dict, plan: dict, meta: dict) -> str:
         "between a strategy's step i and the baseline's step i, a turn "
         'apart.', '',
         '| model | strategy | median step (ms) | samples/s | vs hand-written '
-        'DDP | step-paired [quartiles] | model state / rank (MB) | vs DDP | '
+        'DDP | step-paired [quartiles] | vs own baseline, step-paired '
+        '[quartiles] | model state / rank (MB) | vs DDP | '
         'peak RSS rise / rank (MB)'
         + (' | peak CUDA / rank (MB)' if cuda else '') + ' |',
-        '|---|---|---:|---:|---:|---:|---:|---:|---:|'
+        '|---|---|---:|---:|---:|---:|---|---:|---:|---:|'
         + ('---:|' if cuda else ''),
     ]
     for row in rows:
         lines.append(
             f'| {row["model"]} | {row["strategy"]} | {row["step_s"] * 1e3:.1f}'
             f' | {row["samples_per_s"]:.0f} | {row["vs_baseline"]:.3f}x | '
-            f'{_paired(row)} | {_mb(row["state_bytes"])} | {row["vs_ddp_state"]:.2f}x | '
-            f'{_mb(row["peak_rss"])} |'
+            f'{_paired(row)} | {_own(row)} | {_mb(row["state_bytes"])} | '
+            f'{row["vs_ddp_state"]:.2f}x | {_mb(row["peak_rss"])} |'
             + (f' {_mb(row["peak_cuda"])} |' if cuda else ''))
     lines += ['', '**Checks against the targets**', '']
     for model in dict.fromkeys(r['model'] for r in rows):
@@ -487,6 +534,7 @@ def format_report(result: dict, plan: dict, meta: dict) -> str:
                 'met' if all(r['vs_ddp_state'] <= fsdp_limit
                              for name, r in same.items() if 'Fully' in name)
                 else 'NOT met') + ').')
+        lines += _own_baseline_checks(same)
     lines.append(
         f'- Peak RSS of any rank over the whole run: '
         f'{_mb(result["max_rss"])} MB.')
@@ -495,21 +543,43 @@ def format_report(result: dict, plan: dict, meta: dict) -> str:
         f'micro-batches** ({plan["models"][0]["name"]}; clipping off, so '
         'only gradient sync is counted; a round is one reduction of every '
         'gradient byte, measured as bytes reduced / gradient bytes)', '',
-        '| wrapper | sync strategy | collective calls / step | gradient '
-        'rounds / step | expected rounds |',
-        '|---|---|---:|---:|---:|',
+        '| wrapper | sync strategy | collective calls / step | buckets | '
+        'gradient rounds / step | expected rounds |',
+        '|---|---|---:|---:|---:|---:|',
     ]
     for c in counts:
+        buckets = '-' if c['buckets'] is None else c['buckets']
         lines.append(f'| {c["wrapper"]} | {c["sync_strategy"]} | '
-                     f'{c["calls"]:g} | {c["rounds"]:.2f} | {c["expected"]} |')
+                     f'{c["calls"]:g} | {buckets} | {c["rounds"]:.2f} | '
+                     f'{c["expected"]} |')
     lines += ['', NOTES.format(k=ACCUMULATION, n=n)]
     return '\n'.join(lines)
+
+
+def _own_baseline_checks(same: dict) -> List[str]:
+    """One line per row with an own baseline: its step-paired ratio against
+    the goal (forced_sync <= 1.10x single_auto_sync; a wrapper >= 0.98 of
+    its hand-written loop's speed, i.e. <= 1/0.98 of its step time)."""
+    lines = []
+    for name, row in same.items():
+        if 'own_baseline' not in row:
+            continue
+        ratio = median(row['own_paired_ratios'])
+        forced = name.endswith('forced_sync')
+        limit = FORCED_SYNC_GOAL if forced else 1 / OWN_BASELINE_GOAL
+        goal = (f'goal <= {FORCED_SYNC_GOAL:.2f}x' if forced else
+                f'goal >= {OWN_BASELINE_GOAL} of its speed, i.e. <= '
+                f'{limit:.3f}x')
+        lines.append(
+            f'  - {name} vs {row["own_baseline"]}: {ratio:.3f}x step-paired '
+            f'({goal}: {"met" if ratio <= limit else "NOT met"}).')
+    return lines
 
 
 NOTES = '''Reading the report:
 
 - `python benchmarks/run.py` regenerates this section and the chart (about
-  4-6 minutes here; `--quick` is a smoke run of a step or two each).
+  5-10 minutes here; `--quick` is a smoke run of a step or two each).
 - *vs hand-written DDP*: step time over that of a plain loop around the same
   module in torch DDP (forward, `loss.backward()`, clip, AdamW step).
   `MMDistributedDataParallel` runs the same C++ reducer; what it adds is
@@ -536,8 +606,16 @@ NOTES = '''Reading the report:
   again in backward and reduce-scatters gradients per unit: on gloo over
   2 cores these latency-bound collectives cost more than the compute they
   save. FSDP pays off when model state, not latency, is the limit.
-- *forced_sync* skips DDP's overlap and all-reduces every gradient after
-  backward, one call per parameter: still one round, more calls.
+- *vs own baseline*: a row against the loop it should match: the FSDP
+  wrappers against hand-written torch FSDP1 (`FullyShardedDataParallel`,
+  one unit per `TransformerBlock`) and FSDP2 (`fully_shard` per block, then
+  the root) loops (benchmarks/baselines.py), `MMDistributedDataParallel`
+  against hand-written DDP, and each `forced_sync` row against the same
+  wrapper with `single_auto_sync`.
+- *forced_sync* averages all gradients once, after the last micro-batch's
+  backward, in flattened buckets of `bucket_cap_mb` (25 MiB, DDP's size):
+  one all-reduce per bucket (the *buckets* column), started during that
+  backward as soon as a bucket's gradients are final.
 - Collectives: `single_auto_sync` reduces once per optimizer step,
   `multi_auto_sync` on each of the {k} micro-batches, `forced_sync` once
   after the last. FSDP reduce-scatters (forced_sync is not supported).'''
@@ -629,13 +707,9 @@ def main():
         with open(args.json, 'w') as f:
             json.dump(dict(result, plan=plan), f, indent=1)
     print(report)
-    if args.world_size == 2 and device == 'cpu':
-        # Tensor parallelism next to DDP/FSDP2 (2 and 4 ranks): its own file.
-        from benchmarks import bench_tensor_parallel
-        print(bench_tensor_parallel.write(args.quick, args.out))
-    if not args.skip_llm and device == 'cpu':
-        from benchmarks import bench_llm
-        print(bench_llm.run_cpu(args.quick, args.out, args.world_size))
+    args.device = device  # 'auto' resolved, for the sections
+    for section in SECTIONS:
+        section(args)
 
 
 if __name__ == '__main__':

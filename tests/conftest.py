@@ -1,9 +1,21 @@
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.dist_harness import DistPool
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu``-marked tests cleanly on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason='needs CUDA (torch.cuda.is_available() '
+                            'is False); run bash tools/gpu_check.sh on a GPU')
+    for item in items:
+        if item.get_closest_marker('gpu') is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

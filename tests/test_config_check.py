@@ -43,8 +43,9 @@ CASES = {
                                   grad_dtype='fp12')
     }, ["grad_dtype='fp12'", 'float32, float64, bfloat16']),
     'DDP-only key on naive DP': ({
-        'model_wrapper_cfg': dict(type='MMNaiveDataParallel', bucket_cap_mb=25)
-    }, ['model_wrapper_cfg.bucket_cap_mb=25',
+        'model_wrapper_cfg': dict(type='MMNaiveDataParallel',
+                                  find_unused_parameters=True)
+    }, ['model_wrapper_cfg.find_unused_parameters=True',
         'MMNaiveDataParallel takes no argument', 'sync_strategy']),
     'unknown parallel key': ({
         'parallel': dict(mp=2)

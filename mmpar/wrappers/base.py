@@ -9,14 +9,13 @@ import contextlib
 from typing import Any, ContextManager, Dict, Optional, Union
 
 import torch
-import torch.distributed as dist
 from mmengine.optim import OptimWrapper
 from torch import nn
 
 from mmpar.parallel.topology import default_dp_group
 from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
-from mmpar.parallelize.tensor import local_grad
 from mmpar.wrappers.buffers import check_buffer_sync, sync_buffers
+from mmpar.wrappers.forced_sync import DEFAULT_BUCKET_CAP_MB, ForcedSyncBuckets
 
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
 
@@ -58,6 +57,9 @@ class StepMixin:
     # gradient norms the global-norm clip must also combine (FSDP1's shard
     # group, the pipeline axis).
     clip_extra_groups: tuple = ()
+    # forced_sync's buckets; built by _init_forced_sync (which also lets them
+    # start during the last backward) or on first use.
+    _forced_sync: Optional[ForcedSyncBuckets] = None
 
     def _init_steps(self,
                     sync_strategy: str = 'single_auto_sync',
@@ -83,6 +85,18 @@ class StepMixin:
         """The data axis' group (None: the whole world)."""
         return default_dp_group()
 
+    def _init_forced_sync(
+            self, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+        """Build forced_sync's buckets now, so they overlap the last backward.
+
+        Call once the module and ``process_group`` are set; a no-op for the
+        other sync strategies.
+        """
+        if self.sync_strategy == 'forced_sync':
+            self._forced_sync = ForcedSyncBuckets(
+                self.module.parameters(),
+                getattr(self, 'process_group', None), bucket_cap_mb)
+
     # -- hooks a wrapper may override -------------------------------------
     @property
     def eval_forward_module(self) -> nn.Module:
@@ -98,17 +112,15 @@ class StepMixin:
     def all_reduce_grads(self) -> None:
         """Average every gradient over the data-parallel group (forced sync).
 
-        Wrappers whose gradients are sharded override this.
+        In flattened buckets, one asynchronous all-reduce each
+        (:class:`~mmpar.wrappers.forced_sync.ForcedSyncBuckets`). Wrappers
+        whose gradients are sharded or already bucketed override this.
         """
-        group = getattr(self, 'process_group', None)
-        world_size = dist.get_world_size(group)
-        grads = [
-            local_grad(p) for p in self.module.parameters()
-            if p.grad is not None
-        ]
-        for grad in grads:
-            dist.all_reduce(grad, group=group)
-            grad.div_(world_size)
+        if self._forced_sync is None:
+            self._forced_sync = ForcedSyncBuckets(
+                self.module.parameters(),
+                getattr(self, 'process_group', None))
+        self._forced_sync.finish()
 
     # -- the steps ----------------------------------------------------------
     def grad_sync_context(self,
@@ -162,6 +174,10 @@ class StepMixin:
     def _update_after_forced_sync(self, optim_wrapper: OptimWrapper,
                                   loss: torch.Tensor) -> None:
         # ``update_params`` with an all-reduce between backward and step.
+        # should_sync() is True before the last micro-batch's backward: only
+        # then may buckets start as their gradients complete.
+        if self._forced_sync is not None and optim_wrapper.should_sync():
+            self._forced_sync.arm()
         optim_wrapper.backward(optim_wrapper.scale_loss(loss))
         if optim_wrapper.should_update():
             self.all_reduce_grads()

@@ -20,7 +20,7 @@ Gradient life cycle, per parameter:
   still waiting (their unused parameters contribute zeros), wait, divide by
   the group size and write ``.grad`` back in the parameter's dtype.
 """
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ from torch.autograd import Variable
 
 from mmpar.parallelize.tensor import like_param, local_grad, local_tensor
 from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers.bucketing import (assign_buckets,  # noqa: F401
+                                      check_bucket_cap_mb)
 from mmpar.wrappers.dp_base import PythonDataParallel
 
 GRAD_DTYPES: Dict[str, torch.dtype] = {
@@ -51,42 +53,6 @@ def check_grad_dtype(grad_dtype: Union[str, torch.dtype]) -> torch.dtype:
         return grad_dtype
     raise ValueError(f'grad_dtype={grad_dtype!r} is not supported; allowed: '
                      f'{", ".join(GRAD_DTYPES)} (as names or torch dtypes)')
-
-
-def check_bucket_cap_mb(bucket_cap_mb) -> float:
-    """Return ``bucket_cap_mb`` if it is a number > 0.
-
-    Raises:
-        ValueError: naming the bad value.
-    """
-    if (isinstance(bucket_cap_mb, bool)
-            or not isinstance(bucket_cap_mb, (int, float))
-            or not bucket_cap_mb > 0):
-        raise ValueError(f'bucket_cap_mb={bucket_cap_mb!r} is not supported; '
-                         'allowed: a number of MiB > 0')
-    return float(bucket_cap_mb)
-
-
-def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: float,
-                   itemsize: int) -> List[List[int]]:
-    """Group parameter indices into buckets of at most ``cap_bytes``.
-
-    Buckets are filled in reverse order of ``params`` (registration order),
-    which is roughly the order backward produces gradients, so the first
-    bucket fills and launches first. A parameter larger than the cap gets a
-    bucket of its own.
-    """
-    buckets, current, size = [], [], 0
-    for index in reversed(range(len(params))):
-        nbytes = params[index].numel() * itemsize
-        if current and size + nbytes > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(index)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class _Bucket:

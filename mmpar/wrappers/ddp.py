@@ -20,8 +20,9 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
         sync_strategy: gradient sync under gradient accumulation:
             ``'single_auto_sync'`` (sync on the last micro-batch only),
             ``'multi_auto_sync'`` (every micro-batch) or ``'forced_sync'``
-            (no automatic sync; all-reduce and average after the last
-            micro-batch's backward).
+            (no automatic sync; average after the last micro-batch's
+            backward, in flattened buckets of ``bucket_cap_mb`` that start
+            their all-reduce while that backward still runs).
         device_ids: as DDP's; None picks ``[LOCAL_RANK]`` on CUDA and nothing
             on CPU (DDP rejects device ids for CPU modules).
         process_group: the data-parallel group; None uses
@@ -58,6 +59,9 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
             device_ids=device_ids,
             process_group=process_group,
             **kwargs)
+        # forced_sync buckets as big as DDP's own (bucket_cap_mb, 25 MiB by
+        # default).
+        self._init_forced_sync(self.bucket_bytes_cap / 2**20)
 
     @property
     def data_group(self) -> Optional[dist.ProcessGroup]:

@@ -1,7 +1,9 @@
 """``MMNaiveDataParallel``: one blocking all-reduce per gradient.
 
 The simplest correct data parallelism, for reading and as a benchmark
-baseline: no buckets, no overlap. Use :class:`MMBucketDataParallel` or
+baseline: no buckets, no overlap (except under ``forced_sync``, whose one
+averaging per step runs in buckets, see :mod:`mmpar.wrappers.forced_sync`).
+Use :class:`MMBucketDataParallel` or
 ``MMDistributedDataParallel`` to train.
 """
 from typing import Optional
@@ -12,7 +14,9 @@ from torch import nn
 
 from mmpar.parallelize.tensor import local_grad
 from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers.bucketing import check_bucket_cap_mb
 from mmpar.wrappers.dp_base import PythonDataParallel
+from mmpar.wrappers.forced_sync import DEFAULT_BUCKET_CAP_MB
 
 
 @MODEL_WRAPPERS.register_module()
@@ -29,23 +33,50 @@ class MMNaiveDataParallel(PythonDataParallel):
         process_group: the data-parallel group; None uses the default group.
         sync_strategy: ``'single_auto_sync'`` (sync on the last micro-batch
             of an accumulation only), ``'multi_auto_sync'`` (every
-            micro-batch) or ``'forced_sync'`` (all-reduce all gradients once,
-            after the last micro-batch's backward).
+            micro-batch) or ``'forced_sync'`` (average all gradients once,
+            after the last micro-batch's backward, in flattened buckets).
+        buffer_sync: ``'broadcast'`` (default), ``'average'`` or None: how
+            buffers are made equal before evaluation and checkpoints
+            (:mod:`mmpar.wrappers.buffers`).
+        bucket_cap_mb: the most MiB of gradients in one ``forced_sync``
+            bucket (one all-reduce); > 0. Unused by the other strategies.
 
     Raises:
-        ValueError: an unknown ``sync_strategy``.
+        ValueError: an unknown ``sync_strategy`` or a bad ``bucket_cap_mb``.
     """
 
     def __init__(self,
                  module: nn.Module,
                  process_group: Optional[dist.ProcessGroup] = None,
                  sync_strategy: str = 'single_auto_sync',
-                 buffer_sync: Optional[str] = 'broadcast') -> None:
+                 buffer_sync: Optional[str] = 'broadcast',
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
+        # Validate before the constructor's collectives (a bad argument must
+        # not leave the other ranks waiting in a broadcast).
+        bucket_cap_mb = self.check_cfg(
+            dict(bucket_cap_mb=bucket_cap_mb))['bucket_cap_mb']
         super().__init__(module, process_group, sync_strategy, buffer_sync)
+        self._init_forced_sync(bucket_cap_mb)
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(self._average_grad)
             for param in module.parameters() if param.requires_grad
         ]
+
+    @classmethod
+    def check_cfg(cls, kwargs: dict) -> dict:
+        """Validate wrapper arguments up front (used by the builder).
+
+        Returns:
+            A copy of ``kwargs`` with ``bucket_cap_mb`` as a float.
+
+        Raises:
+            ValueError: a bad ``bucket_cap_mb``, naming the allowed values.
+        """
+        kwargs = dict(kwargs)
+        if 'bucket_cap_mb' in kwargs:
+            kwargs['bucket_cap_mb'] = check_bucket_cap_mb(
+                kwargs['bucket_cap_mb'])
+        return kwargs
 
     def _average_grad(self, param: torch.Tensor) -> None:
         # This hook receives the *parameter*, not its gradient. Reducing
