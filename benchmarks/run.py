@@ -626,6 +626,10 @@ def main():
         with open(args.json, 'w') as f:
             json.dump(dict(result, plan=plan), f, indent=1)
     print(report)
+    if args.world_size == 2 and device == 'cpu':
+        # Tensor parallelism next to DDP/FSDP2 (2 and 4 ranks): its own file.
+        from benchmarks import bench_tensor_parallel
+        print(bench_tensor_parallel.write(args.quick, args.out))
 
 
 if __name__ == '__main__':

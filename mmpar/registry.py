@@ -75,3 +75,44 @@ FUNCTIONS = Registry('function', parent=MMENGINE_FUNCTIONS, scope=SCOPE)
 # name keeps configs plain data (no ``functools.partial`` in a config file).
 FSDP_WRAP_POLICIES = Registry(
     'fsdp wrap policy', scope=SCOPE, locations=['mmpar.wrappers.policies'])
+
+# Named tensor-parallel plans: callables ``plan(model, tp_mesh, **kwargs)``
+# that split ``model`` in place (mmpar/parallelize/tensor.py). Model presets
+# register next to their model.
+TP_PLANS = Registry(
+    'tensor-parallel plan',
+    scope=SCOPE,
+    locations=[
+        'mmpar.parallelize.tensor', 'mmpar.parallelize.hf_plan', 'mmpar.models'
+    ])
+
+
+def registered_names(registry: Registry) -> list:
+    """The names ``registry`` holds, after importing its locations."""
+    registry.import_from_location()
+    return sorted(registry.module_dict)
+
+
+def lookup_callable(registry: Registry, name: str, key: str):
+    """The callable registered in ``registry`` as ``name``.
+
+    Args:
+        registry: one of mmpar's registries of functions.
+        name: the registered name.
+        key: the config key, for error messages.
+
+    Raises:
+        ValueError: an unknown name; the message lists the registered ones.
+        TypeError: an entry that is not callable.
+    """
+    from mmengine.registry import DefaultScope
+    with DefaultScope.overwrite_default_scope(SCOPE):
+        entry = registry.get(name)
+    if entry is None:
+        raise ValueError(
+            f'{key}={name!r} is not a registered {registry.name}; '
+            f'registered: {", ".join(registered_names(registry))}')
+    if not callable(entry):
+        raise TypeError(f'{key}={name!r} is registered as {entry!r}, which '
+                        'is not callable')
+    return entry

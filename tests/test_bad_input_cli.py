@@ -18,7 +18,7 @@ CASES = {
     # gloo; tests/runner/test_plain_configs.py.)
     'tp and model_parallelism disagree': (
         ['parallel.tp=2', 'parallel.model_parallelism=4',
-         'parallel.tp_plan=colwise'],
+         'parallel.tp_plan=digits_vit'],
         ['parallel.tp=2 and parallel.model_parallelism=4 disagree']),
     'unknown wrapper': (['model_wrapper_cfg.type=MMNope'],
                         ["model_wrapper_cfg.type='MMNope'",

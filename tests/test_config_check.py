@@ -52,7 +52,7 @@ CASES = {
         'parallel': dict(model_parallelism='2')
     }, ["parallel.model_parallelism='2'", 'an int >= 1']),
     'tp and its seed name disagree': ({
-        'parallel': dict(tp=2, model_parallelism=4, tp_plan='colwise')
+        'parallel': dict(tp=2, model_parallelism=4, tp_plan='digits_vit')
     }, ['parallel.tp=2', 'parallel.model_parallelism=4', 'disagree']),
     'two axes set to -1': ({
         'parallel': dict(dp_shard=-1, dp_replicate=-1)

@@ -42,8 +42,13 @@ def _train_briefly(config: str, work_dir: str):
 def test_config_trains_on_two_ranks(run_dist, config, tmp_path):
     results = run_dist(_train_briefly, config, str(tmp_path))
     from mmengine.config import Config
-    named = (Config.fromfile(str(ROOT / config)).get('model_wrapper_cfg')
+    cfg = Config.fromfile(str(ROOT / config))
+    named = (cfg.get('model_wrapper_cfg')
              or {}).get('type', 'MMDistributedDataParallel')
+    if (cfg.get('parallel') or {}).get('tp', 1) > 1:
+        # DDP replicates a tensor-parallel model as MMTensorParallelDDP.
+        from mmpar.parallelize.tensor import data_parallel_cfg_for_tp
+        named = data_parallel_cfg_for_tp(dict(type=named), 2)['type']
     assert [r['world_size'] for r in results] == [2, 2]
     assert [r['wrapper'] for r in results] == [named, named]
     # Every rank evaluated the same model on the same split.

@@ -374,21 +374,30 @@ def plan_of(name, world_size, rank=0, **options):
 def test_plan_ddp_groups_and_memory():
     from mmpar.analysis.plan_report import format_plan
     # mp/pp > 1 now need a tp_plan / pipeline split (issue 11); the plan
-    # shows the layout and says they are not applied. The report names the
-    # axes (tp, not mp) and DDP's reduction axis is read from the wrapper.
+    # applies the tp_plan (issue 16) and says the pipeline is not applied.
+    # The report names the axes (tp, not mp) and DDP's reduction axis is
+    # read from the wrapper.
     plan = plan_of('plan_ddp.py', 8, rank=1,
                    **{'parallel.model_parallelism': 2,
                       'parallel.pipeline_parallelism': 2,
-                      'parallel.tp_plan': 'colwise',
+                      'parallel.tp_plan': dict(
+                          type='module_plan',
+                          plan={'blocks.*.mlp.0': 'colwise',
+                                'blocks.*.mlp.2': 'rowwise'}),
                       'parallel.pipeline': dict(num_stages=2)})
     text = format_plan(plan)
     assert 'pp groups: [0, 2] [1, 3] [4, 6] [5, 7]' in text
     assert 'rank 1: tp [0, 1], pp [1, 3], dp_shard [1, 5], ' \
         'dp_replicate [1], dp [1, 5]' in text
-    assert plan.wrapper_type == 'MMDistributedDataParallel'
+    # DDP replicates the tensor-parallel model as MMTensorParallelDDP
+    # (issue 16), which holds this rank's tp shards.
+    assert plan.wrapper_type == 'MMTensorParallelDDP'
     assert plan.axes == {'reduce': ('dp', [1, 5])}
     assert 'all-reduces gradients over the dp axis: [1, 5]' in text
-    numel = plan.param_numel
+    from tests.data.plan_model import PlanToyNet
+    split = sum(b.mlp[0].weight.numel() + b.mlp[0].bias.numel() +
+                b.mlp[2].weight.numel() for b in PlanToyNet().blocks)
+    numel = plan.param_numel - split // 2
     assert plan.memory == [('params', numel, 4 * numel),
                            ('grads', numel, 4 * numel),
                            ('optimizer state (SGD: 1 x params)', numel,

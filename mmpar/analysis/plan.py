@@ -154,14 +154,21 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
 def plan_tensor_parallel(plan: Plan, model: nn.Module,
                          topology: ParallelTopology,
                          parallel: ParallelConfig) -> nn.Module:
-    """TP rows. Extension point: the tensor-parallel issue applies its plan
-    here (as :mod:`mmpar.parallelize.compose` does) and the per-rank counts
-    below then follow from the split parameters."""
-    if topology.dims.tp_enabled:
-        plan.notes.append(
-            f'tp={topology.dims.tp} (tp_plan={parallel.tp_plan!r}): tensor '
-            'parallelism is not applied by this version (training refuses '
-            'it): counts are for the unsplit model')
+    """Apply the TP plan as :mod:`mmpar.parallelize.compose` does, on the
+    fake group: the per-rank counts then follow from the split parameters."""
+    from mmpar.parallelize.tensor import apply_tp, local_tensor
+    if not topology.dims.tp_enabled:
+        return model
+    try:
+        apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
+    except (TypeError, ValueError) as err:
+        raise PlanError(str(err)) from err
+    split = [p for p in model.parameters() if local_tensor(p) is not p]
+    plan.notes.append(
+        f'tp={topology.dims.tp}: {len(split)} parameters split by '
+        f'tp_plan={parallel.tp_plan!r} (this rank holds '
+        f'{sum(local_tensor(p).numel() for p in split)} of '
+        f'{sum(p.numel() for p in split)} of their elements)')
     return model
 
 
@@ -233,7 +240,14 @@ def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module):
 def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                    explicit) -> Plan:
     from mmpar.parallelize.compose import wrapper_shards
+    from mmpar.parallelize.tensor import (TP_DDP_WRAPPER,
+                                          data_parallel_cfg_for_tp,
+                                          local_tensor)
     from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
+    if topology.dims.tp_enabled:
+        # The wrapper compose builds around a TP model (DDP replicates it as
+        # MMTensorParallelDDP).
+        wrapper_cfg = data_parallel_cfg_for_tp(wrapper_cfg, topology.dims.tp)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     elem = params[0].element_size() if params else 4
@@ -264,18 +278,25 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
     # compose's order: TP, PP, then the data-parallel wrapper.
     model = plan_tensor_parallel(plan, model, topology, parallel)
     model = plan_pipeline(plan, model, topology, parallel)
-    sharded = wrapper_shards(wrapper_cfg)
+    # FSDP units: MMTensorParallelDDP gathers checkpoints like FSDP
+    # (wrapper_shards) but replicates over the data axis.
+    sharded = wrapper_shards(wrapper_cfg) and \
+        wrapper_cfg.get('type') != TP_DDP_WRAPPER
     if sharded:
         # Before the wrapper: its errors then name the config key.
         key = next((k for k in POLICY_KEYS if k in kwargs), POLICY_KEYS[0])
         policy, plan.policy = resolve_policy(kwargs.get(key), model, key)
         units_model = copy.deepcopy(model)  # the wrapper shards in place
-    plan.axes = wrapper_axes(_build_wrapper(plan, wrapper_cfg, model),
-                             topology)
+    built = _build_wrapper(plan, wrapper_cfg, model)
+    plan.axes = wrapper_axes(built, topology)
     if sharded:
         _plan_fsdp(plan, units_model, policy, key, kwargs)
     per_rank = sum(u.numel_per_rank for u in plan.units) if sharded \
         else numel
+    if topology.dims.tp_enabled:
+        # Split (and, under FSDP2, sharded) DTensors: the real local shards.
+        per_rank = sum(local_tensor(p).numel() for p in built.parameters()
+                       if p.requires_grad)
     factor, opt_name = optimizer_state_factor(cfg)
     plan.memory = [('params', per_rank, per_rank * elem),
                    ('grads', per_rank, per_rank * elem)]

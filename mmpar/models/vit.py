@@ -2,6 +2,12 @@
 
 Patch embedding, a stack of :class:`TransformerBlock` and a linear head. Each
 block is a natural FSDP unit (``module_class`` wrap policy).
+
+Tensor parallelism (``parallel.tp_plan='digits_vit'``) splits the MLPs only,
+Megatron-style (first Linear by columns, second by rows: one all-reduce per
+MLP and pass). ``nn.MultiheadAttention`` reads its projection weights
+directly and reshapes by its fixed head count, so it cannot be split; the
+attention stays replicated on every tp rank.
 """
 from typing import Dict, List, Optional, Union
 
@@ -10,7 +16,11 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 from torch import nn
 
-from mmpar.registry import MODELS
+from mmpar.parallelize.tensor import module_plan
+from mmpar.registry import MODELS, TP_PLANS
+
+# Module-name patterns -> tensor-parallel styles (the ``module_plan`` form).
+TP_PLAN = {'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.3': 'rowwise'}
 
 
 class TransformerBlock(nn.Module):
@@ -110,3 +120,9 @@ class DigitsViT(BaseModel):
             ]
         raise ValueError(f'mode={mode!r} is not supported; allowed: tensor, '
                          'loss, predict')
+
+
+@TP_PLANS.register_module(name='digits_vit')
+def digits_vit_tp_plan(model: nn.Module, tp_mesh) -> None:
+    """Split :class:`DigitsViT`'s MLPs over ``tp_mesh`` (:data:`TP_PLAN`)."""
+    module_plan(model, tp_mesh, TP_PLAN)

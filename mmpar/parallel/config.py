@@ -91,6 +91,10 @@ class ParallelConfig:
                                        if key in AXIS_KEYS else '')
             raise ValueError(f'parallel.{key}={value!r} is not allowed; '
                              f'allowed: {allowed}')
+        if self.tp_plan is not None:
+            # The plan's own checks live with the technique.
+            from mmpar.parallelize.tensor import check_tp_plan
+            check_tp_plan(self.tp_plan)
         if self.pipeline is not None and not isinstance(self.pipeline,
                                                         Mapping):
             raise ValueError(f'parallel.pipeline={self.pipeline!r} is not '
@@ -128,12 +132,17 @@ class ParallelConfig:
             ParallelismError: as :func:`mmpar.parallel.dims.resolve_dims`.
         """
         wrapper = dict(model_wrapper_cfg or {})
-        if model_wrapper_cfg is None and self.use_fsdp:
-            wrapper = dict(sharding_strategy=self.sharding_strategy)
-        return resolve_dims(
+        if model_wrapper_cfg is None:
+            wrapper = default_wrapper_cfg(self)
+        dims = resolve_dims(
             self, world_size,
             hybrid=is_hybrid_strategy(wrapper.get('sharding_strategy')),
             hybrid_shard_size=wrapper.get('hybrid_shard_size'))
+        if dims.tp_enabled:
+            # The wrapper must compose with TP (FSDP1 does not).
+            from mmpar.parallelize.tensor import data_parallel_cfg_for_tp
+            data_parallel_cfg_for_tp(wrapper, dims.tp)
+        return dims
 
     def check_wrapper(self, model_wrapper_cfg: Optional[Mapping]) -> None:
         """``use_fsdp=True`` only picks the wrapper when none is given.

@@ -9,9 +9,12 @@
 4. the data-parallel wrapper over the data axis (``mesh['dp']``, or
    ``mesh['dp_replicate', 'dp_shard']`` for HSDP).
 
-Steps 1 and 2 refuse until their techniques land, so no layout with
-``tp > 1`` or ``pp > 1`` ever trains silently wrong. The module also gives
-the one answer to "does this wrapper shard the parameters?".
+Step 2 refuses until its technique lands, so no layout with ``pp > 1``
+ever trains silently wrong. With ``tp > 1`` the data-parallel wrapper is the
+one that composes with TP (:func:`mmpar.parallelize.tensor.
+data_parallel_cfg_for_tp`: DDP becomes ``MMTensorParallelDDP``, FSDP1 is
+refused). The module also gives the one answer to "does this wrapper shard
+the parameters?".
 """
 from typing import Optional
 
@@ -21,6 +24,7 @@ from torch import nn
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.topology import ParallelTopology
+from mmpar.parallelize.tensor import apply_tp, data_parallel_cfg_for_tp
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
                                     wrapper_class)
 from mmpar.wrappers.full_state import FullStateMixin
@@ -53,13 +57,9 @@ def init_weights_before_sharding(model: nn.Module) -> None:
 
 def _tensor_parallel(model: nn.Module, topology: ParallelTopology,
                      parallel: ParallelConfig) -> nn.Module:
-    # The tensor-parallel issue fills this step (apply_tp over mesh['tp']).
     if not topology.dims.tp_enabled:
         return model
-    raise ConfigError(
-        f'parallel.tp={topology.dims.tp} (tp_plan={parallel.tp_plan!r}): '
-        'tensor parallelism is not available in this version of mmpar; '
-        'allowed: tp=1 (model_parallelism=1)')
+    return apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
 
 
 def _pipeline(model: nn.Module, topology: ParallelTopology,
@@ -76,8 +76,6 @@ def _pipeline(model: nn.Module, topology: ParallelTopology,
 def _data_parallel(model: nn.Module, model_wrapper_cfg: dict) -> nn.Module:
     # Wrappers find the data axis themselves (mmpar.parallel.data_mesh and
     # default_dp_group), so one built outside the Runner agrees with it.
-    if wrapper_shards(model_wrapper_cfg):
-        init_weights_before_sharding(model)
     return build_model_wrapper(model_wrapper_cfg, model)
 
 
@@ -102,6 +100,12 @@ def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
     if topology is None:
         return model
     parallel = ParallelConfig.from_cfg(parallel_cfg)
+    if topology.dims.tp_enabled:
+        model_wrapper_cfg = data_parallel_cfg_for_tp(model_wrapper_cfg,
+                                                     topology.dims.tp)
+    if topology.dims.tp_enabled or wrapper_shards(model_wrapper_cfg):
+        # Before the first step that turns parameters into shards.
+        init_weights_before_sharding(model)
     model = _tensor_parallel(model, topology, parallel)
     model = _pipeline(model, topology, parallel)
     return _data_parallel(model, model_wrapper_cfg)

@@ -13,6 +13,9 @@ import torch.distributed as dist
 from mmengine.optim import OptimWrapper
 from torch import nn
 
+from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
+from mmpar.parallelize.tensor import local_grad
+
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
 
 
@@ -49,6 +52,10 @@ class StepMixin:
 
     module: nn.Module
     sync_strategy: str = 'single_auto_sync'
+    # Process groups over which ranks hold different parameters, whose
+    # gradient norms the global-norm clip must also combine (FSDP1's shard
+    # group, the pipeline axis).
+    clip_extra_groups: tuple = ()
 
     def _init_steps(self, sync_strategy: str = 'single_auto_sync') -> None:
         self.sync_strategy = check_sync_strategy(sync_strategy)
@@ -72,7 +79,10 @@ class StepMixin:
         """
         group = getattr(self, 'process_group', None)
         world_size = dist.get_world_size(group)
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [
+            local_grad(p) for p in self.module.parameters()
+            if p.grad is not None
+        ]
         for grad in grads:
             dist.all_reduce(grad, group=group)
             grad.div_(world_size)
@@ -106,7 +116,8 @@ class StepMixin:
         Returns:
             The log variables from ``parse_losses``.
         """
-        with self.grad_sync_context(optim_wrapper):
+        with self.grad_sync_context(optim_wrapper), \
+                clip_func_swapped(optim_wrapper, self.clip_grad_norm):
             with optim_wrapper.optim_context(_NoModel()):
                 data = self.module.data_preprocessor(data, training=True)
                 losses = self._run_forward(self, data, mode='loss')
@@ -116,6 +127,13 @@ class StepMixin:
             else:
                 optim_wrapper.update_params(parsed_loss)
         return log_vars
+
+    def clip_grad_norm(self, params, max_norm: float, norm_type: float = 2.0,
+                       **kwargs) -> torch.Tensor:
+        """MMEngine's ``clip_func`` during a step: the one global-norm clip
+        (:func:`mmpar.parallelize.clip.clip_grad_norm_`) over every axis."""
+        return clip_grad_norm_(params, max_norm, norm_type,
+                               extra_groups=self.clip_extra_groups, **kwargs)
 
     def _update_after_forced_sync(self, optim_wrapper: OptimWrapper,
                                   loss: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from mmpar.parallelize.tensor import like_param, local_grad, local_tensor
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.dp_base import PythonDataParallel
 
@@ -99,11 +100,13 @@ class _Bucket:
 
     def __init__(self, params: List[nn.Parameter], dtype: torch.dtype):
         self.params = params
-        numel = sum(p.numel() for p in params)
+        # Tensor-parallel (DTensor) parameters keep their local shard here.
+        locals_ = [local_tensor(p) for p in params]
+        numel = sum(p.numel() for p in locals_)
         self.buffer = torch.zeros(numel + len(params), dtype=dtype,
                                   device=params[0].device)
         self.views, offset = [], 0
-        for param in params:
+        for param in locals_:
             self.views.append(
                 self.buffer[offset:offset + param.numel()].view_as(param))
             offset += param.numel()
@@ -111,7 +114,10 @@ class _Bucket:
         # A parameter's dtype equals grad_dtype: `.grad` *is* the buffer
         # slice, so autograd's accumulation and in-place edits (clipping,
         # zero_grad(set_to_none=False)) land in the buffer with no copy.
-        self.aliased = [p.dtype == dtype for p in params]
+        # A DTensor's `.grad` must be a DTensor: never the slice itself.
+        self.aliased = [
+            p.dtype == dtype and p is local for p, local in zip(params, locals_)
+        ]
         self.used = [False] * len(params)  # slice holds gradient data
         # For the other parameters: the `.grad` copy we last wrote and its
         # version counter, to tell whether the user changed it since.
@@ -221,9 +227,9 @@ class MMBucketDataParallel(PythonDataParallel):
                     if bucket.used[slot]:
                         view.zero_()
                         bucket.used[slot] = False
-                elif not (grad is bucket.written[slot]
-                          and grad._version == bucket.versions[slot]):
-                    view.copy_(grad)
+                elif not (grad is bucket.written[slot] and local_tensor(
+                        grad)._version == bucket.versions[slot]):
+                    view.copy_(local_tensor(grad))
                     bucket.used[slot] = True
                 param.grad = view if bucket.aliased[slot] else None
         self._absorbed = True
@@ -244,7 +250,7 @@ class MMBucketDataParallel(PythonDataParallel):
                 Variable._execution_engine.queue_callback(self._end_backward)
             view = bucket.views[slot]
             if param.grad is not view:  # else autograd added into the bucket
-                view.add_(param.grad)
+                view.add_(local_grad(param))
                 param.grad = view if bucket.aliased[slot] else None
             bucket.used[slot] = True
             if self._syncing:
@@ -298,10 +304,10 @@ class MMBucketDataParallel(PythonDataParallel):
                     if param.grad is not view:
                         param.grad = view
                 else:
-                    grad = view.to(param.dtype)
+                    grad = like_param(param, view.to(param.dtype))
                     param.grad = grad
                     bucket.written[slot] = grad
-                    bucket.versions[slot] = grad._version
+                    bucket.versions[slot] = local_tensor(grad)._version
         self._absorbed = False
 
     def all_reduce_grads(self) -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmpar.parallel import default_dp_group
+from mmpar.parallelize.tensor import local_tensor
 from mmpar.wrappers.base import StepMixin
 
 
@@ -28,7 +29,10 @@ def broadcast_module_state(module: nn.Module,
         process_group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.detach(), src=src, group=process_group)
+            # A tensor-parallel parameter: its shard, from the rank at the
+            # same tp coordinate.
+            dist.broadcast(local_tensor(tensor.detach()), src=src,
+                           group=process_group)
 
 
 class PythonDataParallel(StepMixin, nn.Module):

@@ -3,7 +3,6 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
@@ -172,23 +171,16 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
             'MMFullyShardedDataParallel reduces gradients in backward; '
             "forced_sync is not supported")
 
-    def train_step(self, data, optim_wrapper: OptimWrapper) -> dict:
-        """One micro-batch, with ``clip_grad`` by the global gradient norm.
+    @property
+    def clip_extra_groups(self) -> tuple:
+        """The shard group, for the global-norm clip.
 
-        MMEngine's ``OptimWrapper`` clips with
-        ``torch.nn.utils.clip_grad_norm_``, which under FSDP1 sees only this
-        rank's shard and so clips each rank by a different, too small norm.
-        For the duration of the step its clip function becomes FSDP's
-        ``clip_grad_norm_``, which all-reduces the shard norms. Swapping
-        per step, not once, keeps the user's optim wrapper untouched outside
-        this model's steps (it is built separately and may be reused).
+        FSDP1's flat parameters are plain tensors holding this rank's shard,
+        so torch's ``clip_grad_norm_`` (MMEngine's) would clip each rank by
+        its own, too small norm; the one clip
+        (:func:`mmpar.parallelize.clip.clip_grad_norm_`) sums the shards'
+        norms over this group. NO_SHARD keeps whole gradients: nothing to sum.
         """
-        with args.clip_func_swapped(optim_wrapper, self._clip_global_norm):
-            return super().train_step(data, optim_wrapper)
-
-    def _clip_global_norm(self, params, max_norm: float,
-                          norm_type: float = 2.0, **kwargs) -> torch.Tensor:
-        # ``params`` are the optimizer's; FSDP clips every gradient of this
-        # root, the same set for one optimizer over the model's trainable
-        # parameters (frozen ones have no gradient).
-        return self.clip_grad_norm_(max_norm, norm_type)
+        if self.sharding_strategy == ShardingStrategy.NO_SHARD:
+            return ()
+        return (self.process_group, )

@@ -4,9 +4,8 @@ Every function here takes what a config may hold (a name, a bool, a dict of
 dtype names, an enum or torch object) and returns one type, or raises an error
 that names the key, the bad value and what is allowed.
 """
-import contextlib
 import functools
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -223,21 +222,3 @@ def fsdp1_process_group(strategy: ShardingStrategy, hybrid_shard_size=None):
         return strategy, topology_dp
     groups = (mesh.get_group('dp_shard'), mesh.get_group('dp_replicate'))
     return _HYBRID.get(strategy, strategy), groups
-
-
-@contextlib.contextmanager
-def clip_func_swapped(optim_wrapper, clip_norm: Callable) -> Iterator[None]:
-    """Make ``optim_wrapper`` clip by ``clip_norm`` while inside the block.
-
-    Only norm clipping is swapped (``clip_grad=dict(type='norm', ...)``, the
-    default): value clipping is element-wise and already correct on shards.
-    """
-    current = getattr(optim_wrapper, 'clip_func', None)
-    if current is not torch.nn.utils.clip_grad_norm_:
-        yield
-        return
-    optim_wrapper.clip_func = clip_norm
-    try:
-        yield
-    finally:
-        optim_wrapper.clip_func = current

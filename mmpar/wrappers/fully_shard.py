@@ -80,10 +80,10 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
         activation_checkpointing: class names (or classes) to checkpoint.
         **kwargs: any other ``fully_shard`` argument.
 
-    Clipping needs nothing special: the gradients are DTensors, and
-    ``torch.nn.utils.clip_grad_norm_`` (what MMEngine's ``OptimWrapper``
-    calls) reduces their shard norms across the mesh, so ``clip_grad`` uses
-    the global norm (tested against one process).
+    Clipping goes through :func:`mmpar.parallelize.clip.clip_grad_norm_`
+    (as for every wrapper): the gradients are DTensors whose norms it makes
+    whole over their meshes, also when tensor parallelism leaves them on
+    different meshes (tested against one process).
     """
 
     def __init__(self,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmpar.parallelize.tensor import local_grad
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.dp_base import PythonDataParallel
 
@@ -52,5 +53,6 @@ class MMNaiveDataParallel(PythonDataParallel):
         # diverges. Reduce `param.grad`.
         if not self.require_backward_grad_sync:
             return
-        dist.all_reduce(param.grad, group=self.process_group)
-        param.grad.div_(self.world_size)
+        grad = local_grad(param)  # a TP parameter: its shard
+        dist.all_reduce(grad, group=self.process_group)
+        grad.div_(self.world_size)

@@ -14,11 +14,11 @@ import copy
 import functools
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
-from mmengine.registry import DefaultScope
 from torch import nn
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-from mmpar.registry import FSDP_WRAP_POLICIES, SCOPE
+from mmpar.registry import (FSDP_WRAP_POLICIES, lookup_callable,
+                            registered_names)
 
 PolicyCfg = Union[None, str, dict, Callable]
 
@@ -135,21 +135,11 @@ def resolve_module_classes(model: nn.Module,
 
 def registered_policies() -> List[str]:
     """Names an ``fsdp_auto_wrap_policy`` may take."""
-    FSDP_WRAP_POLICIES.import_from_location()
-    return sorted(FSDP_WRAP_POLICIES.module_dict)
+    return registered_names(FSDP_WRAP_POLICIES)
 
 
 def _lookup(name: str) -> Callable:
-    with DefaultScope.overwrite_default_scope(SCOPE):
-        policy = FSDP_WRAP_POLICIES.get(name)
-    if policy is None:
-        raise ValueError(
-            f'fsdp_auto_wrap_policy={name!r} is not a registered FSDP wrap '
-            f'policy; registered: {", ".join(registered_policies())}')
-    if not callable(policy):
-        raise TypeError(f'fsdp_auto_wrap_policy={name!r} is registered as '
-                        f'{policy!r}, which is not callable')
-    return policy
+    return lookup_callable(FSDP_WRAP_POLICIES, name, 'fsdp_auto_wrap_policy')
 
 
 def check_wrap_policy(cfg: PolicyCfg) -> None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from mmengine.config import Config
 
+from mmpar.analysis.fsdp_units import PlanError
 from mmpar.analysis.plan import make_plan
 from mmpar.analysis.plan_report import format_plan
 from mmpar.parallel import AXES
@@ -23,7 +24,11 @@ WRAPPERS = {
                   fsdp_auto_wrap_policy=POLICY),
     'fsdp2': dict(type='MMFullyShard', fsdp_auto_wrap_policy=POLICY),
 }
-TP_LAYOUT = dict(dp_replicate=2, dp_shard=2, tp=2, tp_plan='colwise')
+TP_PLAN = dict(type='module_plan',
+               plan={'blocks.*.mlp.0': 'colwise', 'blocks.*.mlp.2': 'rowwise'})
+TP_LAYOUT = dict(dp_replicate=2, dp_shard=2, tp=2, tp_plan=TP_PLAN)
+# With tp > 1 these wrappers are refused (docs/tensor_parallel.md).
+REFUSED_WITH_TP = ('fsdp1', 'naive')
 HSDP_LAYOUT = dict(dp_replicate=2, dp_shard=4)
 
 
@@ -49,6 +54,10 @@ def plan_for(wrapper, section, rank):
 @pytest.mark.parametrize('wrapper', sorted(WRAPPERS))
 @pytest.mark.parametrize('rank', [0, 5])
 def test_wrapper_axes_are_the_layouts(wrapper, section, rank):
+    if section is TP_LAYOUT and wrapper in REFUSED_WITH_TP:
+        with pytest.raises(PlanError, match='parallel.tp=2'):
+            plan_for(wrapper, section, rank)
+        return
     plan = plan_for(wrapper, section, rank)
     shape = plan.dims.shape
     dp = brute_force_group(shape, rank, ('dp_replicate', 'dp_shard'))
@@ -68,7 +77,7 @@ def test_wrapper_axes_are_the_layouts(wrapper, section, rank):
     text = format_plan(plan)
     assert 'tp groups: ' in text and f'rank {rank}: tp {tp}' in text
     if section is TP_LAYOUT:
-        assert any('tp=2' in n and 'not applied' in n for n in plan.notes)
+        assert any('tp=2' in n and 'split' in n for n in plan.notes)
 
 
 def _real_local_numel(wrapper, shard_group_ranks):
@@ -106,10 +115,25 @@ def test_per_rank_params_are_the_real_shards(wrapper):
 
 
 def test_replicating_wrappers_hold_everything():
-    plan = plan_for('ddp', TP_LAYOUT, 3)
+    plan = plan_for('ddp', HSDP_LAYOUT, 3)
     assert plan.memory[0][1] == plan.param_numel
     assert plan.memory[2] == ('optimizer state (SGD: 1 x params)',
                               plan.param_numel, 4 * plan.param_numel)
+
+
+def test_tensor_parallel_counts_are_the_local_shards():
+    """tp=2 halves the split Linears (the rowwise bias stays whole)."""
+    from tests.data.plan_model import PlanToyNet
+    model = PlanToyNet()
+    split = sum(
+        block.mlp[0].weight.numel() + block.mlp[0].bias.numel() +
+        block.mlp[2].weight.numel() for block in model.blocks)
+    plan = plan_for('ddp', TP_LAYOUT, 3)
+    assert plan.wrapper_type == 'MMTensorParallelDDP'
+    assert plan.memory[0][1] == plan.param_numel - split // 2
+    fsdp2 = plan_for('fsdp2', TP_LAYOUT, 3)
+    # Split over tp=2, then sharded over dp_shard=2 (plus padding).
+    assert fsdp2.memory[0][1] < plan.memory[0][1] / 2 + 64
 
 
 def test_refused_layout_fails_the_plan_too():

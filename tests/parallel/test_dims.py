@@ -43,18 +43,18 @@ def test_defaults_are_all_data_parallel():
     assert dims_of(4, dp_replicate=2).shape == (2, 2, 1, 1)
     assert dims_of(4, dp_shard=2).shape == (2, 2, 1, 1)
     assert dims_of(8, dp_replicate=2, dp_shard=2, tp=2,
-                   tp_plan='any').shape == (2, 2, 1, 2)
+                   tp_plan='digits_vit').shape == (2, 2, 1, 2)
 
 
 def test_seed_names_are_aliases():
-    assert dims_of(8, model_parallelism=2, tp_plan='p').tp == 2
+    assert dims_of(8, model_parallelism=2, tp_plan='digits_vit').tp == 2
     assert dims_of(8, pipeline_parallelism=2, pipeline=dict()).pp == 2
     # The same value under both names is fine.
-    assert dims_of(8, tp=2, model_parallelism=2, tp_plan='p').tp == 2
+    assert dims_of(8, tp=2, model_parallelism=2, tp_plan='digits_vit').tp == 2
 
 
 @pytest.mark.parametrize('section,named', [
-    (dict(tp=2, model_parallelism=4, tp_plan='p'),
+    (dict(tp=2, model_parallelism=4, tp_plan='digits_vit'),
      ['parallel.tp=2', 'parallel.model_parallelism=4', 'disagree']),
     (dict(pp=2, pipeline_parallelism=1, pipeline=dict()),
      ['parallel.pp=2', 'parallel.pipeline_parallelism=1']),
@@ -75,9 +75,10 @@ def test_hybrid_model_parallelism_means_dp_shard():
     assert dims_of(8, HYBRID, model_parallelism=2).shape == (4, 2, 1, 1)
     assert dims_of(8, None, model_parallelism=4, use_fsdp=True,
                    sharding_strategy='HYBRID_SHARD').shape == (2, 4, 1, 1)
-    # With a tp_plan, model_parallelism is tensor parallelism again.
-    assert dims_of(8, HYBRID, model_parallelism=2,
-                   tp_plan='p').shape == (1, 4, 1, 2)
+    # With a tp_plan, model_parallelism is tensor parallelism again (FSDP2:
+    # FSDP1 with tp > 1 is refused).
+    assert dims_of(8, dict(HYBRID, type='MMFullyShard'), model_parallelism=2,
+                   tp_plan='digits_vit').shape == (1, 4, 1, 2)
     with pytest.raises(ParallelismError, match='dp_shard=4 and parallel.'
                        'model_parallelism=2 disagree'):
         dims_of(8, HYBRID, model_parallelism=2, dp_shard=4)
@@ -130,6 +131,7 @@ def test_section_types_are_checked(section, named):
 
 
 def test_tp_plan_and_pipeline_are_kept_as_given():
-    plan, pipeline = object(), dict(num_stages=2, schedule='1F1B')
+    plan, pipeline = (lambda model, tp_mesh: None), dict(num_stages=2,
+                                                       schedule='1F1B')
     cfg = ParallelConfig.from_cfg(dict(tp_plan=plan, pipeline=pipeline))
     assert cfg.tp_plan is plan and cfg.pipeline == pipeline

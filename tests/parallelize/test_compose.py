@@ -92,8 +92,9 @@ def fake_world():
     reset_parallelism()
 
 
+# (tp=2 is no longer refused here: tensor parallelism landed;
+# tests/parallelize/test_tensor_parallel.py.)
 @pytest.mark.parametrize('section,named', [
-    (dict(tp=2, tp_plan='colwise'), 'parallel.tp=2'),
     (dict(pp=2, pipeline=dict(num_stages=2)), 'parallel.pp=2'),
 ])
 def test_missing_techniques_are_refused_before_wrapping(fake_world, section,

@@ -1,0 +1,144 @@
+"""The one gradient clip by the global norm, for every parallel layout.
+
+``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms into one
+tensor, which fails when only some gradients are DTensors (tensor-parallel
+layers next to plain ones: ``got mixed torch.Tensor and DTensor``) and when
+they live on different meshes (FSDP2 over a tp x dp mesh: ``All operands in
+aten.stack.default must have the same mesh``; pytorch/pytorch#180346). Here
+gradients are grouped by mesh (meshes compare with ``==``: FSDP2 makes many
+equal mesh objects), each group's norm is made whole (a DTensor norm becomes
+its full value, a collective over the group's mesh), the group norms are
+combined, optionally reduced over extra process groups whose ranks hold
+disjoint parameters (pipeline stages, FSDP1's flat shards), and every
+gradient is scaled by the same factor.
+
+Every wrapper's ``train_step`` points MMEngine's ``OptimWrapper.clip_func``
+at this function for the step (:func:`clip_func_swapped`).
+"""
+import contextlib
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+Params = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+def _group_by_mesh(grads: Sequence[torch.Tensor]
+                   ) -> List[Tuple[object, List[torch.Tensor]]]:
+    # A list, not a dict keyed by mesh: equal meshes may hash differently,
+    # and the order of first appearance is the same on every rank, so the
+    # groups' collectives pair up.
+    groups: List[Tuple[object, List[torch.Tensor]]] = []
+    for grad in grads:
+        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        for key, members in groups:
+            if (key is None) == (mesh is None) and (mesh is None
+                                                   or key == mesh):
+                members.append(grad)
+                break
+        else:
+            groups.append((mesh, [grad]))
+    return groups
+
+
+def _group_norm(grads: List[torch.Tensor], norm_type: float,
+                foreach: Optional[bool]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # a collective over the group's mesh
+    return norm.float()
+
+
+def total_grad_norm(grads: Sequence[torch.Tensor],
+                    norm_type: float = 2.0,
+                    foreach: Optional[bool] = None,
+                    extra_groups: Iterable = ()) -> torch.Tensor:
+    """The ``norm_type`` norm of all ``grads`` together, as a float tensor.
+
+    Args:
+        grads: gradients, plain tensors and DTensors on any meshes, in the
+            same order on every rank.
+        norm_type: the p of the p-norm; ``inf`` for the largest entry.
+        foreach: as torch's ``get_total_norm``.
+        extra_groups: process groups over which ranks hold *different*
+            gradients; their norms are combined too (every rank of each
+            group must call this).
+    """
+    norm_type = float(norm_type)
+    norms = [_group_norm(g, norm_type, foreach)
+             for _, g in _group_by_mesh(grads)]
+    if not norms:
+        device = grads[0].device if grads else 'cpu'
+        norms = [torch.zeros((), device=device)]
+    if norm_type == float('inf'):
+        total = torch.stack([n.to(norms[0].device) for n in norms]).max()
+        for group in extra_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    powered = sum(n.to(norms[0].device)**norm_type for n in norms)
+    for group in extra_groups:
+        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered**(1.0 / norm_type)
+
+
+def clip_grad_norm_(parameters: Params,
+                    max_norm: float,
+                    norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None,
+                    extra_groups: Iterable = ()) -> torch.Tensor:
+    """Clip gradients by their global norm; torch's signature plus groups.
+
+    Args:
+        parameters: a tensor or tensors whose ``.grad`` are clipped.
+        max_norm: the largest allowed total norm.
+        norm_type: the p of the p-norm (``inf`` allowed).
+        error_if_nonfinite: raise when the total norm is nan or inf.
+        foreach: as torch's ``clip_grad_norm_``.
+        extra_groups: process groups over which ranks hold different
+            parameters (the pipeline axis; FSDP1's shard group).
+
+    Returns:
+        The total norm before clipping (a plain tensor, equal on all ranks).
+
+    Raises:
+        RuntimeError: a non-finite norm with ``error_if_nonfinite``.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = total_grad_norm(grads, norm_type, foreach, extra_groups)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f'The total norm of order {norm_type} for gradients is '
+            'non-finite, so it cannot be clipped; set '
+            'error_if_nonfinite=False to clip anyway')
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for grad in grads:
+            # Scale the local shard: every rank holds its part of a DTensor.
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+@contextlib.contextmanager
+def clip_func_swapped(optim_wrapper, clip_norm) -> Iterator[None]:
+    """Make ``optim_wrapper`` clip by ``clip_norm`` while inside the block.
+
+    Only norm clipping is swapped (``clip_grad=dict(type='norm', ...)``, the
+    default): value clipping is element-wise and already correct on shards.
+    The swap lasts one step, so an optim wrapper shared with other code is
+    left as it was.
+    """
+    current = getattr(optim_wrapper, 'clip_func', None)
+    if current is not torch.nn.utils.clip_grad_norm_:
+        yield
+        return
+    optim_wrapper.clip_func = clip_norm
+    try:
+        yield
+    finally:
+        optim_wrapper.clip_func = current
