@@ -1,0 +1,266 @@
+"""The train/val/test steps of a pipelined model: torch's schedules run them.
+
+:class:`MMPipelineParallel` holds this rank's stages (each already wrapped by
+the data-parallel wrapper over the data axis, or plain) and replaces the
+forward/backward of the usual step with one ``schedule.step`` per batch:
+
+* every pp rank runs the data preprocessor (all pp peers read the same
+  batch); the first stage feeds ``inputs`` to the schedule, the last stage
+  gets the batch's *indices* as the schedule's ``target``, so its loss
+  function finds each micro-batch's data samples (of any type) by index:
+  only tensors pass between stages;
+* the last stage's loss is the model's ``pipeline_loss`` + ``parse_losses``,
+  divided by MMEngine's accumulation factor (``optim_wrapper.scale_loss``)
+  and by the micro-batch count, so the gradients are those of the batch
+  mean, as in one process (torch's own ``scale_grads`` would also divide
+  gradients accumulated by earlier batches: the parity test caught it);
+* the logged loss is broadcast from the last stage over the pp group, and
+  ``optim_wrapper.backward`` is then called on every rank with a detached
+  copy of it: the schedule already ran the real backward, this call keeps
+  MMEngine's accumulation count and lets every wrapper of ``backward`` (the
+  non-finite guard) see the same loss on every stage;
+* the optimizer step clips by the global norm summed over the pp group
+  (:func:`mmpar.parallelize.clip.clip_grad_norm_`).
+"""
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from mmengine.optim import OptimWrapper
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.nn.parallel import DistributedDataParallel
+
+from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
+from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers.base import _NoModel
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return getattr(module, 'module', module)
+
+
+def _stage_submodule(module: nn.Module) -> nn.Module:
+    """What torch's PipelineStage runs: DDP itself, or FSDP2's sharded
+    module inside ``MMFullyShard`` (torch syncs gradients of DDP and
+    ``FSDPModule`` submodules itself, once per step)."""
+    if isinstance(module, DistributedDataParallel):
+        return module
+    inner = getattr(module, 'module', None)
+    return inner if isinstance(inner, FSDPModule) else module
+
+
+def split_data(data: Any) -> Tuple[torch.Tensor, Any]:
+    """``(inputs, rest)`` of a preprocessed batch: ``rest`` is a dict (the
+    other keys) or a tuple (the other items)."""
+    if isinstance(data, dict):
+        rest = dict(data)
+        if 'inputs' not in rest:
+            raise TypeError('a pipelined model needs the preprocessed batch '
+                            f'to have "inputs"; got keys {list(data)}')
+        return rest.pop('inputs'), rest
+    if isinstance(data, (list, tuple)):
+        return data[0], tuple(data[1:])
+    raise TypeError('the data preprocessor must return a dict, list or '
+                    f'tuple, got {type(data).__name__}')
+
+
+def _take(value: Any, index: torch.Tensor) -> Any:
+    # One micro-batch's share of a batch-sized value.
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in index.tolist()]
+    return value
+
+
+def _call(fn, outputs, rest: Any, index: Optional[torch.Tensor]):
+    if isinstance(rest, dict):
+        rest = {k: v if index is None else _take(v, index)
+                for k, v in rest.items()}
+        return fn(outputs, **rest)
+    rest = rest if index is None else [_take(v, index) for v in rest]
+    return fn(outputs, *rest)
+
+
+@MODEL_WRAPPERS.register_module()
+class MMPipelineParallel(nn.Module):
+    """This rank's pipeline stages and the steps that run a schedule.
+
+    Built by :func:`mmpar.parallelize.pipeline.pipeline_parallelize`, not
+    from a config.
+
+    Args:
+        stages: this rank's stage modules (data-parallel wrapped or plain),
+            in the order of ``stage_indices``.
+        stage_indices: their global stage indices.
+        num_stages: stages in the whole pipeline.
+        schedule: the schedule's registered name.
+        schedule_cls: the torch schedule class.
+        num_microbatches: micro-batches per training batch.
+        pp_group: the pipeline group; ``pp_ranks`` its global ranks.
+        last_holder: the pp rank (index in the group) of the last stage.
+        device: where activations live.
+        clip_extra_groups: groups over which ranks hold different
+            parameters besides the pp group (from the data wrapper).
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], stage_indices: List[int],
+                 num_stages: int, schedule: str, schedule_cls: type,
+                 num_microbatches: int, pp_group, pp_ranks: List[int],
+                 last_holder: int, device: torch.device,
+                 clip_extra_groups: tuple = ()):
+        super().__init__()
+        self.module = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
+        self.stages = list(stages)
+        self.stage_indices = list(stage_indices)
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.schedule_cls = schedule_cls
+        self.num_microbatches = num_microbatches
+        self.pp_group = pp_group
+        self.pp_ranks = list(pp_ranks)
+        self.last_holder = last_holder
+        self.device = device
+        self.clip_extra_groups = tuple(clip_extra_groups) + (pp_group, )
+        self.has_first = 0 in self.stage_indices
+        self.has_last = num_stages - 1 in self.stage_indices
+        self._schedules: Dict[tuple, Any] = {}
+        self._step_state: Dict[str, Any] = {}
+
+    # -- the model the user wrote (any stage copy serves) -------------------
+    @property
+    def model(self) -> nn.Module:
+        """This rank's stage copy of the user's model (the last stage's when
+        this rank holds it: it has ``pipeline_head``'s modules)."""
+        i = self.stage_indices.index(self.num_stages - 1) \
+            if self.has_last else 0
+        return _unwrap(self.stages[i])
+
+    @property
+    def data_preprocessor(self) -> nn.Module:
+        return self.model.data_preprocessor
+
+    # -- schedules ----------------------------------------------------------
+    def _schedule(self, train: bool, microbatches: int):
+        """A schedule (and its stages) per (mode, micro-batch count); torch
+        stages size their buffers on the first batch they see."""
+        key = (train, microbatches)
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(_stage_submodule(module), index, self.num_stages, self.device,
+                              group=self.pp_group)
+                for module, index in zip(self.stages, self.stage_indices)
+            ]
+            loss_fn = self._microbatch_loss if train else None
+            arg = stages if len(stages) > 1 else stages[0]
+            self._schedules[key] = self.schedule_cls(
+                arg, microbatches, loss_fn=loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def _microbatch_loss(self, outputs: torch.Tensor,
+                         index: torch.Tensor) -> torch.Tensor:
+        state = self._step_state
+        model = self.model
+        losses = _call(model.pipeline_loss, outputs, state['rest'], index)
+        loss, log_vars = model.parse_losses(losses)
+        state['log_vars'].append(
+            {k: float(v.detach()) for k, v in log_vars.items()})
+        # Divided by the micro-batch count here, not by torch
+        # (scale_grads=False): torch divides every .grad after the step,
+        # which would also shrink gradients accumulated by earlier batches.
+        return state['optim_wrapper'].scale_loss(loss) / state['microbatches']
+
+    def _run(self, data: Any, train: bool, microbatches: int,
+             extra: Optional[dict] = None):
+        inputs, rest = split_data(data)
+        self._step_state = dict(rest=rest, log_vars=[],
+                                microbatches=microbatches, **(extra or {}))
+        schedule = self._schedule(train, microbatches)
+        args = (inputs.to(self.device), ) if self.has_first else ()
+        target = torch.arange(inputs.shape[0], device=self.device) \
+            if self.has_last else None
+        if train:
+            return schedule.step(*args, target=target, return_outputs=False)
+        return schedule.eval(*args)
+
+    def _from_last(self, obj: Any) -> Any:
+        """``obj`` of the rank holding the last stage, on every pp rank."""
+        box = [obj]
+        dist.broadcast_object_list(
+            box, src=self.pp_ranks[self.last_holder], group=self.pp_group)
+        return box[0]
+
+    # -- the steps ----------------------------------------------------------
+    def clip_grad_norm(self, params, max_norm: float, norm_type: float = 2.0,
+                       **kwargs) -> torch.Tensor:
+        """The global-norm clip over every stage (sums over the pp group)."""
+        return clip_grad_norm_(params, max_norm, norm_type,
+                               extra_groups=self.clip_extra_groups, **kwargs)
+
+    def train_step(self, data: Any,
+                   optim_wrapper: OptimWrapper) -> Dict[str, torch.Tensor]:
+        """One batch through the schedule, then MMEngine's update.
+
+        Returns:
+            The log variables, averaged over micro-batches, equal on every
+            pp rank.
+        """
+        data = self.data_preprocessor(data, training=True)
+        with optim_wrapper.optim_context(_NoModel()):
+            self._run(data, True, self.num_microbatches,
+                      dict(optim_wrapper=optim_wrapper))
+        log_vars = None
+        if self.has_last:
+            # The last m calls: on its first batch torch's stage also calls
+            # the loss once while it infers shapes.
+            parts = self._step_state['log_vars'][-self.num_microbatches:]
+            log_vars = {
+                k: sum(p[k] for p in parts) / len(parts)
+                for k in parts[0]
+            }
+        log_vars = self._from_last(log_vars)
+        loss = torch.tensor(log_vars['loss'], device=self.device)
+        # Detached leaf: the schedule already back-propagated (see module
+        # doc); this keeps the accumulation count and the non-finite guard.
+        leaf = optim_wrapper.scale_loss(loss).detach().requires_grad_()
+        with clip_func_swapped(optim_wrapper, self.clip_grad_norm):
+            optim_wrapper.backward(leaf)
+            if optim_wrapper.should_update():
+                optim_wrapper.step()
+                optim_wrapper.zero_grad()
+        return {k: torch.tensor(v) for k, v in log_vars.items()}
+
+    def val_step(self, data: Any) -> list:
+        """Predictions of a batch, forward-only through the stages.
+
+        Returns:
+            The predictions on the last pp rank (the one the evaluator
+            reads), ``[]`` on the others.
+        """
+        data = self.data_preprocessor(data, training=False)
+        inputs, rest = split_data(data)
+        batch = inputs.shape[0]
+        # The largest micro-batch count <= the training one dividing this
+        # batch (a last, smaller batch).
+        micro = max(m for m in range(1, self.num_microbatches + 1)
+                    if batch % m == 0)
+        outputs = self._run(data, False, micro)
+        preds = _call(self.model.pipeline_predict, outputs, rest, None) \
+            if self.has_last else None
+        is_last_rank = dist.get_rank(self.pp_group) == \
+            dist.get_world_size(self.pp_group) - 1
+        if self.last_holder != len(self.pp_ranks) - 1:
+            # V schedules end on pp rank 0; the evaluator reads the last.
+            preds = self._from_last(preds)
+        return preds if is_last_rank else []
+
+    def test_step(self, data: Any) -> list:
+        """As :meth:`val_step`."""
+        return self.val_step(data)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError('MMPipelineParallel runs through train_step, '
+                           'val_step and test_step (a pipeline schedule), '
+                           'not forward')
