@@ -24,8 +24,9 @@ __all__ = [
     'check_pipeline_wrapper'
 ]
 
-# Data-parallel wrappers torch's PipelineStage knows how to sync (it runs
-# backward itself: DDP's no_sync / FSDP2's requires_gradient_sync).
+# Data-parallel wrappers a stage may have: FSDP2 (torch's PipelineStage
+# drives its gradient sync) and DDP (gradients all-reduced once per
+# optimizer step, see step._stage_submodule).
 STAGE_WRAPPERS = ('MMDistributedDataParallel', 'MMFullyShard')
 
 
@@ -46,15 +47,6 @@ def check_pipeline_wrapper(model_wrapper_cfg: Optional[dict], dp: int,
             f'model_wrapper_cfg.type={name!r} cannot wrap a pipeline stage '
             f'(parallel.pp > 1 with dp={dp}); allowed: '
             f'{", ".join(STAGE_WRAPPERS)}')
-    if name == 'MMDistributedDataParallel' and stages_per_rank > 1:
-        # Measured on torch 2.13: the reducer fails on the second step
-        # ("rebuilt params size"), and static_graph=True is silently wrong.
-        raise ConfigError(
-            'model_wrapper_cfg.type=\'MMDistributedDataParallel\' with '
-            f'parallel.pipeline.stages_per_rank={stages_per_rank}: DDP '
-            'around several stages per rank trains wrongly in torch; '
-            "allowed: type='MMFullyShard' (FSDP2), or stages_per_rank=1 "
-            '(GPipe, 1F1B)')
 
 
 def pipeline_parallelize(model: nn.Module, topology, parallel,

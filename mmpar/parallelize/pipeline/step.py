@@ -30,7 +30,6 @@ from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.nn.parallel import DistributedDataParallel
 
 from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
 from mmpar.registry import MODEL_WRAPPERS
@@ -42,13 +41,25 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def _stage_submodule(module: nn.Module) -> nn.Module:
-    """What torch's PipelineStage runs: DDP itself, or FSDP2's sharded
-    module inside ``MMFullyShard`` (torch syncs gradients of DDP and
-    ``FSDPModule`` submodules itself, once per step)."""
-    if isinstance(module, DistributedDataParallel):
-        return module
-    inner = getattr(module, 'module', None)
-    return inner if isinstance(inner, FSDPModule) else module
+    """What torch's PipelineStage runs: FSDP2's sharded module inside
+    ``MMFullyShard`` (torch drives its gradient sync), else the plain stage.
+
+    DDP is not handed to torch: its reducer breaks on a pipeline (torch
+    2.13: "rebuilt params size" on the second step, after the stage's shape
+    inference and with several stages per rank; silently wrong with
+    ``static_graph``). Its gradients are all-reduced once per optimizer step
+    instead (:func:`_sync_replicated_grads`), mmpar's ``forced_sync`` path.
+    """
+    return _unwrap(module)
+
+
+def _sync_replicated_grads(stages: Sequence[nn.Module]) -> None:
+    """Average the gradients of every replicated (not FSDP2) stage over its
+    data-parallel group: the wrapper's own ``all_reduce_grads``."""
+    for stage in stages:
+        if not isinstance(getattr(stage, 'module', None), FSDPModule) and \
+                hasattr(stage, 'all_reduce_grads'):
+            stage.all_reduce_grads()
 
 
 def split_data(data: Any) -> Tuple[torch.Tensor, Any]:
@@ -149,7 +160,8 @@ class MMPipelineParallel(nn.Module):
         key = (train, microbatches)
         if key not in self._schedules:
             stages = [
-                PipelineStage(_stage_submodule(module), index, self.num_stages, self.device,
+                PipelineStage(_stage_submodule(module), index,
+                              self.num_stages, self.device,
                               group=self.pp_group)
                 for module, index in zip(self.stages, self.stage_indices)
             ]
@@ -228,6 +240,7 @@ class MMPipelineParallel(nn.Module):
         with clip_func_swapped(optim_wrapper, self.clip_grad_norm):
             optim_wrapper.backward(leaf)
             if optim_wrapper.should_update():
+                _sync_replicated_grads(self.stages)
                 optim_wrapper.step()
                 optim_wrapper.zero_grad()
         return {k: torch.tensor(v) for k, v in log_vars.items()}
