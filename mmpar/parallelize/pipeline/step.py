@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
+from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import _NoModel
 
@@ -252,6 +253,15 @@ class MMPipelineParallel(nn.Module):
             The predictions on the last pp rank (the one the evaluator
             reads), ``[]`` on the others.
         """
+        if self.schedule_name in V_SCHEDULES:
+            # torch 2.13: a V schedule's eval still runs its backward
+            # actions ("can't steal_bwd_input if this stage doesn't have
+            # backward").
+            raise RuntimeError(
+                f'parallel.pipeline.schedule={self.schedule_name!r} cannot '
+                'run validation/test in torch 2.13; allowed for a job with '
+                'a val/test loop: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, '
+                'InterleavedZeroBubble')
         data = self.data_preprocessor(data, training=False)
         inputs, rest = split_data(data)
         batch = inputs.shape[0]
