@@ -99,8 +99,9 @@ def parallelize(model: nn.Module, topology: Optional[ParallelTopology],
     if topology.dims.tp_enabled:
         model_wrapper_cfg = data_parallel_cfg_for_tp(model_wrapper_cfg,
                                                      topology.dims.tp)
-    if topology.dims.tp_enabled or wrapper_shards(model_wrapper_cfg):
-        # Before the first step that turns parameters into shards.
+    if topology.dims.tp_enabled or topology.dims.pp_enabled or \
+            wrapper_shards(model_wrapper_cfg):
+        # (pp: before the split, while every rank holds the whole model.)
         init_weights_before_sharding(model)
     model = _tensor_parallel(model, topology, parallel)
     if topology.dims.pp_enabled:

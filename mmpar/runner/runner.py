@@ -88,8 +88,11 @@ class Runner(MMEngineRunner):
                            model_wrapper_cfg)
 
     def _init_model_weights(self) -> None:
-        if sharded.is_sharded(self.model):
-            return  # done in parallelize, before the parameters were sharded
+        if sharded.is_sharded(self.model) or hasattr(self.model,
+                                                     'pipeline_stages'):
+            # Done in parallelize, before the parameters were sharded or
+            # the model split into stages.
+            return
         super()._init_model_weights()
 
     @staticmethod

@@ -11,9 +11,11 @@ forward/backward of the usual step with one ``schedule.step`` per batch:
   only tensors pass between stages;
 * the last stage's loss is the model's ``pipeline_loss`` + ``parse_losses``,
   divided by MMEngine's accumulation factor (``optim_wrapper.scale_loss``)
-  and by the micro-batch count, so the gradients are those of the batch
-  mean, as in one process (torch's own ``scale_grads`` would also divide
-  gradients accumulated by earlier batches: the parity test caught it);
+  and weighted by the micro-batch's share of the batch, so the gradients are
+  those of the batch mean, as in one process (torch's own ``scale_grads``
+  would also divide gradients accumulated by earlier batches: the parity
+  test caught it); a batch the micro-batch count does not divide is padded
+  and the padding left out of the loss;
 * the logged loss is broadcast from the last stage over the pp group, and
   ``optim_wrapper.backward`` is then called on every rank with a detached
   copy of it: the schedule already ran the real backward, this call keeps
@@ -22,6 +24,7 @@ forward/backward of the usual step with one ``schedule.step`` per batch:
 * the optimizer step clips by the global norm summed over the pp group
   (:func:`mmpar.parallelize.clip.clip_grad_norm_`).
 """
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -154,11 +157,44 @@ class MMPipelineParallel(nn.Module):
     def data_preprocessor(self) -> nn.Module:
         return self.model.data_preprocessor
 
+    @property
+    def pipeline_stages(self) -> List[nn.Module]:
+        """This rank's stages (as wrapped); marks a pipelined model."""
+        return self.stages
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every stage's state gathered into one plain-model state dict.
+
+        Keys are the unsplit model's (stages keep the original names), so
+        the result loads with ``strict=True`` into the unsplit model.
+        Collective over the pp group (and, for FSDP2 stages, the data axis).
+        """
+        local = OrderedDict()
+        for stage in self.stages:
+            part = stage.full_state_dict() if hasattr(
+                stage, 'full_state_dict') else _unwrap(stage).state_dict()
+            local.update((k, v.detach().cpu()) for k, v in part.items())
+        parts = [None] * len(self.pp_ranks)
+        dist.all_gather_object(parts, local, group=self.pp_group)
+        merged = OrderedDict()
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def full_optim_state_dict(self, optim_wrapper) -> dict:
+        """Not available under pp yet: refused rather than saving only this
+        stage's optimizer state (a resume would be silently wrong)."""
+        raise NotImplementedError(
+            'saving the optimizer of a pipelined model (parallel.pp > 1) is '
+            'not available yet; allowed: default_hooks.checkpoint.'
+            'save_optimizer=False (the model state is saved whole)')
+
     # -- schedules ----------------------------------------------------------
-    def _schedule(self, train: bool, microbatches: int):
-        """A schedule (and its stages) per (mode, micro-batch count); torch
-        stages size their buffers on the first batch they see."""
-        key = (train, microbatches)
+    def _schedule(self, train: bool, microbatches: int, batch: int):
+        """A schedule (and its stages) per (mode, micro-batch count, batch
+        size): torch stages size their buffers on the first batch they see
+        (an epoch's last, smaller batch gets its own)."""
+        key = (train, microbatches, batch)
         if key not in self._schedules:
             stages = [
                 PipelineStage(_stage_submodule(module), index,
@@ -175,28 +211,47 @@ class MMPipelineParallel(nn.Module):
     def _microbatch_loss(self, outputs: torch.Tensor,
                          index: torch.Tensor) -> torch.Tensor:
         state = self._step_state
+        real = index < state['batch']  # padding rows have index >= batch
+        if not bool(real.any()):
+            # All padding: no loss, but a graph for the schedule's backward.
+            return outputs.sum() * 0.0
         model = self.model
-        losses = _call(model.pipeline_loss, outputs, state['rest'], index)
+        losses = _call(model.pipeline_loss, outputs[real], state['rest'],
+                       index[real])
         loss, log_vars = model.parse_losses(losses)
+        weight = float(real.sum()) / state['batch']
         state['log_vars'].append(
-            {k: float(v.detach()) for k, v in log_vars.items()})
-        # Divided by the micro-batch count here, not by torch
-        # (scale_grads=False): torch divides every .grad after the step,
-        # which would also shrink gradients accumulated by earlier batches.
-        return state['optim_wrapper'].scale_loss(loss) / state['microbatches']
+            ({k: float(v.detach()) for k, v in log_vars.items()}, weight))
+        # Weighted by the micro-batch's share of the real batch here, not
+        # divided by torch (scale_grads=False): torch divides every .grad
+        # after the step, which would also shrink gradients accumulated by
+        # earlier batches. The weights make the sum the batch mean.
+        return state['optim_wrapper'].scale_loss(loss) * weight
 
-    def _run(self, data: Any, train: bool, microbatches: int,
-             extra: Optional[dict] = None):
+    def _run(self, data: Any, train: bool, extra: Optional[dict] = None):
+        """One schedule step (``train``) or forward-only pass over a batch.
+
+        A batch that ``num_microbatches`` does not divide (an epoch's last)
+        is padded by repeating its last sample; the padding's outputs are
+        left out of the loss and the predictions. torch's stages need
+        micro-batches of one size, at least one per stage.
+        """
         inputs, rest = split_data(data)
-        self._step_state = dict(rest=rest, log_vars=[],
-                                microbatches=microbatches, **(extra or {}))
-        schedule = self._schedule(train, microbatches)
+        batch, m = inputs.shape[0], self.num_microbatches
+        pad = -batch % m
+        if pad:
+            inputs = torch.cat(
+                [inputs, inputs[-1:].expand(pad, *inputs.shape[1:])])
+        self._step_state = dict(rest=rest, log_vars=[], batch=batch, pad=pad,
+                                microbatches=m, **(extra or {}))
+        schedule = self._schedule(train, m, batch + pad)
         args = (inputs.to(self.device), ) if self.has_first else ()
-        target = torch.arange(inputs.shape[0], device=self.device) \
-            if self.has_last else None
         if train:
+            target = torch.arange(batch + pad, device=self.device) \
+                if self.has_last else None
             return schedule.step(*args, target=target, return_outputs=False)
-        return schedule.eval(*args)
+        outputs = schedule.eval(*args)
+        return None if outputs is None else outputs[:batch]
 
     def _from_last(self, obj: Any) -> Any:
         """``obj`` of the rank holding the last stage, on every pp rank."""
@@ -222,16 +277,21 @@ class MMPipelineParallel(nn.Module):
         """
         data = self.data_preprocessor(data, training=True)
         with optim_wrapper.optim_context(_NoModel()):
-            self._run(data, True, self.num_microbatches,
-                      dict(optim_wrapper=optim_wrapper))
+            self._run(data, True, dict(optim_wrapper=optim_wrapper))
         log_vars = None
         if self.has_last:
             # The last m calls: on its first batch torch's stage also calls
             # the loss once while it infers shapes.
-            parts = self._step_state['log_vars'][-self.num_microbatches:]
+            state = self._step_state
+            # The real micro-batches of this step (on its first batch
+            # torch's stage also calls the loss while it infers shapes).
+            size = (state['batch'] + state['pad']) // state['microbatches']
+            real = -(-state['batch'] // size)  # micro-batches with real rows
+            parts = state['log_vars'][-real:]
+            total = sum(w for _, w in parts)
             log_vars = {
-                k: sum(p[k] for p in parts) / len(parts)
-                for k in parts[0]
+                k: sum(p[k] * w for p, w in parts) / total
+                for k in parts[0][0]
             }
         log_vars = self._from_last(log_vars)
         loss = torch.tensor(log_vars['loss'], device=self.device)
@@ -250,8 +310,7 @@ class MMPipelineParallel(nn.Module):
         """Predictions of a batch, forward-only through the stages.
 
         Returns:
-            The predictions on the last pp rank (the one the evaluator
-            reads), ``[]`` on the others.
+            The predictions, on every pp rank.
         """
         if self.schedule_name in V_SCHEDULES:
             # torch 2.13: a V schedule's eval still runs its backward
@@ -263,21 +322,14 @@ class MMPipelineParallel(nn.Module):
                 'a val/test loop: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, '
                 'InterleavedZeroBubble')
         data = self.data_preprocessor(data, training=False)
-        inputs, rest = split_data(data)
-        batch = inputs.shape[0]
-        # The largest micro-batch count <= the training one dividing this
-        # batch (a last, smaller batch).
-        micro = max(m for m in range(1, self.num_microbatches + 1)
-                    if batch % m == 0)
-        outputs = self._run(data, False, micro)
+        _, rest = split_data(data)
+        outputs = self._run(data, False)
         preds = _call(self.model.pipeline_predict, outputs, rest, None) \
             if self.has_last else None
-        is_last_rank = dist.get_rank(self.pp_group) == \
-            dist.get_world_size(self.pp_group) - 1
-        if self.last_holder != len(self.pp_ranks) - 1:
-            # V schedules end on pp rank 0; the evaluator reads the last.
-            preds = self._from_last(preds)
-        return preds if is_last_rank else []
+        # Every pp rank returns them (MMEngine's val loop reads the last
+        # output); the evaluator counts only the last pp rank's
+        # (mmpar.runner.data_axis), once per data rank.
+        return self._from_last(preds)
 
     def test_step(self, data: Any) -> list:
         """As :meth:`val_step`."""
