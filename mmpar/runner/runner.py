@@ -153,7 +153,9 @@ class Runner(MMEngineRunner):
         else:
             checkpoint = load_checkpoint_file(filename, map_location)
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
-        if sharded.is_sharded(self.model):
+        if sharded.is_sharded(self.model) or hasattr(self.model,
+                                                     'pipeline_stages'):
+            # (A pipelined model: every stage takes its own keys.)
             sharded.load_full_model_state(self.model, checkpoint, strict,
                                           revise_keys)
         else:

@@ -181,6 +181,26 @@ class MMPipelineParallel(nn.Module):
             merged.update(part)
         return merged
 
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
+                             strict: bool = True) -> None:
+        """Load a plain-model state dict: each stage takes its own keys.
+
+        Raises:
+            RuntimeError: with ``strict``, a key of a stage missing from
+                ``state_dict``.
+        """
+        for stage in self.stages:
+            own = _unwrap(stage).state_dict().keys() if not hasattr(
+                stage, 'load_full_state_dict') else None
+            if own is None:  # FSDP2 stage: its own full-state loader
+                names = dict(_unwrap(stage).named_parameters())
+                names.update(dict(_unwrap(stage).named_buffers()))
+                part = {k: v for k, v in state_dict.items() if k in names}
+                stage.load_full_state_dict(part, strict=strict)
+                continue
+            part = {k: v for k, v in state_dict.items() if k in own}
+            _unwrap(stage).load_state_dict(part, strict=strict)
+
     def full_optim_state_dict(self, optim_wrapper) -> dict:
         """Not available under pp yet: refused rather than saving only this
         stage's optimizer state (a resume would be silently wrong)."""
