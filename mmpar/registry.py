@@ -83,7 +83,8 @@ TP_PLANS = Registry(
     'tensor-parallel plan',
     scope=SCOPE,
     locations=[
-        'mmpar.parallelize.tensor', 'mmpar.parallelize.hf_plan', 'mmpar.models'
+        'mmpar.parallelize.module_plan', 'mmpar.parallelize.hf_plan',
+        'mmpar.models'
     ])
 
 

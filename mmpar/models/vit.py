@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 from torch import nn
 
-from mmpar.parallelize.tensor import module_plan
+from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import MODELS, TP_PLANS
 
 # Module-name patterns -> tensor-parallel styles (the ``module_plan`` form).

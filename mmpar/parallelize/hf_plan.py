@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mmpar.parallelize.tensor import module_plan
+from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import TP_PLANS
 
 # transformers style name -> module_plan entry. The *_gather_output / *_rep

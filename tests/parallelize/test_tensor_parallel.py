@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mmpar.parallelize.module_plan import match_modules, module_plan_styles
 from mmpar.parallelize.tensor import (apply_tp, check_tp_plan,
                                       data_parallel_cfg_for_tp,
-                                      match_modules,
-                                      module_plan_styles, registered_plans)
+                                      registered_plans)
 from mmpar.wrappers.fully_shard import MMFullyShard
 from mmpar.wrappers.tp_replicate import MMTensorParallelDDP
 from tests.parallelize import tp_cases
