@@ -305,13 +305,19 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
 
 def check_parallel(parallel: Any, launcher: Optional[str],
                    model_wrapper_cfg: Any = None,
-                   world_size: Optional[int] = None) -> None:
+                   world_size: Optional[int] = None,
+                   batch_size: Optional[int] = None) -> None:
     """The ``parallel`` section against the wrapper, and its layout at the
     world size (``world_size``, else the launcher's)
-    (:func:`mmpar.parallel.dims.resolve_dims`, the one validator)."""
+    (:func:`mmpar.parallel.dims.resolve_dims`, the one validator); a
+    ``pipeline`` section against the per-rank train ``batch_size``."""
     from mmpar.parallel.config import ParallelConfig
     config = ParallelConfig.from_cfg(parallel)
     config.check_wrapper(model_wrapper_cfg)
+    if config.pipeline is not None:
+        from mmpar.parallelize.pipeline import PipelineConfig
+        pp = config.pp or config.pipeline_parallelism
+        PipelineConfig.from_cfg(config.pipeline, pp, batch_size)
     world_size = world_size or _launch_world_size(launcher)
     if parallel is None or world_size is None:
         return  # an unknown world is checked when the process group exists
@@ -348,8 +354,12 @@ def check_layout(cfg: Any, world_size: Optional[int] = None) -> None:
     """
     with _as_config_error():
         check_wrapper_args(cfg.get('model_wrapper_cfg'))
+        loader = cfg.get('train_dataloader')
+        batch_size = loader.get('batch_size') if isinstance(
+            loader, dict) else None
         check_parallel(cfg.get('parallel'), cfg.get('launcher'),
-                       cfg.get('model_wrapper_cfg'), world_size)
+                       cfg.get('model_wrapper_cfg'), world_size,
+                       batch_size if _is_int(batch_size) else None)
 
 
 def check_config(cfg: Any, world_size: Optional[int] = None) -> None:

@@ -117,3 +117,10 @@ def lookup_callable(registry: Registry, name: str, key: str):
         raise TypeError(f'{key}={name!r} is registered as {entry!r}, which '
                         'is not callable')
     return entry
+
+# torch's pipeline schedules by name (``parallel.pipeline.schedule``):
+# classes from torch.distributed.pipelining (mmpar/parallelize/pipeline/).
+PIPELINE_SCHEDULES = Registry(
+    'pipeline schedule',
+    scope=SCOPE,
+    locations=['mmpar.parallelize.pipeline.schedules'])

@@ -93,13 +93,42 @@ class DigitsViT(BaseModel):
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
 
-    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+    # -- the pipeline protocol (docs/pipeline_parallel.md) ------------------
+    pipeline_layers = 'blocks'
+    pipeline_pre = ('patch_embed', 'cls_token', 'pos_embed')
+    pipeline_post = ('norm', 'head')
+
+    def pipeline_embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Patch tokens plus the class token and positions."""
         x = self.patch_embed(inputs).flatten(2).transpose(1, 2)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
-        x = torch.cat([cls, x], dim=1) + self.pos_embed
+        return torch.cat([cls, x], dim=1) + self.pos_embed
+
+    def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from the class token."""
+        return self.head(self.norm(hidden[:, 0]))
+
+    def pipeline_loss(self, logits: torch.Tensor,
+                      data_samples: torch.Tensor) -> Dict:
+        """``mode='loss'``'s dict from the logits."""
+        loss = F.cross_entropy(logits, data_samples)
+        acc = (logits.argmax(1) == data_samples).float().mean()
+        return dict(loss=loss, acc=acc.detach())
+
+    def pipeline_predict(self, logits: torch.Tensor,
+                         data_samples: torch.Tensor) -> List:
+        """``mode='predict'``'s list from the logits."""
+        preds = logits.argmax(1)
+        return [
+            dict(pred_label=p, gt_label=g)
+            for p, g in zip(preds.cpu(), data_samples.cpu())
+        ]
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = self.pipeline_embed(inputs)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x[:, 0]))
+        return self.pipeline_head(x)
 
     def forward(self,
                 inputs: torch.Tensor,
@@ -109,15 +138,9 @@ class DigitsViT(BaseModel):
         if mode == 'tensor':
             return logits
         if mode == 'loss':
-            loss = F.cross_entropy(logits, data_samples)
-            acc = (logits.argmax(1) == data_samples).float().mean()
-            return dict(loss=loss, acc=acc.detach())
+            return self.pipeline_loss(logits, data_samples)
         if mode == 'predict':
-            preds = logits.argmax(1)
-            return [
-                dict(pred_label=p, gt_label=g)
-                for p, g in zip(preds.cpu(), data_samples.cpu())
-            ]
+            return self.pipeline_predict(logits, data_samples)
         raise ValueError(f'mode={mode!r} is not supported; allowed: tensor, '
                          'loss, predict')
 

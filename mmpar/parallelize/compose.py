@@ -9,8 +9,8 @@
 4. the data-parallel wrapper over the data axis (``mesh['dp']``, or
    ``mesh['dp_replicate', 'dp_shard']`` for HSDP).
 
-Step 2 refuses until its technique lands, so no layout with ``pp > 1``
-ever trains silently wrong. With ``tp > 1`` the data-parallel wrapper is the
+Step 2 (:mod:`mmpar.parallelize.pipeline`) cuts this rank's stages and
+wraps each one in step 4. With ``tp > 1`` the data-parallel wrapper is the
 one that composes with TP (:func:`mmpar.parallelize.tp_wrapper.
 data_parallel_cfg_for_tp`: DDP becomes ``MMTensorParallelDDP``, FSDP1 is
 refused). The module also gives the one answer to "does this wrapper shard
@@ -21,7 +21,6 @@ from typing import Optional
 from mmengine.dist import broadcast
 from torch import nn
 
-from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.compile import apply_compile
@@ -65,14 +64,11 @@ def _tensor_parallel(model: nn.Module, topology: ParallelTopology,
 
 
 def _pipeline(model: nn.Module, topology: ParallelTopology,
-              parallel: ParallelConfig) -> nn.Module:
-    # The pipeline-parallel issue fills this step (split over mesh['pp']).
-    if not topology.dims.pp_enabled:
-        return model
-    raise ConfigError(
-        f'parallel.pp={topology.dims.pp}: pipeline parallelism is not '
-        'available in this version of mmpar; allowed: pp=1 '
-        '(pipeline_parallelism=1)')
+              parallel: ParallelConfig, model_wrapper_cfg: dict) -> nn.Module:
+    # Split over mesh['pp']; each stage gets the data-parallel wrapper.
+    from mmpar.parallelize.pipeline import pipeline_parallelize
+    return pipeline_parallelize(model, topology, parallel, model_wrapper_cfg,
+                                _data_parallel)
 
 
 def _data_parallel(model: nn.Module, model_wrapper_cfg: dict) -> nn.Module:
@@ -111,10 +107,17 @@ def parallelize(model: nn.Module,
     if topology.dims.tp_enabled:
         model_wrapper_cfg = data_parallel_cfg_for_tp(model_wrapper_cfg,
                                                      topology.dims.tp)
-    if topology.dims.tp_enabled or wrapper_shards(model_wrapper_cfg):
-        # Before the first step that turns parameters into shards.
+    if topology.dims.tp_enabled or topology.dims.pp_enabled or \
+            wrapper_shards(model_wrapper_cfg):
+        # (pp: before the split, while every rank holds the whole model.)
         init_weights_before_sharding(model)
     model = _tensor_parallel(model, topology, parallel)
-    model = _pipeline(model, topology, parallel)
+    if topology.dims.pp_enabled:
+        if compile_cfg:
+            raise ConfigError(
+                f'model_compile={compile_cfg!r} with parallel.pp='
+                f'{topology.dims.pp} is not supported yet; allowed: '
+                'model_compile=None with pipeline parallelism')
+        return _pipeline(model, topology, parallel, model_wrapper_cfg)
     model = apply_compile(model, compile_cfg)
     return _data_parallel(model, model_wrapper_cfg)

@@ -88,8 +88,10 @@ class Runner(MMEngineRunner):
                            model_wrapper_cfg, compile_cfg)
 
     def _init_model_weights(self) -> None:
-        if is_sharded(self.model):
-            return  # done in parallelize, before the parameters were sharded
+        if is_sharded(self.model) or hasattr(self.model, 'pipeline_stages'):
+            # Done in parallelize, before the parameters were sharded or
+            # the model split into stages.
+            return
         super()._init_model_weights()
 
     @staticmethod
@@ -153,9 +155,10 @@ class Runner(MMEngineRunner):
                         revise_keys: list = [(r'^module.', '')]) -> dict:
         """Load a checkpoint into the model (``weights_only=True``).
 
-        Local files go through :func:`mmpar.checkpoint.load_checkpoint_file` (clear errors on
-        missing or corrupt files); URLs and other schemes through MMEngine;
-        a directory is a sharded checkpoint, loaded by every rank.
+        Local files go through :func:`mmpar.checkpoint.load_checkpoint_file`
+        (clear errors on missing or corrupt files); URLs and other schemes
+        through MMEngine; a directory is a sharded checkpoint, loaded by
+        every rank.
         """
         if ckpt.is_sharded_checkpoint(filename):
             checkpoint = ckpt.load_sharded(
@@ -169,7 +172,8 @@ class Runner(MMEngineRunner):
         else:
             checkpoint = ckpt.load_checkpoint_file(filename, map_location)
         self._after_load_hooks(checkpoint)
-        if is_sharded(self.model):
+        if is_sharded(self.model) or hasattr(self.model, 'pipeline_stages'):
+            # (A pipelined model: every stage takes its own keys.)
             ckpt.load_full_model_state(self.model, checkpoint, strict,
                                        revise_keys)
         else:

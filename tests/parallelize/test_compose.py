@@ -92,10 +92,13 @@ def fake_world():
     reset_parallelism()
 
 
-# (tp=2 is no longer refused here: tensor parallelism landed;
-# tests/parallelize/test_tensor_parallel.py.)
+# (tp=2 and pp=2 are no longer refused as such: both techniques landed;
+# tests/parallelize/test_tensor_parallel.py, test_pipeline_*.py. A bad
+# pipeline section and a model without the pipeline protocol still are.)
 @pytest.mark.parametrize('section,named', [
-    (dict(pp=2, pipeline=dict(num_stages=2)), 'parallel.pp=2'),
+    (dict(pp=2, pipeline=dict(num_stages=2)),
+     'parallel.pipeline.num_stages=2 is not allowed'),
+    (dict(pp=2, pipeline=dict()), 'ToyModel cannot be pipelined'),
 ])
 def test_missing_techniques_are_refused_before_wrapping(fake_world, section,
                                                         named):

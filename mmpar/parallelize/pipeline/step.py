@@ -1,0 +1,361 @@
+"""The train/val/test steps of a pipelined model: torch's schedules run them.
+
+:class:`MMPipelineParallel` holds this rank's stages (each already wrapped by
+the data-parallel wrapper over the data axis, or plain) and replaces the
+forward/backward of the usual step with one ``schedule.step`` per batch:
+
+* every pp rank runs the data preprocessor (all pp peers read the same
+  batch); the first stage feeds ``inputs`` to the schedule, the last stage
+  gets the batch's *indices* as the schedule's ``target``, so its loss
+  function finds each micro-batch's data samples (of any type) by index:
+  only tensors pass between stages;
+* the last stage's loss is the model's ``pipeline_loss`` + ``parse_losses``,
+  divided by MMEngine's accumulation factor (``optim_wrapper.scale_loss``)
+  and weighted by the micro-batch's share of the batch, so the gradients are
+  those of the batch mean, as in one process (torch's own ``scale_grads``
+  would also divide gradients accumulated by earlier batches: the parity
+  test caught it); a batch the micro-batch count does not divide is padded
+  and the padding left out of the loss;
+* the logged loss is broadcast from the last stage over the pp group, and
+  ``optim_wrapper.backward`` is then called on every rank with a detached
+  copy of it: the schedule already ran the real backward, this call keeps
+  MMEngine's accumulation count and lets every wrapper of ``backward`` (the
+  non-finite guard) see the same loss on every stage;
+* the optimizer step clips by the global norm summed over the pp group
+  (:func:`mmpar.parallelize.clip.clip_grad_norm_`).
+"""
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from mmengine.optim import OptimWrapper
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+
+from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
+from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
+from mmpar.registry import MODEL_WRAPPERS
+from mmpar.wrappers.base import _NoModel
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return getattr(module, 'module', module)
+
+
+def _stage_submodule(module: nn.Module) -> nn.Module:
+    """What torch's PipelineStage runs: FSDP2's sharded module inside
+    ``MMFullyShard`` (torch drives its gradient sync), else the plain stage.
+
+    DDP is not handed to torch: its reducer breaks on a pipeline (torch
+    2.13: "rebuilt params size" on the second step, after the stage's shape
+    inference and with several stages per rank; silently wrong with
+    ``static_graph``). Its gradients are all-reduced once per optimizer step
+    instead (:func:`_sync_replicated_grads`), mmpar's ``forced_sync`` path.
+    """
+    return _unwrap(module)
+
+
+def _sync_replicated_grads(stages: Sequence[nn.Module]) -> None:
+    """Average the gradients of every replicated (not FSDP2) stage over its
+    data-parallel group: the wrapper's own ``all_reduce_grads``."""
+    for stage in stages:
+        if not isinstance(getattr(stage, 'module', None), FSDPModule) and \
+                hasattr(stage, 'all_reduce_grads'):
+            stage.all_reduce_grads()
+
+
+def split_data(data: Any) -> Tuple[torch.Tensor, Any]:
+    """``(inputs, rest)`` of a preprocessed batch: ``rest`` is a dict (the
+    other keys) or a tuple (the other items)."""
+    if isinstance(data, dict):
+        rest = dict(data)
+        if 'inputs' not in rest:
+            raise TypeError('a pipelined model needs the preprocessed batch '
+                            f'to have "inputs"; got keys {list(data)}')
+        return rest.pop('inputs'), rest
+    if isinstance(data, (list, tuple)):
+        return data[0], tuple(data[1:])
+    raise TypeError('the data preprocessor must return a dict, list or '
+                    f'tuple, got {type(data).__name__}')
+
+
+def _take(value: Any, index: torch.Tensor) -> Any:
+    # One micro-batch's share of a batch-sized value.
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index.to(value.device))
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in index.tolist()]
+    return value
+
+
+def _call(fn, outputs, rest: Any, index: Optional[torch.Tensor]):
+    if isinstance(rest, dict):
+        rest = {k: v if index is None else _take(v, index)
+                for k, v in rest.items()}
+        return fn(outputs, **rest)
+    rest = rest if index is None else [_take(v, index) for v in rest]
+    return fn(outputs, *rest)
+
+
+@MODEL_WRAPPERS.register_module()
+class MMPipelineParallel(nn.Module):
+    """This rank's pipeline stages and the steps that run a schedule.
+
+    Built by :func:`mmpar.parallelize.pipeline.pipeline_parallelize`, not
+    from a config.
+
+    Args:
+        stages: this rank's stage modules (data-parallel wrapped or plain),
+            in the order of ``stage_indices``.
+        stage_indices: their global stage indices.
+        num_stages: stages in the whole pipeline.
+        schedule: the schedule's registered name.
+        schedule_cls: the torch schedule class.
+        num_microbatches: micro-batches per training batch.
+        pp_group: the pipeline group; ``pp_ranks`` its global ranks.
+        last_holder: the pp rank (index in the group) of the last stage.
+        device: where activations live.
+        clip_extra_groups: groups over which ranks hold different
+            parameters besides the pp group (from the data wrapper).
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], stage_indices: List[int],
+                 num_stages: int, schedule: str, schedule_cls: type,
+                 num_microbatches: int, pp_group, pp_ranks: List[int],
+                 last_holder: int, device: torch.device,
+                 clip_extra_groups: tuple = ()):
+        super().__init__()
+        self.module = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
+        self.stages = list(stages)
+        self.stage_indices = list(stage_indices)
+        self.num_stages = num_stages
+        self.schedule_name = schedule
+        self.schedule_cls = schedule_cls
+        self.num_microbatches = num_microbatches
+        self.pp_group = pp_group
+        self.pp_ranks = list(pp_ranks)
+        self.last_holder = last_holder
+        self.device = device
+        self.clip_extra_groups = tuple(clip_extra_groups) + (pp_group, )
+        self.has_first = 0 in self.stage_indices
+        self.has_last = num_stages - 1 in self.stage_indices
+        self._schedules: Dict[tuple, Any] = {}
+        self._step_state: Dict[str, Any] = {}
+
+    # -- the model the user wrote (any stage copy serves) -------------------
+    @property
+    def model(self) -> nn.Module:
+        """This rank's stage copy of the user's model (the last stage's when
+        this rank holds it: it has ``pipeline_head``'s modules)."""
+        i = self.stage_indices.index(self.num_stages - 1) \
+            if self.has_last else 0
+        return _unwrap(self.stages[i])
+
+    @property
+    def data_preprocessor(self) -> nn.Module:
+        return self.model.data_preprocessor
+
+    @property
+    def pipeline_stages(self) -> List[nn.Module]:
+        """This rank's stages (as wrapped); marks a pipelined model."""
+        return self.stages
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every stage's state gathered into one plain-model state dict.
+
+        Keys are the unsplit model's (stages keep the original names), so
+        the result loads with ``strict=True`` into the unsplit model.
+        Collective over the pp group (and, for FSDP2 stages, the data axis).
+        """
+        local = OrderedDict()
+        for stage in self.stages:
+            part = stage.full_state_dict() if hasattr(
+                stage, 'full_state_dict') else _unwrap(stage).state_dict()
+            local.update((k, v.detach().cpu()) for k, v in part.items())
+        parts = [None] * len(self.pp_ranks)
+        dist.all_gather_object(parts, local, group=self.pp_group)
+        merged = OrderedDict()
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
+                             strict: bool = True) -> None:
+        """Load a plain-model state dict: each stage takes its own keys.
+
+        Raises:
+            RuntimeError: with ``strict``, a key of a stage missing from
+                ``state_dict``.
+        """
+        for stage in self.stages:
+            own = _unwrap(stage).state_dict().keys() if not hasattr(
+                stage, 'load_full_state_dict') else None
+            if own is None:  # FSDP2 stage: its own full-state loader
+                names = dict(_unwrap(stage).named_parameters())
+                names.update(dict(_unwrap(stage).named_buffers()))
+                part = {k: v for k, v in state_dict.items() if k in names}
+                stage.load_full_state_dict(part, strict=strict)
+                continue
+            part = {k: v for k, v in state_dict.items() if k in own}
+            _unwrap(stage).load_state_dict(part, strict=strict)
+
+    def full_optim_state_dict(self, optim_wrapper) -> dict:
+        """Not available under pp yet: refused rather than saving only this
+        stage's optimizer state (a resume would be silently wrong)."""
+        raise NotImplementedError(
+            'saving the optimizer of a pipelined model (parallel.pp > 1) is '
+            'not available yet; allowed: default_hooks.checkpoint.'
+            'save_optimizer=False (the model state is saved whole)')
+
+    # -- schedules ----------------------------------------------------------
+    def _schedule(self, train: bool, microbatches: int, batch: int):
+        """A schedule (and its stages) per (mode, micro-batch count, batch
+        size): torch stages size their buffers on the first batch they see
+        (an epoch's last, smaller batch gets its own)."""
+        key = (train, microbatches, batch)
+        if key not in self._schedules:
+            stages = [
+                PipelineStage(_stage_submodule(module), index,
+                              self.num_stages, self.device,
+                              group=self.pp_group)
+                for module, index in zip(self.stages, self.stage_indices)
+            ]
+            loss_fn = self._microbatch_loss if train else None
+            arg = stages if len(stages) > 1 else stages[0]
+            self._schedules[key] = self.schedule_cls(
+                arg, microbatches, loss_fn=loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def _microbatch_loss(self, outputs: torch.Tensor,
+                         index: torch.Tensor) -> torch.Tensor:
+        state = self._step_state
+        real = index < state['batch']  # padding rows have index >= batch
+        if not bool(real.any()):
+            # All padding: no loss, but a graph for the schedule's backward.
+            return outputs.sum() * 0.0
+        model = self.model
+        losses = _call(model.pipeline_loss, outputs[real], state['rest'],
+                       index[real])
+        loss, log_vars = model.parse_losses(losses)
+        weight = float(real.sum()) / state['batch']
+        state['log_vars'].append(
+            ({k: float(v.detach()) for k, v in log_vars.items()}, weight))
+        # Weighted by the micro-batch's share of the real batch here, not
+        # divided by torch (scale_grads=False): torch divides every .grad
+        # after the step, which would also shrink gradients accumulated by
+        # earlier batches. The weights make the sum the batch mean.
+        return state['optim_wrapper'].scale_loss(loss) * weight
+
+    def _run(self, data: Any, train: bool, extra: Optional[dict] = None):
+        """One schedule step (``train``) or forward-only pass over a batch.
+
+        A batch that ``num_microbatches`` does not divide (an epoch's last)
+        is padded by repeating its last sample; the padding's outputs are
+        left out of the loss and the predictions. torch's stages need
+        micro-batches of one size, at least one per stage.
+        """
+        inputs, rest = split_data(data)
+        batch, m = inputs.shape[0], self.num_microbatches
+        pad = -batch % m
+        if pad:
+            inputs = torch.cat(
+                [inputs, inputs[-1:].expand(pad, *inputs.shape[1:])])
+        self._step_state = dict(rest=rest, log_vars=[], batch=batch, pad=pad,
+                                microbatches=m, **(extra or {}))
+        schedule = self._schedule(train, m, batch + pad)
+        args = (inputs.to(self.device), ) if self.has_first else ()
+        if train:
+            target = torch.arange(batch + pad, device=self.device) \
+                if self.has_last else None
+            return schedule.step(*args, target=target, return_outputs=False)
+        outputs = schedule.eval(*args)
+        return None if outputs is None else outputs[:batch]
+
+    def _from_last(self, obj: Any) -> Any:
+        """``obj`` of the rank holding the last stage, on every pp rank."""
+        box = [obj]
+        dist.broadcast_object_list(
+            box, src=self.pp_ranks[self.last_holder], group=self.pp_group)
+        return box[0]
+
+    # -- the steps ----------------------------------------------------------
+    def clip_grad_norm(self, params, max_norm: float, norm_type: float = 2.0,
+                       **kwargs) -> torch.Tensor:
+        """The global-norm clip over every stage (sums over the pp group)."""
+        return clip_grad_norm_(params, max_norm, norm_type,
+                               extra_groups=self.clip_extra_groups, **kwargs)
+
+    def train_step(self, data: Any,
+                   optim_wrapper: OptimWrapper) -> Dict[str, torch.Tensor]:
+        """One batch through the schedule, then MMEngine's update.
+
+        Returns:
+            The log variables, averaged over micro-batches, equal on every
+            pp rank.
+        """
+        data = self.data_preprocessor(data, training=True)
+        with optim_wrapper.optim_context(_NoModel()):
+            self._run(data, True, dict(optim_wrapper=optim_wrapper))
+        log_vars = None
+        if self.has_last:
+            # The last m calls: on its first batch torch's stage also calls
+            # the loss once while it infers shapes.
+            state = self._step_state
+            # The real micro-batches of this step (on its first batch
+            # torch's stage also calls the loss while it infers shapes).
+            size = (state['batch'] + state['pad']) // state['microbatches']
+            real = -(-state['batch'] // size)  # micro-batches with real rows
+            parts = state['log_vars'][-real:]
+            total = sum(w for _, w in parts)
+            log_vars = {
+                k: sum(p[k] * w for p, w in parts) / total
+                for k in parts[0][0]
+            }
+        log_vars = self._from_last(log_vars)
+        loss = torch.tensor(log_vars['loss'], device=self.device)
+        # Detached leaf: the schedule already back-propagated (see module
+        # doc); this keeps the accumulation count and the non-finite guard.
+        leaf = optim_wrapper.scale_loss(loss).detach().requires_grad_()
+        with clip_func_swapped(optim_wrapper, self.clip_grad_norm):
+            optim_wrapper.backward(leaf)
+            if optim_wrapper.should_update():
+                _sync_replicated_grads(self.stages)
+                optim_wrapper.step()
+                optim_wrapper.zero_grad()
+        return {k: torch.tensor(v) for k, v in log_vars.items()}
+
+    def val_step(self, data: Any) -> list:
+        """Predictions of a batch, forward-only through the stages.
+
+        Returns:
+            The predictions, on every pp rank.
+        """
+        if self.schedule_name in V_SCHEDULES:
+            # torch 2.13: a V schedule's eval still runs its backward
+            # actions ("can't steal_bwd_input if this stage doesn't have
+            # backward").
+            raise RuntimeError(
+                f'parallel.pipeline.schedule={self.schedule_name!r} cannot '
+                'run validation/test in torch 2.13; allowed for a job with '
+                'a val/test loop: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, '
+                'InterleavedZeroBubble')
+        data = self.data_preprocessor(data, training=False)
+        _, rest = split_data(data)
+        outputs = self._run(data, False)
+        preds = _call(self.model.pipeline_predict, outputs, rest, None) \
+            if self.has_last else None
+        # Every pp rank returns them (MMEngine's val loop reads the last
+        # output); the evaluator counts only the last pp rank's
+        # (mmpar.runner.data_axis), once per data rank.
+        return self._from_last(preds)
+
+    def test_step(self, data: Any) -> list:
+        """As :meth:`val_step`."""
+        return self.val_step(data)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError('MMPipelineParallel runs through train_step, '
+                           'val_step and test_step (a pipeline schedule), '
+                           'not forward')

@@ -1,0 +1,102 @@
+"""A pipelined model written outside mmpar's package, and the runs the
+pipeline tests share (module level: spawned workers unpickle them)."""
+import copy
+
+import torch
+import torch.nn.functional as F
+from mmengine.model import BaseModel
+from torch import nn
+
+from tests.toy import make_optim_wrapper
+
+IN_DIM, HIDDEN, OUT_DIM = 8, 16, 4
+
+
+class PipeMLP(BaseModel):
+    """An MLP regressor meeting mmpar's pipeline protocol.
+
+    ``forward(inputs, targets, mode)`` is the usual one-process model; the
+    ``pipeline_*`` members let mmpar cut it into stages.
+    """
+    pipeline_layers = 'layers'
+    pipeline_pre = ('embed', )
+    pipeline_post = ('norm', 'head')
+
+    def __init__(self, depth=4):
+        super().__init__()
+        self.embed = nn.Linear(IN_DIM, HIDDEN)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+            for _ in range(depth))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT_DIM)
+
+    def pipeline_embed(self, inputs):
+        return self.embed(inputs)
+
+    def pipeline_head(self, hidden):
+        return self.head(self.norm(hidden))
+
+    def pipeline_loss(self, outputs, targets):
+        return dict(loss=F.mse_loss(outputs, targets),
+                    mae=(outputs - targets).abs().mean().detach())
+
+    def pipeline_predict(self, outputs, targets):
+        return [dict(pred=o, target=t) for o, t in zip(outputs, targets)]
+
+    def forward(self, inputs, targets=None, mode='tensor'):
+        x = self.pipeline_embed(inputs)
+        for layer in self.layers:
+            x = layer(x)
+        out = self.pipeline_head(x)
+        if mode == 'loss':
+            return self.pipeline_loss(out, targets)
+        if mode == 'predict':
+            return self.pipeline_predict(out, targets)
+        return out
+
+
+def make_pipe_model(seed=0, depth=4):
+    torch.manual_seed(seed)
+    return PipeMLP(depth)
+
+
+def reference(model, batches, **optim_kwargs):
+    """One process on the same batches: final state and logged losses."""
+    model = copy.deepcopy(model)
+    optim_wrapper = make_optim_wrapper(model, **optim_kwargs)
+    losses = [float(model.train_step(b, optim_wrapper)["loss"].detach())
+              for b in batches]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, \
+        losses
+
+
+def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4):
+    """Train through ``parallelize`` on this rank; returns this rank's
+    stage states (data rank 0 only, plain names) and logged losses."""
+    from mmpar.parallel import setup_parallelism
+    from mmpar.parallelize.compose import parallelize
+    from tests.toy import shard_batch
+    topology = setup_parallelism(parallel, wrapper_cfg)  # reset by harness
+    model = parallelize(make_pipe_model(depth=depth), topology, parallel,
+                        wrapper_cfg)
+    optim_wrapper = make_optim_wrapper(model, **optim_kwargs)
+    losses = []
+    for batch in batches:
+        log_vars = model.train_step(
+            shard_batch(batch, topology.dp_rank, topology.dp_size),
+            optim_wrapper)
+        losses.append(float(log_vars['loss']))
+    return stage_state(model), losses, topology.dp_rank
+
+
+def stage_state(model):
+    """Plain-named state of every stage on this rank (gathered if sharded)."""
+    state = {}
+    for stage in model.stages:
+        if hasattr(stage, 'full_state_dict'):
+            part = stage.full_state_dict()
+        else:
+            part = getattr(stage, 'module', stage).state_dict()
+        state.update({k: v.detach().clone() for k, v in part.items()})
+    return state

@@ -1,0 +1,94 @@
+"""Bad pipeline input fails at start-up naming the key, the value and what
+is allowed; the split keeps the original parameter names."""
+import pytest
+import torch
+
+from mmpar.config_check import check_layout
+from mmpar.failures import ConfigError
+from mmpar.parallelize.pipeline import (check_protocol, split_stage,
+                                        stage_starts)
+from mmpar.parallelize.pipeline.schedules import schedule_class
+from mmpar.registry import PIPELINE_SCHEDULES, registered_names
+from tests.parallelize.pipeline_cases import make_pipe_model
+from tests.toy import make_model
+
+
+def _check(pipeline, batch_size=8):
+    check_layout(dict(parallel=dict(pp=2, pipeline=pipeline),
+                      train_dataloader=dict(batch_size=batch_size)),
+                 world_size=2)
+
+
+def test_the_registry_holds_torchs_schedules():
+    names = registered_names(PIPELINE_SCHEDULES)
+    for name in ('GPipe', '1F1B', 'Interleaved1F1B', 'InterleavedZeroBubble',
+                 'ZBVZeroBubble'):
+        assert name in names
+    assert schedule_class('1F1B').__module__.startswith('torch.distributed')
+
+
+@pytest.mark.parametrize('pipeline,named', [
+    (dict(schedule='Foo'),
+     r"schedule='Foo' is not a registered pipeline schedule; registered: "
+     r'1F1B, DualPipeV, GPipe, Interleaved1F1B'),
+    (dict(schedule='Interleaved1F1B'),
+     r'stages_per_rank=1 is not allowed; allowed: an int >= 2'),
+    (dict(schedule='ZBVZeroBubble', stages_per_rank=3),
+     r'stages_per_rank=3 is not allowed; allowed: 2'),
+    (dict(schedule='1F1B', stages_per_rank=2),
+     r'stages_per_rank=2 is not allowed; allowed: 1 with'),
+    (dict(num_microbatches=3),
+     r'num_microbatches=3 is not allowed; allowed: a divisor of the '
+     r'per-rank batch size 8'),
+    (dict(num_microbatches=0), r'num_microbatches=0 is not allowed'),
+    (dict(split_points=['layers.1', 'layers.2']),
+     r"split_points=\['layers.1', 'layers.2'\] is not allowed; allowed: 1 "
+     r'names \(pp=2 x stages_per_rank=1'),
+    (dict(split_points='layers.2'), r"split_points='layers.2'"),
+    (dict(num_stages=2), r'parallel.pipeline.num_stages=2 is not allowed'),
+])
+def test_bad_pipeline_sections_fail_at_start_up(pipeline, named):
+    with pytest.raises(ConfigError, match=named):
+        _check(pipeline)
+
+
+def test_a_good_section_passes():
+    _check(dict(schedule='Interleaved1F1B', stages_per_rank=2,
+                split_points=['layers.1', 'layers.2', 'layers.3'],
+                num_microbatches=4))
+
+
+def test_split_points_are_checked_against_the_model():
+    model = make_pipe_model()
+    with pytest.raises(ValueError, match=r"'layers.9' names no layer of "
+                       r'PipeMLP; allowed: layers.1, layers.2, layers.3'):
+        stage_starts(model, ['layers.9'], 2)
+    with pytest.raises(ValueError, match=r'out of order at .layers.1.'):
+        stage_starts(model, ['layers.2', 'layers.1', 'layers.3'], 4)
+    with pytest.raises(ValueError, match=r'asks for 6 stages but PipeMLP '
+                       r"has 4 layers in 'layers'"):
+        stage_starts(model, None, 6)
+    assert stage_starts(model, None, 3) == [0, 2, 3]
+
+
+def test_a_model_without_the_protocol_is_refused_naming_what_is_missing():
+    with pytest.raises(ValueError, match=r'ToyModel cannot be pipelined.*'
+                       r'no pipeline_layers, pipeline_pre, pipeline_post, '
+                       r'pipeline_embed, pipeline_head'):
+        check_protocol(make_model())
+
+
+def test_stages_keep_the_original_names_and_together_are_the_model():
+    model = make_pipe_model()
+    starts = stage_starts(model, ['layers.1', 'layers.2', 'layers.3'], 4)
+    stages = [split_stage(model, starts, i) for i in range(4)]
+    names = [list(s.state_dict()) for s in stages]
+    assert names[1] == ['layers.1.0.weight', 'layers.1.0.bias']
+    merged = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert sum(map(len, names)) == len(model.state_dict())
+    model.load_state_dict(merged, strict=True)
+    inputs = torch.randn(2, 8)
+    x = inputs
+    for stage in stages:
+        x = stage(x)
+    torch.testing.assert_close(x, model(inputs))
