@@ -7,7 +7,7 @@ exactly, and training goes on from the saved iteration.
 import pytest
 
 from tests.e2e import load_ckpt
-from tests.test_sharded_checkpoint import (CONFIGS, _assert_resumed_state,
+from tests.checkpoint.test_sharded_checkpoint import (CONFIGS, _assert_resumed_state,
                                            _CaptureLoaded, _named_saved_state,
                                            _plain_model, _small_cfg, _train)
 

@@ -205,7 +205,7 @@ def _skip_nonfinite_window():
     """NonFiniteLossHook(action='skip') under tp=2 x DDP dp=2: a NaN on one
     data rank drops the window on every rank, as one process would."""
     from mmpar.runner import NonFiniteLossHook
-    from tests.test_nonfinite import _fake_runner
+    from tests.runner.test_nonfinite import _fake_runner
     mesh = tp_cases.world_mesh(2)
     model = tp_cases.make_vit()
     batches = tp_cases.make_image_batches()

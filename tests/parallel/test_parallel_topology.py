@@ -15,7 +15,7 @@ from mmpar.parallel import (AXES, DIMS, ParallelDims, ParallelismError, check_si
                             parallel_layout, parallelism_is_initialized,
                             reset_parallelism)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings(
     'ignore:`torch.jit.interface` is deprecated:DeprecationWarning')
 MAX_WORLD = 16

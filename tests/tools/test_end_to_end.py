@@ -69,7 +69,7 @@ def test_resume_on_two_ranks_is_bit_exact(two_epochs_on_two_ranks,
         load_ckpt(resumed / 'epoch_3.pth'), load_ckpt(straight / 'epoch_3.pth'))
 
 # `python tools/train.py CONFIG --resume` on one process is exercised by
-# tests/test_atomic_checkpoint.py::test_kill_during_save_then_resume.
+# tests/checkpoint/test_atomic_checkpoint.py::test_kill_during_save_then_resume.
 
 
 def test_resume_two_rank_checkpoint_on_one_process(two_epochs_on_two_ranks,

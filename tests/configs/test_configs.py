@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The language-model configs report a validation loss, not an accuracy:
 # tests/configs/test_llama_configs.py trains each of them.
 OWN_TESTS = ('_base_', 'llama_shakespeare')
