@@ -319,6 +319,30 @@ class Llama(BaseModel):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
+    # -- the pipeline protocol (docs/pipeline_parallel.md) ------------------
+    pipeline_layers = 'layers'
+    pipeline_pre = ('tok_embeddings', )
+    pipeline_post = ('norm', 'output')
+
+    def pipeline_embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def pipeline_layer(self, layer: nn.Module,
+                       hidden: torch.Tensor) -> torch.Tensor:
+        # Blocks take the rotary tables, which every stage keeps (buffers).
+        return layer(hidden, self.rope_cos, self.rope_sin)
+
+    def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(hidden))
+
+    def pipeline_loss(self, logits: torch.Tensor,
+                      data_samples: torch.Tensor) -> dict:
+        return lm_outputs(logits, data_samples, 'loss')
+
+    def pipeline_predict(self, logits: torch.Tensor,
+                         data_samples: torch.Tensor) -> list:
+        return lm_outputs(logits, data_samples, 'predict')
+
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` to logits ``(B, T, V)``.
 

@@ -90,8 +90,11 @@ class ThroughputHook(Hook):
     def before_train(self, runner) -> None:
         if self.peak_flops is None:
             self.peak_flops = device_peak_flops()
-        model = runner.model.module if is_model_wrapper(
-            runner.model) else runner.model
+        # Through nested wrappers (a pipeline's stages are wrapped again).
+        model = runner.model
+        while not hasattr(model, 'flops_per_token') and \
+                is_model_wrapper(model):
+            model = model.module
         self._flops_per_token = getattr(model, 'flops_per_token', None)
         self._dp_size = data_parallel_size()
         self._world_size = dist.get_world_size() if dist.is_initialized() \

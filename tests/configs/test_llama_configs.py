@@ -15,7 +15,8 @@ CONFIG_DIR = ROOT / 'configs' / 'llama_shakespeare'
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in CONFIG_DIR.glob('*.py'))
 # HSDP needs 2 shard groups of 2 ranks to replicate anything; 2-D layouts
 # need 2 ranks on each axis.
-WORLD_SIZES = {'llama_shakespeare_hsdp': 4, 'llama_shakespeare_tp_fsdp2': 4}
+WORLD_SIZES = {'llama_shakespeare_hsdp': 4, 'llama_shakespeare_tp_fsdp2': 4,
+               'llama_shakespeare_pp_fsdp2': 4}
 # What --cfg-options would pass: a 2-block model, 32-byte windows, 8 val
 # windows, a checkpoint at the end.
 SHRINK = {
@@ -95,6 +96,9 @@ def test_llama_config_trains(run_dist, config, tmp_path):
     if tp > 1:  # DDP replicates a TP model as MMTensorParallelDDP
         from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
         named = data_parallel_cfg_for_tp(dict(type=named), tp)['type']
+    pp = (cfg.get('parallel') or {}).get('pp', 1)
+    if pp > 1:  # the stages' wrappers sit inside the pipeline's
+        named = 'MMPipelineParallel'
     assert [r['world_size'] for r in results] == [world_size] * world_size
     assert {r['wrapper'] for r in results} == {named}
     # Every rank evaluated the same model on the same windows.
@@ -105,7 +109,7 @@ def test_llama_config_trains(run_dist, config, tmp_path):
     for r in results:
         # Tensor-parallel peers read the same tokens: data ranks only.
         assert r['tokens_per_s_total'] == pytest.approx(
-            r['tokens_per_s'] * (world_size // tp))
+            r['tokens_per_s'] * (world_size // tp // pp))
         assert r['flops_per_s'] > 0
     sharded = cfg.get('checkpoint_format', 'full') == 'sharded'
     saved = tmp_path / ('iter_4' if sharded else 'iter_4.pth')

@@ -13,7 +13,9 @@ and after an ordered container of layers, and how to run each part::
         def pipeline_loss(self, outputs, data_samples): ...     # loss dict
         def pipeline_predict(self, outputs, data_samples): ...  # predictions
 
-Every parameter must belong to one of the three parts. A stage is a deep copy
+Optionally ``pipeline_layer(layer, hidden)`` runs one layer when it needs
+more than the hidden state (e.g. rotary tables the model holds); the default
+is ``layer(hidden)``. Every parameter must belong to one of the three parts. A stage is a deep copy
 of the model with the modules of other stages set to ``None`` (as torchtitan
 does), so parameter names stay the original ones and one checkpoint loads at
 any layout. Its ``forward(x)`` runs ``pipeline_embed`` (first stage), its own
@@ -126,9 +128,10 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
     info = self._pp_stage
     if info['first']:
         x = self.pipeline_embed(x)
+    run_layer = getattr(self, 'pipeline_layer', None)
     for layer in self.get_submodule(self.pipeline_layers)._modules.values():
         if layer is not None:
-            x = layer(x)
+            x = layer(x) if run_layer is None else run_layer(layer, x)
     if info['last']:
         x = self.pipeline_head(x)
     return x
