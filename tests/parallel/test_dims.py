@@ -103,6 +103,8 @@ def test_hybrid_without_axes_shards_within_a_node(monkeypatch):
     (dict(pipeline_parallelism=2), ['parallel.pipeline_parallelism=2',
                                     'parallel.pipeline', 'dict(...)']),
     (dict(pp=2), ['parallel.pp=2']),
+    (dict(pp=2, tp=2, tp_plan='digits_vit', pipeline=dict(schedule='1F1B')),
+     ['parallel.pp=2 with parallel.tp=2', 'not supported yet']),
 ])
 def test_layouts_that_cannot_train_are_refused(section, named):
     with pytest.raises(ParallelismError) as err:
