@@ -52,7 +52,7 @@ def load_plan(quick: bool, device: str = 'cpu') -> dict:
 
     base = cfg('llama_shakespeare.py')
     strategies = {
-        HAND_DDP: None,
+        HAND_DDP: dict(baseline='ddp'),  # benchmarks/baselines.py
         HAND_FSDP2: None,
         'MMDistributedDataParallel': cfg(
             'llama_shakespeare_ddp.py').model_wrapper_cfg.to_dict(),
