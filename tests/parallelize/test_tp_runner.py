@@ -75,7 +75,8 @@ def _cfg(**extra):
 
 @pytest.mark.parametrize('parallel,wrapper,named', [
     (dict(tp=2, tp_plan='nope'), None,
-     ["parallel.tp_plan='nope'", 'registered: digits_vit, hf, module_plan']),
+     ["parallel.tp_plan='nope'", 'registered: digits_vit, hf, llama, ',
+      'module_plan']),
     (dict(tp=2, tp_plan=dict(type='module_plan', plan={'x': 'diag'})), None,
      ["parallel.tp_plan.plan['x'] style='diag'", 'allowed: colwise']),
     (dict(tp=3, tp_plan='digits_vit'), None,
