@@ -174,13 +174,38 @@ def plan_tensor_parallel(plan: Plan, model: nn.Module,
 
 def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
                   parallel: ParallelConfig) -> nn.Module:
-    """PP rows. Extension point: the pipeline issue splits the model into
-    stages here and adds rows for this rank's stage and the bubble."""
-    if topology.dims.pp_enabled:
-        plan.notes.append(
-            f'pp={topology.dims.pp}: pipeline parallelism is not applied by '
-            'this version (training refuses it): counts are for the whole '
-            'model')
+    """PP rows: each stage's layers and parameters, this rank's stages and
+    the schedule's theoretical bubble. The counts after these notes stay
+    those of the whole model (the data-parallel wrapper is planned on it)."""
+    if not topology.dims.pp_enabled:
+        return model
+    from mmpar.parallelize.pipeline.config import PipelineConfig
+    from mmpar.parallelize.pipeline.schedules import stage_indices
+    from mmpar.parallelize.pipeline.split import (layer_names, split_stage,
+                                                  stage_starts)
+    pp = topology.dims.pp
+    pipe = PipelineConfig.from_cfg(parallel.pipeline, pp)
+    num_stages = pp * pipe.stages_per_rank
+    starts = stage_starts(model, pipe.split_points, num_stages)
+    names = layer_names(model)
+    numels = []
+    for stage, start in enumerate(starts):
+        end = starts[stage + 1] if stage + 1 < num_stages else len(names)
+        numel = sum(p.numel()
+                    for p in split_stage(model, starts, stage).parameters())
+        numels.append(numel)
+        plan.notes.append(f'pp stage {stage}: {names[start]} .. '
+                          f'{names[end - 1]}, {numel:,} parameters')
+    mine = stage_indices(pipe.schedule, topology.pp.rank, pp,
+                         pipe.stages_per_rank)
+    held = sum(numels[s] for s in mine)
+    plan.notes.append(
+        f'this rank holds pp stage(s) {mine}: {held:,} parameters '
+        f'({4 * held:,} bytes in fp32) of the counts below')
+    m = pipe.num_microbatches
+    plan.notes.append(
+        f'schedule {pipe.schedule}, {m} micro-batches: theoretical bubble '
+        f'of GPipe/1F1B (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.3f}')
     return model
 
 

@@ -141,3 +141,26 @@ def test_refused_layout_fails_the_plan_too():
     with pytest.raises(PlanError, match='parallel.tp=2 asks for tensor'):
         plan_for('ddp', dict(tp=2), 0)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize('rank,held', [(0, 0), (1, 1), (2, 0), (3, 1)])
+def test_pipeline_stages_and_bubble(rank, held):
+    # The digits ViT cut at blocks.2 into 2 stages (pp=2 x dp=2 on 4 ranks).
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.fromfile(str(root / 'configs/vit_digits/vit_digits_pp.py'))
+    plan = make_plan(cfg, 4, rank)
+    from mmpar.models import DigitsViT
+    from mmpar.parallelize.pipeline.split import split_stage, stage_starts
+    model = DigitsViT(**{k: v for k, v in cfg.model.items() if k != 'type'})
+    starts = stage_starts(model, ['blocks.2'], 2)
+    numels = [sum(p.numel() for p in split_stage(model, starts, s)
+                  .parameters()) for s in (0, 1)]
+    text = format_plan(plan)
+    assert f'pp stage 0: blocks.0 .. blocks.1, {numels[0]:,} parameters' \
+        in text
+    assert f'pp stage 1: blocks.2 .. blocks.3, {numels[1]:,} parameters' \
+        in text
+    assert f'this rank holds pp stage(s) [{held}]: {numels[held]:,} ' \
+        'parameters' in text
+    # 1F1B, p=2, m=4: (p-1)/(m+p-1) = 1/5.
+    assert 'theoretical bubble of GPipe/1F1B (p-1)/(m+p-1) = 0.200' in text
