@@ -41,6 +41,32 @@ def spawn(run_rank: Callable, world_size: int, *args):
     return queue.get()
 
 
+def measure_on_ranks(measure: Callable, world_size: int, *args,
+                     device: str = 'cpu'):
+    """``measure(*args)`` on ``world_size`` spawned ranks (one thread each,
+    gloo on CPU, nccl on CUDA); returns rank 0's result."""
+    return spawn(_measure_rank, world_size, measure, device, args)
+
+
+def _measure_rank(rank, world_size, init_file, measure, device, args,
+                  queue) -> None:
+    os.environ.update(OMP_NUM_THREADS='1', RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    if device == 'cuda':
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        'nccl' if device == 'cuda' else 'gloo',
+        init_method=f'file://{init_file}', rank=rank, world_size=world_size)
+    try:
+        result = measure(*args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
 def time_steps(step: Callable[[], object], num_steps: int) -> List[float]:
     """Seconds per call of ``step``, each started after a barrier so that
     every rank times the same step."""

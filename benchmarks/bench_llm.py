@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks._common import (machine_description, median,  # noqa: E402
-                                slowest_rank, spawn, time_steps, utc_now,
-                                write_section)
+from benchmarks._common import (machine_description,  # noqa: E402
+                                measure_on_ranks, median, slowest_rank,
+                                time_steps, utc_now, write_section)
 
 SECTION = '## Language model (Llama on Tiny Shakespeare)'
 CONFIG_DIR = os.path.join(ROOT, 'configs', 'llama_shakespeare')
@@ -170,20 +170,6 @@ def measure(plan: dict) -> List[dict]:
     return rows
 
 
-def run_rank(rank, world_size, init_file, plan, queue):
-    os.environ.update(OMP_NUM_THREADS='1', RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo', init_method=f'file://{init_file}',
-                            rank=rank, world_size=world_size)
-    try:
-        rows = measure(plan)
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
 def add_ratios(rows: List[dict]) -> None:
     by_name = {r['strategy']: r for r in rows}
     ddp_state = by_name[HAND_DDP]['state_bytes']
@@ -239,7 +225,7 @@ def run_cpu(quick: bool, out: Optional[str], world_size: int = 2) -> str:
     ``out``/benchmarks.md when ``out`` is given; return the section."""
     start, load_before = time.time(), os.getloadavg()[0]
     plan = load_plan(quick)
-    rows = spawn(run_rank, world_size, plan)
+    rows = measure_on_ranks(measure, world_size, plan)
     add_ratios(rows)
     meta = dict(machine=machine_description('gloo', world_size),
                 date=utc_now(), load_before=load_before,

@@ -32,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (counting_collectives,  # noqa: E402
-                                machine_description, median, slowest_rank,
-                                spawn, time_steps, utc_now, write_section)
+                                machine_description, measure_on_ranks,
+                                median, slowest_rank, time_steps, utc_now,
+                                write_section)
 
 SECTION = '## Tensor parallelism'
 MODEL = dict(embed_dim=256, depth=4, num_heads=8, mlp_ratio=4.0)
@@ -148,18 +149,8 @@ def measure_layout(name: str, model_kwargs: dict, steps: int) -> dict:
         grad_bytes=sum(b for _, b in grad_calls), megatron_bytes=megatron)
 
 
-def run_rank(rank, world_size, init_file, names, model_kwargs, steps, queue):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    dist.init_process_group('gloo', init_method=f'file://{init_file}',
-                            rank=rank, world_size=world_size)
-    try:
-        rows = [measure_layout(n, model_kwargs, steps) for n in names]
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
+def measure_layouts(names, model_kwargs, steps) -> List[dict]:
+    return [measure_layout(n, model_kwargs, steps) for n in names]
 
 
 def measure(quick: bool) -> List[dict]:
@@ -168,7 +159,8 @@ def measure(quick: bool) -> List[dict]:
     rows = []
     for world in (2, 4):
         names = [n for n, (w, _, _) in LAYOUTS.items() if w == world]
-        rows += spawn(run_rank, world, names, model_kwargs, steps)
+        rows += measure_on_ranks(measure_layouts, world, names,
+                                 model_kwargs, steps)
     return rows
 
 

@@ -40,8 +40,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (counting_collectives,  # noqa: E402
-                                machine_description, median, slowest_rank,
-                                spawn, time_steps, utc_now, write_section)
+                                machine_description, measure_on_ranks,
+                                median, slowest_rank, time_steps, utc_now,
+                                write_section)
 from benchmarks.baselines import BASELINES  # noqa: E402
 
 SECTION = '## Every strategy side by side'
@@ -418,23 +419,6 @@ def measure(plan: dict) -> dict:
     return dict(rows=rows, counts=counts, max_rss=int(max_rss.item()) * 1024)
 
 
-def run_rank(rank, world_size, init_file, plan, queue):
-    os.environ.update(OMP_NUM_THREADS='1', RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    if plan['device'] == 'cuda':
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        'nccl' if plan['device'] == 'cuda' else 'gloo',
-        init_method=f'file://{init_file}', rank=rank, world_size=world_size)
-    try:
-        result = measure(plan)
-        if rank == 0:
-            queue.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 # -- report -------------------------------------------------------------------
 def add_ratios(rows: List[dict], world_size: int) -> None:
     for row in rows:
@@ -700,7 +684,8 @@ def main():
         device = ('cuda' if torch.cuda.device_count() >= args.world_size else
                   'cpu')
     plan = load_plan(args.quick, device)
-    result = spawn(run_rank, args.world_size, plan)
+    result = measure_on_ranks(measure, args.world_size, plan,
+                              device=plan['device'])
     report = write_report(result, plan, args.out, args.world_size, start,
                           load_before)
     if args.json:
