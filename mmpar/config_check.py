@@ -362,19 +362,6 @@ def check_layout(cfg: Any, world_size: Optional[int] = None) -> None:
                        batch_size if _is_int(batch_size) else None)
 
 
-def _check_pipeline_checkpoints(cfg: Any) -> None:
-    # Sharded checkpoints are not built for pipeline stages yet: refused,
-    # never half-saved.
-    parallel = cfg.get('parallel') or {}
-    pp = parallel.get('pp') or parallel.get('pipeline_parallelism') or 1
-    fmt = cfg.get('checkpoint_format', 'full')
-    if fmt == 'sharded' and pp != 1:
-        _fail('checkpoint_format', fmt,
-              f"with parallel.pp={pp} only 'full' is supported yet "
-              '(every stage gathered into one file); allowed: '
-              "checkpoint_format='full'")
-
-
 def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
     """Validate a full Runner config (a ``Config`` or dict) up front.
 
@@ -425,7 +412,6 @@ def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
     with _as_config_error():
         check_hooks(cfg, scope)
         check_compile_cfg(cfg.get('model_compile'))
-    _check_pipeline_checkpoints(cfg)
     check_layout(cfg, world_size)
     check_checkpoint_paths(cfg)
     checkpoint_format = cfg.get('checkpoint_format', 'full')

@@ -198,10 +198,6 @@ CASES = {
         'resume': True,
         'load_from': 'nope.pth'
     }, ["load_from (resume)='nope.pth'", 'does not exist']),
-    'sharded checkpoints under pp': ({
-        'checkpoint_format': 'sharded',
-        'parallel': dict(pp=2, pipeline=dict(schedule='1F1B'))
-    }, ["checkpoint_format='sharded'", "with parallel.pp=2 only 'full'"]),
     'unknown checkpoint_format': ({
         'checkpoint_format': 'dcp'
     }, ["checkpoint_format='dcp'", "'full', 'sharded'"]),

@@ -8,5 +8,3 @@
 _base_ = ['./llama_shakespeare.py']
 parallel = dict(
     pp=2, pipeline=dict(schedule='1F1B', num_microbatches=4))
-# The optimizer of a pipelined model cannot be saved yet (no resume under pp).
-default_hooks = dict(checkpoint=dict(save_optimizer=False))

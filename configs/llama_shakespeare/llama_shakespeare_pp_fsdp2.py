@@ -6,5 +6,3 @@
 _base_ = ['./llama_shakespeare.py']
 parallel = dict(pp=2, pipeline=dict(schedule='1F1B', num_microbatches=2))
 model_wrapper_cfg = dict(type='MMFullyShard')
-# The optimizer of a pipelined model cannot be saved yet (no resume under pp).
-default_hooks = dict(checkpoint=dict(save_optimizer=False))

@@ -11,7 +11,7 @@ parallel = dict(
     pipeline=dict(
         split_points=['blocks.2'], schedule='1F1B', num_microbatches=4))
 # model_wrapper_cfg = dict(type='MMFullyShard')  # 2-D: FSDP2 x PP
-# Checkpoints hold the whole model (every stage gathered, plain names); the
-# optimizer of a pipelined model cannot be saved yet, so resume is not
-# available under pp in this version.
-default_hooks = dict(checkpoint=dict(save_optimizer=False))
+# Checkpoints hold the whole model and optimizer (every stage gathered, plain
+# names): they load into the unsplit model and resume at any layout, e.g.
+#   bash tools/dist_train.sh configs/vit_digits/vit_digits_pp.py 2 --resume
+# checkpoint_format = 'sharded'  # each stage writes its own shards (DCP)

@@ -139,6 +139,50 @@ def _load_tensors(state: dict, path: str, partial: bool) -> None:
             'checkpoint in the same directory instead.') from None
 
 
+def distributed_state(model: nn.Module,
+                      optimizer: Optional[torch.optim.Optimizer]
+                      ) -> Tuple[dict, Optional[dict]]:
+    """``(model_state, optim_state)`` as DCP takes them: the plain model's
+    names, this rank's shards. torch's ``get_state_dict`` on the module
+    that holds the plain names, or the model's own
+    ``distributed_state_dict`` (a pipelined model, whose optimizer spans
+    several stage copies)."""
+    if hasattr(model, 'distributed_state_dict'):
+        return model.distributed_state_dict(optimizer)
+    module = stateful_module(model)
+    if optimizer is None:
+        return get_state_dict(module, [])[0], None
+    return get_state_dict(module, optimizer)
+
+
+def _set_distributed_state(model: nn.Module,
+                           optimizer: Optional[torch.optim.Optimizer],
+                           model_state: dict, optim_state: Optional[dict],
+                           strict: bool) -> None:
+    """Load what DCP read into :func:`distributed_state`'s dicts."""
+    if hasattr(model, 'load_distributed_state_dict'):
+        model.load_distributed_state_dict(optimizer, model_state,
+                                          optim_state, strict)
+    elif optim_state is None:
+        set_model_state_dict(stateful_module(model), model_state,
+                             options=StateDictOptions(strict=strict))
+    else:
+        set_state_dict(stateful_module(model), optimizer,
+                       model_state_dict=model_state,
+                       optim_state_dict=optim_state,
+                       options=StateDictOptions(strict=strict))
+
+
+def _all_keys(keys: list) -> list:
+    # Every rank's model keys, in order of first appearance by rank: a
+    # pipelined rank holds only its stages' keys.
+    if not _distributed():
+        return keys
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, keys)
+    return list(OrderedDict.fromkeys(k for part in parts for k in part))
+
+
 def save_sharded(model: nn.Module,
                  optim_wrapper: Optional[OptimWrapper],
                  path: str,
@@ -161,15 +205,11 @@ def save_sharded(model: nn.Module,
     Raises:
         TypeError: ``save_optimizer`` without an ``OptimWrapper``.
     """
-    module = stateful_module(model)
     optimizer = _optimizer(optim_wrapper) if save_optimizer else None
     if save_optimizer and optimizer is None:
         raise TypeError('optim_wrapper must be an OptimWrapper, got '
                         f'{type(optim_wrapper).__name__}')
-    if optimizer is not None:
-        model_state, optim_state = get_state_dict(module, optimizer)
-    else:
-        (model_state, _), optim_state = get_state_dict(module, []), None
+    model_state, optim_state = distributed_state(model, optimizer)
     not_tensors = [
         k for k, v in model_state.items() if not isinstance(v, torch.Tensor)
     ]
@@ -180,7 +220,7 @@ def save_sharded(model: nn.Module,
             f'state entries {not_tensors} are not tensors. Use '
             "checkpoint_format='full'")
     plain = dict(extras)
-    plain['model_keys'] = list(model_state)
+    plain['model_keys'] = _all_keys(list(model_state))
     tensors = {'model': model_state}
     if optim_state is not None:
         tensors['optimizer'], plain['optimizer'] = split_tensors(optim_state)
@@ -248,31 +288,25 @@ def load_sharded(model: nn.Module,
     checkpoint = load_plain_state(path)
     if after_read is not None:
         after_read(checkpoint)
-    module = stateful_module(model)
     optimizer = _optimizer(optim_wrapper)
     saved_optim = checkpoint.get('optimizer')
     if optimizer is None or saved_optim is None:
-        model_state, _ = get_state_dict(module, [])
+        model_state, _ = distributed_state(model, None)
         # Not strict (load_from's default): keys the checkpoint lacks keep
         # their current values, as nn.Module.load_state_dict(strict=False).
         _load_tensors({'model': model_state}, path, partial=not strict)
-        set_model_state_dict(
-            module, model_state, options=StateDictOptions(strict=strict))
+        _set_distributed_state(model, None, model_state, None, strict)
         checkpoint.pop('optimizer', None)
         return checkpoint
     before = copy.deepcopy(optimizer.state_dict())
-    # get_state_dict creates the optimizer's state (a zero-lr step) so that
-    # DCP has tensors of the right shards to load into.
-    model_state, optim_state = get_state_dict(module, optimizer)
+    # distributed_state creates the optimizer's state (a zero-lr step) so
+    # that DCP has tensors of the right shards to load into.
+    model_state, optim_state = distributed_state(model, optimizer)
     optim_tensors, _ = split_tensors(optim_state)
     loaded = {'model': model_state, 'optimizer': optim_tensors}
     _load_tensors(loaded, path, partial=False)
-    set_state_dict(
-        module,
-        optimizer,
-        model_state_dict=model_state,
-        optim_state_dict=merge(loaded['optimizer'], saved_optim),
-        options=StateDictOptions(strict=strict))
+    _set_distributed_state(model, optimizer, model_state,
+                           merge(loaded['optimizer'], saved_optim), strict)
     local = dict(checkpoint.get('optim_wrapper') or {})
     local.update(optimizer.state_dict())
     optimizer.load_state_dict(before)
@@ -309,8 +343,10 @@ def sharded_to_full(path: str) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = value
     model = tensors.get('model', {})
+    order = list(checkpoint.pop('model_keys', [])) + list(model)
     checkpoint['state_dict'] = OrderedDict(
-        (key, model[key]) for key in checkpoint.pop('model_keys', model))
+        (key, model[key]) for key in OrderedDict.fromkeys(order)
+        if key in model)
     if 'optimizer' in checkpoint:
         optimizer = dict(checkpoint.pop('optim_wrapper', None) or {})
         optimizer.update(

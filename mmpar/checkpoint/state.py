@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_optimizer_state_dict)
 
+from mmpar.checkpoint.files import CheckpointLoadError
 from mmpar.parallelize.compose import is_sharded
 
 
@@ -96,7 +97,7 @@ def _names_for_indices(model: nn.Module, optimizer, saved: dict) -> dict:
 
 
 def localize_optim_state(model: nn.Module, optim_wrapper,
-                         checkpoint: dict) -> None:
+                         checkpoint: dict, resuming: bool = False) -> None:
     """Turn name-keyed optimizer state into this process's form, in place.
 
     ``checkpoint['optimizer']`` in the full form sharded runs save (or, for a
@@ -106,12 +107,33 @@ def localize_optim_state(model: nn.Module, optim_wrapper,
     ``optim_wrapper.load_state_dict`` as usual. The optimizer itself is left
     as it was (``load_from`` does not restore optimizer state). Anything
     else is left untouched.
+
+    A pipelined model (``plain_param_names``: its optimizer holds only this
+    rank's stages) takes name-keyed state only; index-keyed state (a DDP or
+    one-process run) cannot say which index is which of its parameters.
+
+    Raises:
+        CheckpointLoadError: ``resuming`` a pipelined model from index-keyed
+            optimizer state.
     """
     saved = checkpoint.get('optimizer')
     if not (isinstance(saved, dict) and 'param_groups' in saved
             and isinstance(optim_wrapper, OptimWrapper)):
         return
     optimizer = optim_wrapper.optimizer
+    if hasattr(model, 'plain_param_names'):
+        if _is_full_optim_state(saved):
+            local = dict(saved)
+            local.update(model.localize_optim_state(optimizer, saved))
+            checkpoint['optimizer'] = local
+        elif resuming:
+            raise CheckpointLoadError(
+                'resume: this checkpoint holds the optimizer state of a '
+                'one-process or DDP run (keyed by index), which a pipelined '
+                'model (parallel.pp > 1) cannot match to its stages; allowed: '
+                'a checkpoint saved under pp, FSDP or FSDP2, any '
+                "checkpoint_format='sharded' one, or load_from (weights only)")
+        return
     if _is_full_optim_state(saved):
         full = {k: saved[k] for k in ('state', 'param_groups')}
     elif is_sharded(model):

@@ -23,7 +23,7 @@ from typing import Callable, List, Tuple, Union
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mmpar.parallelize.module_plan import check_module_plan_data, module_plan
 from mmpar.registry import TP_PLANS, lookup_callable, registered_names
@@ -144,3 +144,15 @@ def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, param.device_mesh, param.placements,
                               run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+def distribute_like(value, like: torch.Tensor):
+    """A whole tensor (as a full checkpoint holds it) as this rank's part of
+    DTensor ``like``, cut locally (no collective: every rank has the whole
+    value); anything else (``like`` not a DTensor, ``value`` already one or
+    of another shape, e.g. an optimizer's step count) unchanged."""
+    if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and \
+            not isinstance(value, DTensor) and value.shape == like.shape:
+        return distribute_tensor(value.to(like.device), like.device_mesh,
+                                 like.placements, src_data_rank=None)
+    return value

@@ -183,7 +183,8 @@ class Runner(MMEngineRunner):
                 model, checkpoint, strict, revise_keys=revise_keys)
         # Name-keyed (full) optimizer state, as sharded runs save it, becomes
         # this process's own form for MMEngine's resume.
-        ckpt.localize_optim_state(self.model, self.optim_wrapper, checkpoint)
+        ckpt.localize_optim_state(self.model, self.optim_wrapper, checkpoint,
+                                  resuming=getattr(self, '_resuming', False))
         self._has_loaded = True
         self.logger.info(f'Load checkpoint from {filename}')
         return checkpoint
@@ -236,7 +237,11 @@ class Runner(MMEngineRunner):
     def resume(self, filename: str, *args, **kwargs) -> None:
         """MMEngine's resume, then every rank's saved RNG states (when the
         world size matches), so random draws continue where they stopped."""
-        super().resume(filename, *args, **kwargs)
+        self._resuming = True  # (load_checkpoint: the optimizer state counts)
+        try:
+            super().resume(filename, *args, **kwargs)
+        finally:
+            self._resuming = False
         ckpt.restore_rng_states(
             getattr(self, '_loaded_rng_states', None), self.rank,
             self.world_size, self.logger.warning)

@@ -241,6 +241,12 @@ class _CaptureLoaded:
 
     def before_train(self, runner):
         from mmpar.checkpoint.state import stateful_module
+        self.epoch = runner.epoch
+        if hasattr(runner.model, 'pipeline_stages'):
+            # A pipelined model: every stage's, gathered under plain names.
+            full = runner.model.full_optim_state_dict(runner.optim_wrapper)
+            self.state = full['state']
+            return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict)
         full = get_optimizer_state_dict(
@@ -250,14 +256,14 @@ class _CaptureLoaded:
             name: {k: v.clone() for k, v in value.items()}
             for name, value in full['state'].items()
         }
-        self.epoch = runner.epoch
 
 
-def _resume_and_capture(config, work_dir, ckpt, max_epochs, name, fmt):
+def _resume_and_capture(config, work_dir, ckpt, max_epochs, name, fmt,
+                        **extra):
     """Resume from ``ckpt``, train to ``max_epochs``; the state as loaded."""
     from mmpar.runner import Runner
     cfg = _small_cfg(config, work_dir, max_epochs, name, fmt, resume=True,
-                     load_from=str(ckpt))
+                     load_from=str(ckpt), **extra)
     if int(os.environ.get('WORLD_SIZE', '1')) == 1:
         cfg.launcher = 'none'
     runner = Runner.from_cfg(cfg)

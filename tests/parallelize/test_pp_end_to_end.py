@@ -3,7 +3,8 @@
 ``bash tools/dist_train.sh configs/vit_digits/vit_digits_pp.py 2`` trains
 one epoch at pp=2; its checkpoint (every stage gathered) loads strictly into
 the plain model; ``tools/dist_test.sh`` at pp=2 and ``tools/test.py`` in one
-process both report the accuracy the run's own validation reported.
+process both report the accuracy the run's own validation reported;
+``--resume`` goes on from it with every stage's optimizer state.
 """
 import re
 
@@ -32,3 +33,14 @@ def test_dist_train_pp2_checkpoint_and_test_match_one_process(tmp_path):
                     'configs/vit_digits/vit_digits.py', checkpoint,
                     '--work-dir', tmp_path / 'one'])
     assert _accuracy(one) == accuracy
+    resumed = run_tool(['bash', 'tools/dist_train.sh', CONFIG, 2,
+                        '--work-dir', tmp_path, '--resume', '--cfg-options',
+                        'train_cfg.max_epochs=2'])
+    assert 'resumed epoch: 1' in resumed.stdout + resumed.stderr
+    saved = load_ckpt(checkpoint)['optimizer']['state']
+    assert set(saved) == {n for n, _ in plain.named_parameters()}
+    after = load_ckpt(tmp_path / 'epoch_2.pth')['optimizer']['state']
+    # AdamW's step count goes on from the saved one: one more epoch of
+    # 1,437 images in batches of 32 (pp peers read the same batches).
+    steps = after['cls_token']['step'] - saved['cls_token']['step']
+    assert int(steps) == 45

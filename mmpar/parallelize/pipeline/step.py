@@ -24,7 +24,6 @@ forward/backward of the usual step with one ``schedule.step`` per batch:
 * the optimizer step clips by the global norm summed over the pp group
   (:func:`mmpar.parallelize.clip.clip_grad_norm_`).
 """
-from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,12 +35,9 @@ from torch.distributed.pipelining import PipelineStage
 
 from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
 from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
+from mmpar.parallelize.pipeline.state import PipelineStateMixin, _unwrap
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import _NoModel
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return getattr(module, 'module', module)
 
 
 def _stage_submodule(module: nn.Module) -> nn.Module:
@@ -100,7 +96,7 @@ def _call(fn, outputs, rest: Any, index: Optional[torch.Tensor]):
 
 
 @MODEL_WRAPPERS.register_module()
-class MMPipelineParallel(nn.Module):
+class MMPipelineParallel(PipelineStateMixin, nn.Module):
     """This rank's pipeline stages and the steps that run a schedule.
 
     Built by :func:`mmpar.parallelize.pipeline.pipeline_parallelize`, not
@@ -161,53 +157,6 @@ class MMPipelineParallel(nn.Module):
     def pipeline_stages(self) -> List[nn.Module]:
         """This rank's stages (as wrapped); marks a pipelined model."""
         return self.stages
-
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Every stage's state gathered into one plain-model state dict.
-
-        Keys are the unsplit model's (stages keep the original names), so
-        the result loads with ``strict=True`` into the unsplit model.
-        Collective over the pp group (and, for FSDP2 stages, the data axis).
-        """
-        local = OrderedDict()
-        for stage in self.stages:
-            part = stage.full_state_dict() if hasattr(
-                stage, 'full_state_dict') else _unwrap(stage).state_dict()
-            local.update((k, v.detach().cpu()) for k, v in part.items())
-        parts = [None] * len(self.pp_ranks)
-        dist.all_gather_object(parts, local, group=self.pp_group)
-        merged = OrderedDict()
-        for part in parts:
-            merged.update(part)
-        return merged
-
-    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
-                             strict: bool = True) -> None:
-        """Load a plain-model state dict: each stage takes its own keys.
-
-        Raises:
-            RuntimeError: with ``strict``, a key of a stage missing from
-                ``state_dict``.
-        """
-        for stage in self.stages:
-            own = _unwrap(stage).state_dict().keys() if not hasattr(
-                stage, 'load_full_state_dict') else None
-            if own is None:  # FSDP2 stage: its own full-state loader
-                names = dict(_unwrap(stage).named_parameters())
-                names.update(dict(_unwrap(stage).named_buffers()))
-                part = {k: v for k, v in state_dict.items() if k in names}
-                stage.load_full_state_dict(part, strict=strict)
-                continue
-            part = {k: v for k, v in state_dict.items() if k in own}
-            _unwrap(stage).load_state_dict(part, strict=strict)
-
-    def full_optim_state_dict(self, optim_wrapper) -> dict:
-        """Not available under pp yet: refused rather than saving only this
-        stage's optimizer state (a resume would be silently wrong)."""
-        raise NotImplementedError(
-            'saving the optimizer of a pipelined model (parallel.pp > 1) is '
-            'not available yet; allowed: default_hooks.checkpoint.'
-            'save_optimizer=False (the model state is saved whole)')
 
     # -- schedules ----------------------------------------------------------
     def _schedule(self, train: bool, microbatches: int, batch: int):
