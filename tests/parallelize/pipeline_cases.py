@@ -88,16 +88,23 @@ def reference(model, batches, **optim_kwargs):
         losses
 
 
-def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4,
-                    expand=None):
-    """Train through ``parallelize`` on this rank; returns this rank's
-    stage states (data rank 0 only, plain names) and logged losses."""
+def build_pipelined(parallel, wrapper_cfg, depth=4, expand=None):
+    """``(model, topology)``: PipeMLP through ``parallelize`` on this rank."""
     from mmpar.parallel import setup_parallelism
     from mmpar.parallelize.compose import parallelize
-    from tests.toy import shard_batch
     topology = setup_parallelism(parallel, wrapper_cfg)  # reset by harness
     model = parallelize(make_pipe_model(depth=depth, expand=expand),
                         topology, parallel, wrapper_cfg)
+    return model, topology
+
+
+def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4,
+                    expand=None):
+    """Train through ``parallelize`` on this rank; returns this rank's
+    stage states (plain names, gathered), logged losses, data rank and how
+    many of its parameters are tensor-parallel DTensors."""
+    from tests.toy import shard_batch
+    model, topology = build_pipelined(parallel, wrapper_cfg, depth, expand)
     optim_wrapper = make_optim_wrapper(model, **optim_kwargs)
     losses = []
     for batch in batches:
@@ -105,7 +112,14 @@ def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4,
             shard_batch(batch, topology.dp_rank, topology.dp_size),
             optim_wrapper)
         losses.append(float(log_vars['loss']))
-    return stage_state(model), losses, topology.dp_rank
+    return stage_state(model), losses, topology.dp_rank, num_tp_params(model)
+
+
+def num_tp_params(model):
+    """How many of ``model``'s parameters are split over the tp mesh."""
+    from torch.distributed.tensor import DTensor
+    return sum(isinstance(p, DTensor) and 'tp' in (
+        p.device_mesh.mesh_dim_names or ()) for p in model.parameters())
 
 
 def stage_state(model):
