@@ -292,6 +292,41 @@ def test_layouts_that_cannot_train_are_refused(base_cfg, monkeypatch,
         assert text in str(info.value)
 
 
+PP_TP = dict(pp=2, tp=2, tp_plan='digits_vit', pipeline=dict(schedule='1F1B'))
+
+
+@pytest.mark.parametrize('world_size,wrapper', [
+    (4, None), (8, dict(type='MMFullyShard')),
+    (8, dict(type='MMDistributedDataParallel'))])
+def test_pp_x_tp_passes(base_cfg, monkeypatch, world_size, wrapper):
+    # 2-D (pp x tp) and 3-D (pp x tp x the data axis).
+    _as_torchrun(monkeypatch, world_size)
+    check_config(_apply(base_cfg, {'launcher': 'pytorch', 'parallel': PP_TP,
+                                   'model_wrapper_cfg': wrapper}))
+
+
+@pytest.mark.parametrize('changes,named', [
+    ({'model_wrapper_cfg': dict(type=FSDP)},
+     [f"model_wrapper_cfg.type='{FSDP}' with parallel.tp=2",
+      "allowed: type='MMFullyShard'"]),
+    ({'parallel': dict(PP_TP, pipeline=None)},
+     ['parallel.pp=2', 'parallel.pipeline', 'dict(...)']),
+    ({'parallel': dict(PP_TP, tp_plan=None)},
+     ['parallel.tp=2', 'parallel.tp_plan is not set']),
+    ({'parallel': dict(PP_TP, tp=3)},
+     ['world size 8 is not divisible', 'pp=2 * tp=3']),
+])
+def test_pp_x_tp_mistakes_are_refused(base_cfg, monkeypatch, changes,
+                                      named):
+    _as_torchrun(monkeypatch, 8)
+    cfg = _apply(base_cfg, dict({'launcher': 'pytorch', 'parallel': PP_TP},
+                                **changes))
+    with pytest.raises((ConfigError, ValueError)) as info:
+        check_config(cfg)
+    for text in named:
+        assert text in str(info.value)
+
+
 def test_hsdp_alias_passes(base_cfg, monkeypatch):
     _as_torchrun(monkeypatch, 4)
     check_config(_apply(base_cfg, {

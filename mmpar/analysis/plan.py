@@ -176,32 +176,38 @@ def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
                   parallel: ParallelConfig) -> nn.Module:
     """PP rows: each stage's layers and parameters, this rank's stages and
     the schedule's theoretical bubble. The counts after these notes stay
-    those of the whole model (the data-parallel wrapper is planned on it)."""
+    those of the whole model (the data-parallel wrapper is planned on it).
+    Under tp the stages are cut from the split model: this rank's share is
+    its local shards."""
     if not topology.dims.pp_enabled:
         return model
     from mmpar.parallelize.pipeline.config import PipelineConfig
     from mmpar.parallelize.pipeline.schedules import stage_indices
     from mmpar.parallelize.pipeline.split import (layer_names, split_stage,
                                                   stage_starts)
+    from mmpar.parallelize.tensor import local_tensor
     pp = topology.dims.pp
     pipe = PipelineConfig.from_cfg(parallel.pipeline, pp)
     num_stages = pp * pipe.stages_per_rank
     starts = stage_starts(model, pipe.split_points, num_stages)
     names = layer_names(model)
-    numels = []
+    numels, local = [], []
     for stage, start in enumerate(starts):
         end = starts[stage + 1] if stage + 1 < num_stages else len(names)
-        numel = sum(p.numel()
-                    for p in split_stage(model, starts, stage).parameters())
-        numels.append(numel)
+        params = list(split_stage(model, starts, stage).parameters())
+        numels.append(sum(p.numel() for p in params))
+        local.append(sum(local_tensor(p).numel() for p in params))
         plan.notes.append(f'pp stage {stage}: {names[start]} .. '
-                          f'{names[end - 1]}, {numel:,} parameters')
+                          f'{names[end - 1]}, {numels[-1]:,} parameters')
     mine = stage_indices(pipe.schedule, topology.pp.rank, pp,
                          pipe.stages_per_rank)
     held = sum(numels[s] for s in mine)
+    here = sum(local[s] for s in mine)
+    split = f'; its tp={topology.dims.tp} shards: {here:,} elements' \
+        if topology.dims.tp_enabled else ''
     plan.notes.append(
-        f'this rank holds pp stage(s) {mine}: {held:,} parameters '
-        f'({4 * held:,} bytes in fp32) of the counts below')
+        f'this rank holds pp stage(s) {mine}: {held:,} parameters{split} '
+        f'({4 * here:,} bytes in fp32) of the counts below')
     m = pipe.num_microbatches
     plan.notes.append(
         f'schedule {pipe.schedule}, {m} micro-batches: theoretical bubble '

@@ -228,12 +228,6 @@ def _refuse_unsupported(parallel, dims: ParallelDims) -> None:
             f'parallel.{key}={dims.pp} asks for pipeline parallelism but '
             'parallel.pipeline (how to split the model into stages) is not '
             f'set; allowed: set parallel.pipeline=dict(...), or {key}=1')
-    if dims.pp_enabled and dims.tp_enabled:
-        # Not parity-tested yet: refused rather than possibly wrong.
-        raise ParallelismError(
-            f'parallel.pp={dims.pp} with parallel.tp={dims.tp} (3-D) is not '
-            'supported yet; allowed: pp > 1 with the data axis (DDP or '
-            'MMFullyShard), or tp > 1 without pp')
 
 
 def resolve_dims(parallel,

@@ -21,6 +21,7 @@ from typing import Optional
 from mmengine.dist import broadcast
 from torch import nn
 
+from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.compile import apply_compile

@@ -196,7 +196,9 @@ class MMBucketDataParallel(PythonDataParallel):
                         bucket.used[slot] = False
                 elif not (grad is bucket.written[slot] and local_tensor(
                         grad)._version == bucket.versions[slot]):
-                    view.copy_(local_tensor(grad))
+                    # In the parameter's layout (a tp gradient may come
+                    # Partial or Replicate when backward ran unhooked).
+                    view.copy_(local_grad(param))
                     bucket.used[slot] = True
                 param.grad = view if bucket.aliased[slot] else None
         self._absorbed = True
@@ -276,6 +278,18 @@ class MMBucketDataParallel(PythonDataParallel):
                     bucket.written[slot] = grad
                     bucket.versions[slot] = local_tensor(grad)._version
         self._absorbed = False
+
+    def remove_grad_hooks(self) -> None:
+        """Stop watching backward: gradients stay in ``.grad`` until
+        :meth:`all_reduce_grads` averages them.
+
+        For a module whose forward and backward something else runs, not
+        through this wrapper (a pipeline schedule runs the plain stage):
+        the hooks would refuse such a backward.
+        """
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     def all_reduce_grads(self) -> None:
         """Average all gradients now (``forced_sync``), in ``grad_dtype``."""

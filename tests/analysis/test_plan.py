@@ -164,3 +164,35 @@ def test_pipeline_stages_and_bubble(rank, held):
         'parameters' in text
     # 1F1B, p=2, m=4: (p-1)/(m+p-1) = 1/5.
     assert 'theoretical bubble of GPipe/1F1B (p-1)/(m+p-1) = 0.200' in text
+
+
+@pytest.mark.parametrize('rank,held', [(0, 0), (6, 1)])
+def test_pipeline_with_tensor_parallel_at_8(rank, held):
+    # 3-D: pp=2 x tp=2 x FSDP2 dp_shard=2 (the Llama pp_tp config): the
+    # stages are cut from the tp-split model, this rank holds its shards.
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.fromfile(
+        str(root / 'configs/llama_shakespeare/llama_shakespeare_pp_tp.py'))
+    cfg.merge_from_dict({'model.dim': 32, 'model.num_layers': 2,
+                         'model.num_heads': 2})
+    plan = make_plan(cfg, 8, rank)
+    assert plan.dims.shape == (1, 2, 2, 2)
+    assert plan.wrapper_type == 'MMFullyShard'
+    # FSDP2 shards over the data axis: ranks at the same (pp, tp).
+    assert plan.axes['shard'] == ('dp', brute_force_group(
+        plan.dims.shape, rank, ('dp_replicate', 'dp_shard')))
+    text = format_plan(plan)
+    assert 'pp groups: [0, 2] [1, 3] [4, 6] [5, 7]' in text
+    from mmpar.models.llama import Llama
+    model = Llama(**{k: v for k, v in cfg.model.items() if k != 'type'})
+    # Stage 0: the embedding and block 0; stage 1: block 1, norm, output.
+    # tp=2 halves every projection and the embedding; the norms stay whole.
+    owner = ('tok_embeddings', 'layers.0') if held == 0 else \
+        ('layers.1', 'norm', 'output')
+    params = {n: p for n, p in model.named_parameters()
+              if n.startswith(owner)}
+    numel = sum(p.numel() for p in params.values())
+    local = sum(p.numel() // (1 if 'norm' in n else 2)
+                for n, p in params.items())
+    assert f'this rank holds pp stage(s) [{held}]: {numel:,} parameters; ' \
+        f'its tp=2 shards: {local:,} elements ({4 * local:,} bytes' in text

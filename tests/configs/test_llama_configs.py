@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / 'configs' / 'llama_shakespeare'
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in CONFIG_DIR.glob('*.py'))
 # HSDP needs 2 shard groups of 2 ranks to replicate anything; 2-D layouts
-# need 2 ranks on each axis.
+# need 2 ranks on each axis (pp x tp at 4 leaves the data axis 1: the 3-D
+# layout at 8 is proven by tests/parallelize/test_pipeline_tp_parity.py).
 WORLD_SIZES = {'llama_shakespeare_hsdp': 4, 'llama_shakespeare_tp_fsdp2': 4,
-               'llama_shakespeare_pp_fsdp2': 4}
+               'llama_shakespeare_pp_fsdp2': 4, 'llama_shakespeare_pp_tp': 4}
 # What --cfg-options would pass: a 2-block model, 32-byte windows, 8 val
 # windows, a checkpoint at the end.
 SHRINK = {

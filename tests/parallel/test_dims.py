@@ -46,6 +46,17 @@ def test_defaults_are_all_data_parallel():
                    tp_plan='digits_vit').shape == (2, 2, 1, 2)
 
 
+def test_pipeline_with_tensor_parallel_is_2d_or_3d():
+    # pp x tp, then pp x tp x the data axis (tp innermost, pp next).
+    both = dict(tp=2, tp_plan='digits_vit', pp=2, pipeline=dict())
+    assert dims_of(4, **both).shape == (1, 1, 2, 2)
+    assert dims_of(8, **both).shape == (1, 2, 2, 2)
+    assert dims_of(8, dp_replicate=2, **both).shape == (2, 1, 2, 2)
+    with pytest.raises(ParallelismError, match='world size 6 is not '
+                       'divisible by .*pp=2 \\* tp=2 = 4'):
+        dims_of(6, **both)
+
+
 def test_seed_names_are_aliases():
     assert dims_of(8, model_parallelism=2, tp_plan='digits_vit').tp == 2
     assert dims_of(8, pipeline_parallelism=2, pipeline=dict()).pp == 2
@@ -103,8 +114,11 @@ def test_hybrid_without_axes_shards_within_a_node(monkeypatch):
     (dict(pipeline_parallelism=2), ['parallel.pipeline_parallelism=2',
                                     'parallel.pipeline', 'dict(...)']),
     (dict(pp=2), ['parallel.pp=2']),
-    (dict(pp=2, tp=2, tp_plan='digits_vit', pipeline=dict(schedule='1F1B')),
-     ['parallel.pp=2 with parallel.tp=2', 'not supported yet']),
+    # pp with tp still needs both the split and the plan.
+    (dict(pp=2, tp=2, pipeline=dict(schedule='1F1B')),
+     ['parallel.tp=2', 'parallel.tp_plan is not set']),
+    (dict(pp=2, tp=2, tp_plan='digits_vit'),
+     ['parallel.pp=2', 'parallel.pipeline']),
 ])
 def test_layouts_that_cannot_train_are_refused(section, named):
     with pytest.raises(ParallelismError) as err:

@@ -376,8 +376,8 @@ def test_plan_ddp_groups_and_memory():
     # mp/pp > 1 now need a tp_plan / pipeline split (issue 11); the plan
     # applies the tp_plan (issue 16) and says the pipeline is not applied.
     # The report names the axes (tp, not mp) and DDP's reduction axis is
-    # read from the wrapper.
-    # (pp with tp, 3-D, is refused until it has a parity test: tp x dp.)
+    # read from the wrapper. (pp x tp is planned in
+    # tests/analysis/test_plan.py.)
     plan = plan_of('plan_ddp.py', 8, rank=1,
                    **{'parallel.model_parallelism': 2,
                       'parallel.tp_plan': dict(

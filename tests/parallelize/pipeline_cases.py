@@ -12,6 +12,25 @@ from tests.toy import make_optim_wrapper
 IN_DIM, HIDDEN, OUT_DIM = 8, 16, 4
 
 
+def _layer(expand=None):
+    if expand is None:
+        return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+    # Wider inside: a colwise -> rowwise pair for tensor parallelism
+    # (PIPE_TP_PLAN).
+    return nn.Sequential(nn.Linear(HIDDEN, expand * HIDDEN), nn.Tanh(),
+                         nn.Linear(expand * HIDDEN, HIDDEN))
+
+
+# A tensor-parallel plan for PipeMLP(expand=k) as plain data: each layer a
+# Megatron colwise -> rowwise pair, the head split by output features and
+# gathered whole (the loss needs every output). embed and norm stay plain.
+PIPE_TP_PLAN = dict(type='module_plan', plan={
+    'layers.*.0': 'colwise',
+    'layers.*.2': 'rowwise',
+    'head': dict(style='colwise', output_layouts='replicate'),
+})
+
+
 class PipeMLP(BaseModel):
     """An MLP regressor meeting mmpar's pipeline protocol.
 
@@ -22,12 +41,10 @@ class PipeMLP(BaseModel):
     pipeline_pre = ('embed', )
     pipeline_post = ('norm', 'head')
 
-    def __init__(self, depth=4):
+    def __init__(self, depth=4, expand=None):
         super().__init__()
         self.embed = nn.Linear(IN_DIM, HIDDEN)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
-            for _ in range(depth))
+        self.layers = nn.ModuleList(_layer(expand) for _ in range(depth))
         self.norm = nn.LayerNorm(HIDDEN)
         self.head = nn.Linear(HIDDEN, OUT_DIM)
 
@@ -56,9 +73,9 @@ class PipeMLP(BaseModel):
         return out
 
 
-def make_pipe_model(seed=0, depth=4):
+def make_pipe_model(seed=0, depth=4, expand=None):
     torch.manual_seed(seed)
-    return PipeMLP(depth)
+    return PipeMLP(depth, expand)
 
 
 def reference(model, batches, **optim_kwargs):
@@ -71,15 +88,23 @@ def reference(model, batches, **optim_kwargs):
         losses
 
 
-def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4):
-    """Train through ``parallelize`` on this rank; returns this rank's
-    stage states (data rank 0 only, plain names) and logged losses."""
+def build_pipelined(parallel, wrapper_cfg, depth=4, expand=None):
+    """``(model, topology)``: PipeMLP through ``parallelize`` on this rank."""
     from mmpar.parallel import setup_parallelism
     from mmpar.parallelize.compose import parallelize
-    from tests.toy import shard_batch
     topology = setup_parallelism(parallel, wrapper_cfg)  # reset by harness
-    model = parallelize(make_pipe_model(depth=depth), topology, parallel,
-                        wrapper_cfg)
+    model = parallelize(make_pipe_model(depth=depth, expand=expand),
+                        topology, parallel, wrapper_cfg)
+    return model, topology
+
+
+def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4,
+                    expand=None):
+    """Train through ``parallelize`` on this rank; returns this rank's
+    stage states (plain names, gathered), logged losses, data rank and how
+    many of its parameters are tensor-parallel DTensors."""
+    from tests.toy import shard_batch
+    model, topology = build_pipelined(parallel, wrapper_cfg, depth, expand)
     optim_wrapper = make_optim_wrapper(model, **optim_kwargs)
     losses = []
     for batch in batches:
@@ -87,7 +112,14 @@ def train_pipelined(parallel, wrapper_cfg, batches, optim_kwargs, depth=4):
             shard_batch(batch, topology.dp_rank, topology.dp_size),
             optim_wrapper)
         losses.append(float(log_vars['loss']))
-    return stage_state(model), losses, topology.dp_rank
+    return stage_state(model), losses, topology.dp_rank, num_tp_params(model)
+
+
+def num_tp_params(model):
+    """How many of ``model``'s parameters are split over the tp mesh."""
+    from torch.distributed.tensor import DTensor
+    return sum(isinstance(p, DTensor) and 'tp' in (
+        p.device_mesh.mesh_dim_names or ()) for p in model.parameters())
 
 
 def stage_state(model):

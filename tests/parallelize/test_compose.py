@@ -114,3 +114,44 @@ def test_no_topology_leaves_the_model_alone():
     from mmpar.parallelize.compose import parallelize
     model = make_model()
     assert parallelize(model, None, None, None) is model
+
+
+PP_TP = dict(pp=2, tp=2, pipeline=dict(schedule='1F1B'))
+
+
+@pytest.mark.parametrize('changes,error,named', [
+    # The plan is checked against the model before the first collective.
+    (dict(tp_plan=dict(type='module_plan', plan={'layers.*': 'colwise'})),
+     ValueError, ["parallel.tp_plan.plan: 'layers.0' is a Sequential",
+                  'splits only nn.Linear']),
+    (dict(tp_plan=dict(type='module_plan', plan={'layers.*.5': 'colwise'})),
+     ValueError, ["pattern 'layers.*.5' matches no module of PipeMLP"]),
+    # The split comes after tensor parallelism; it is still checked.
+    (dict(tp_plan=dict(type='module_plan', plan={'head': 'colwise'}),
+          pipeline=dict(schedule='1F1B', split_points=['layers.9'])),
+     ConfigError, ["split_points: 'layers.9' names no layer"]),
+])
+def test_pp_x_tp_mistakes_fail_before_training(fake_world, changes, error,
+                                               named):
+    from mmpar.parallel import setup_parallelism
+    from mmpar.parallelize.compose import parallelize
+    from tests.parallelize.pipeline_cases import make_pipe_model
+    section = dict(PP_TP, **changes)
+    topology = setup_parallelism(section, None)
+    with pytest.raises(error) as err:
+        parallelize(make_pipe_model(expand=2), topology, section, None)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_compile_under_pp_is_refused_naming_the_key(fake_world):
+    from mmpar.parallel import setup_parallelism
+    from mmpar.parallelize.compose import parallelize
+    from tests.parallelize.pipeline_cases import make_pipe_model
+    section = dict(PP_TP, tp_plan=dict(type='module_plan',
+                                       plan={'head': 'colwise'}))
+    topology = setup_parallelism(section, None)
+    with pytest.raises(ConfigError, match=r"model_compile=\{'per_block': "
+                       'True} with parallel.pp=2 is not supported'):
+        parallelize(make_pipe_model(), topology, section, None,
+                    dict(per_block=True))

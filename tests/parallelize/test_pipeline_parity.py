@@ -25,7 +25,8 @@ SCHEDULES = {
 
 def _merge(results):
     state, losses = {}, {}
-    for part, rank_losses, dp_rank in results:
+    for part, rank_losses, dp_rank, num_tp in results:
+        assert num_tp == 0
         # The logged loss is the same on every stage of a data rank.
         assert losses.setdefault(dp_rank, rank_losses) == rank_losses
         if dp_rank == 0:

@@ -2,7 +2,9 @@
 
 Parity: each rank's parameters after training match single-process training
 on the global batch and torch DDP, with accumulative_counts=2 and active
-clipping (clip=0.05 is far below the gradient norm; see test_ddp.py).
+clipping (clip=0.05 is far below the gradient norm; see test_ddp.py). With
+its hooks removed (a pipeline runs the plain stage) the bucketed wrapper
+averages the accumulated gradients when asked.
 """
 import copy
 
@@ -384,3 +386,32 @@ def test_bucket_respects_grad_edits_between_backwards(run_dist, grad_dtype):
     expected = _grads_after_edits(None, batches)
     for grads in run_dist(_grads_after_edits, grad_dtype, batches):
         assert_states_close(grads, expected, atol=ATOL, rtol=RTOL)
+
+
+def _grads_without_hooks(batches):
+    # What a pipeline schedule does: it runs the plain module, never the
+    # wrapper's forward; gradients accumulate in .grad until
+    # all_reduce_grads averages them once per step.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapper = MMBucketDataParallel(make_model(), bucket_cap_mb=0.001)
+    wrapper.remove_grad_hooks()
+    model = wrapper.module
+    for set_to_none in (True, False, None):
+        for batch in batches:
+            loss = model(**shard_batch(batch, rank, world),
+                         mode='loss')['loss'] / len(batches)
+            loss.backward()
+        wrapper.all_reduce_grads()
+        if set_to_none is None:
+            return {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=set_to_none)
+
+
+def test_bucket_without_hooks_averages_on_request(run_dist):
+    batches = make_batches(num_batches=2, batch_size=8)
+    model = make_model()
+    for batch in batches:
+        (model(**batch, mode='loss')['loss'] / len(batches)).backward()
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for grads in run_dist(_grads_without_hooks, batches):
+        assert_states_close(grads, expected, ATOL, RTOL)

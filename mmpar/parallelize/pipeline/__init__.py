@@ -25,9 +25,11 @@ __all__ = [
 ]
 
 # Data-parallel wrappers a stage may have: FSDP2 (torch's PipelineStage
-# drives its gradient sync) and DDP (gradients all-reduced once per
-# optimizer step, see step._stage_submodule).
-STAGE_WRAPPERS = ('MMDistributedDataParallel', 'MMFullyShard')
+# drives its gradient sync), DDP and, with tp > 1, the tensor-parallel DDP
+# (gradients all-reduced once per optimizer step, see
+# step._stage_submodule).
+STAGE_WRAPPERS = ('MMDistributedDataParallel', 'MMFullyShard',
+                  'MMTensorParallelDDP')
 
 
 def check_pipeline_wrapper(model_wrapper_cfg: Optional[dict], dp: int,
@@ -47,6 +49,20 @@ def check_pipeline_wrapper(model_wrapper_cfg: Optional[dict], dp: int,
             f'model_wrapper_cfg.type={name!r} cannot wrap a pipeline stage '
             f'(parallel.pp > 1 with dp={dp}); allowed: '
             f'{", ".join(STAGE_WRAPPERS)}')
+
+
+def _wrap_stage(stage: nn.Module, wrap: Callable[[nn.Module, dict],
+                                                 nn.Module],
+                cfg: dict) -> nn.Module:
+    stage = wrap(stage, cfg)
+    # torch's schedule runs the plain stage, not the wrapper's forward
+    # (step._stage_submodule): a wrapper whose backward hooks expect its own
+    # forward (the bucketed tensor-parallel DDP) must stand aside; its
+    # gradients are averaged once per optimizer step instead.
+    remove_hooks = getattr(stage, 'remove_grad_hooks', None)
+    if remove_hooks is not None:
+        remove_hooks()
+    return stage
 
 
 def pipeline_parallelize(model: nn.Module, topology, parallel,
@@ -91,11 +107,13 @@ def pipeline_parallelize(model: nn.Module, topology, parallel,
         # FSDP2 must keep parameters gathered between the micro-batches'
         # forward and backward, which the schedule interleaves.
         wrapper_cfg.setdefault('reshard_after_forward', False)
-    stages, for_torch, extra = [], [], ()
+    stages, extra = [], ()
     for index in indices:
         stage = split_stage(model, starts, index)
-        if dims.dp > 1:
-            stage = wrap(stage, wrapper_cfg)
+        # With tp > 1 also at dp=1: the wrapper gathers the stage's DTensors
+        # into full checkpoints.
+        if dims.dp > 1 or dims.tp_enabled:
+            stage = _wrap_stage(stage, wrap, wrapper_cfg)
             extra = getattr(stage, 'clip_extra_groups', ())
         stages.append(stage)
     device = torch.device(device_type(), torch.cuda.current_device()) \
