@@ -11,5 +11,3 @@ parallel = dict(
     pp=2, tp=2, tp_plan='llama',
     pipeline=dict(schedule='1F1B', num_microbatches=4))
 model_wrapper_cfg = dict(type='MMFullyShard')
-# The optimizer of a pipelined model cannot be saved yet (no resume under pp).
-default_hooks = dict(checkpoint=dict(save_optimizer=False))

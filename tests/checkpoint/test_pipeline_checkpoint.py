@@ -27,10 +27,8 @@ PIPELINE = dict(
 NO_VAL = dict(val_cfg=None, val_dataloader=None, val_evaluator=None)
 
 
-def _pp_train(work_dir, max_epochs, name, fmt, wrapper=None, **extra):
-    if wrapper is not None:
-        extra['model_wrapper_cfg'] = dict(type=wrapper)
-    _train(PP_CONFIG, work_dir, max_epochs, name, fmt, parallel=PIPELINE,
+def _pp_train(work_dir, max_epochs, name, fmt, parallel=PIPELINE, **extra):
+    _train(PP_CONFIG, work_dir, max_epochs, name, fmt, parallel=parallel,
            **NO_VAL, **extra)
 
 
@@ -98,6 +96,21 @@ def test_pp_x_fsdp2_checkpoints_move_to_and_from_pp2(run_dist, tmp_path):
                        path, 3, 'fsdp2_to_pp', 'sharded', parallel=PIPELINE,
                        **NO_VAL)
     _check_resumed(results, saved, epoch=2)
+
+
+def test_pp_x_tp_sharded_checkpoint_resumes_on_one_process(run_dist,
+                                                          tmp_path):
+    """pp=2 x tp=2 (4 ranks): each stage writes its tensor-parallel shards;
+    one process resumes with the optimizer state as saved."""
+    pp_tp = dict(PIPELINE, tp=2, tp_plan='digits_vit')
+    run_dist(_pp_train, tmp_path / 'pp_tp', 1, 'pp_tp_save', 'sharded',
+             parallel=pp_tp, world_size=4)
+    path, saved = _ckpt(tmp_path / 'pp_tp', 1, 'sharded')
+    assert saved['state_dict'].keys() == _plain_model().state_dict().keys()
+    one = _resume_and_capture(CONFIGS['MMDistributedDataParallel'],
+                              tmp_path / 'one', path, 2, 'pp_tp_to_one',
+                              'sharded', **NO_VAL)
+    _check_resumed([one], saved)
 
 
 def _resume_pp(work_dir, ckpt, name):
