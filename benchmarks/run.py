@@ -85,7 +85,14 @@ def _llm_section(args: argparse.Namespace) -> None:
         print(bench_llm.run_cpu(args.quick, args.out, args.world_size))
 
 
-SECTIONS += [_tensor_parallel_section, _llm_section]
+def _pipeline_section(args: argparse.Namespace) -> None:
+    # Every pipeline schedule at pp=2 against pp=1: its own file.
+    if args.world_size == 2 and args.device == 'cpu':
+        from benchmarks import bench_pipeline
+        print(bench_pipeline.run(args.quick, args.out))
+
+
+SECTIONS += [_tensor_parallel_section, _pipeline_section, _llm_section]
 FORCED_SYNC_GOAL = 1.10  # forced_sync step time / single_auto_sync's
 OWN_BASELINE_GOAL = 0.98  # a wrapper's speed / its hand-written loop's
 ACCUMULATION = 4  # k micro-batches per optimizer step when counting
