@@ -3,11 +3,13 @@
 :class:`StageClock` patches torch's ``PipelineStage`` chunk methods (the
 forward, backward and weight-gradient passes of one micro-batch, which the
 schedules call between their sends and receives) and the schedules' ``step``
-methods, and adds up the seconds spent in each. ``1 - compute / schedule``
-is then this rank's directly measured idle share of the schedule: the bubble
-plus the time spent waiting on sends and receives and in the schedule's own
-bookkeeping. It leaves out what the step does around the schedule (data
-preprocessing, the optimizer), unlike the step-time comparison with pp=1.
+methods, and adds up the seconds spent in each. Against the longest
+schedule step of all ranks (the pipeline's span: the rank holding the last
+stage returns early, while the first one drains), ``1 - compute / span`` is
+a rank's directly measured idle share: the bubble plus the time spent
+waiting on sends and receives and in the schedule's own bookkeeping. It
+leaves out what the step does around the schedule (data preprocessing, the
+optimizer), unlike the step-time comparison with pp=1.
 """
 import time
 from typing import Dict, List, Tuple
@@ -40,13 +42,6 @@ class StageClock:
     def reset(self) -> None:
         self.seconds = dict(compute=0.0, schedule=0.0)
         self._depth = dict(compute=0, schedule=0)
-
-    def idle_share(self) -> float:
-        """``1 - compute / schedule`` since the last reset (0 when no
-        schedule step ran)."""
-        if self.seconds['schedule'] <= 0:
-            return 0.0
-        return 1 - self.seconds['compute'] / self.seconds['schedule']
 
     def _timed(self, function, total: str):
 

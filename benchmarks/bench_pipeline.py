@@ -22,8 +22,9 @@ timed. Per row:
   bubble, communication, the smaller micro-batches' lower efficiency and
   any other overhead (0 is a perfect p-fold speed-up);
 * *stage idle*: measured directly (``benchmarks/_stage_clock.py``): the
-  share of each rank's time inside the schedule not spent computing in its
-  stages (bubble + waiting on sends and receives), mean over ranks;
+  share of the pipeline's span (the longest schedule step of any rank) a
+  rank does not spend computing in its stages (bubble + waiting on sends
+  and receives), mean over ranks;
 * *theory*: the schedule's textbook bubble
   (:func:`mmpar.parallelize.pipeline.schedules.theoretical_bubble`):
   ``(p-1)/(m+p-1)`` for GPipe and 1F1B, ``(p-1)/(v*m+p-1)`` with ``v``
@@ -194,13 +195,14 @@ def _pipelined(plan: dict, schedule: str, microbatches: int) -> nn.Module:
 
 def _paired(pipelined, single, steps: int, clock: StageClock):
     """``steps`` pairs of a pp=2 and a pp=1 step, which goes first swapped
-    every pair; this rank's step times and stage idle shares."""
-    pp_times, single_times, idle = [], [], []
+    every pair; this rank's step times and the :class:`StageClock` seconds
+    of each pp=2 step."""
+    pp_times, single_times, clocked = [], [], []
 
     def pp_step():
         clock.reset()
         pp_times.extend(time_steps(pipelined, 1))
-        idle.append(clock.idle_share())
+        clocked.append(dict(clock.seconds))
 
     def single_step():
         single_times.extend(time_steps(single, 1))
@@ -209,7 +211,19 @@ def _paired(pipelined, single, steps: int, clock: StageClock):
         for step in ((pp_step, single_step) if i % 2 == 0 else
                      (single_step, pp_step)):
             step()
-    return pp_times, single_times, idle
+    return pp_times, single_times, clocked
+
+
+def _stage_idle(clocked: List[dict]) -> List[float]:
+    """Per step: 1 - the ranks' mean stage compute / the pipeline's span
+    (the longest schedule step of any rank); collective."""
+    compute = torch.tensor([c['compute'] for c in clocked],
+                           dtype=torch.float64)
+    span = torch.tensor([c['schedule'] for c in clocked],
+                        dtype=torch.float64)
+    dist.all_reduce(compute)
+    dist.all_reduce(span, op=dist.ReduceOp.MAX)
+    return (1 - compute / dist.get_world_size() / span).tolist()
 
 
 def measure(plan: dict) -> List[dict]:
@@ -235,17 +249,15 @@ def measure(plan: dict) -> List[dict]:
             pipelined = _step_fn(_pipelined(plan, schedule, m), batch)
             time_steps(pipelined, plan['warmup'])  # shape inference, warm-up
             with StageClock() as clock:
-                pp_times, single_times, idle = _paired(
+                pp_times, single_times, clocked = _paired(
                     pipelined, single, plan['steps'], clock)
             del pipelined
             pp_times = slowest_rank(pp_times)
             single_times = slowest_rank(single_times)
-            idle = torch.tensor(idle, dtype=torch.float64)
-            dist.all_reduce(idle)
             ratio = median([a / b for a, b in zip(pp_times, single_times)])
             row.update(pp_s=median(pp_times), single_s=median(single_times),
                        ratio=ratio, idle=1 - 1 / (p * ratio),
-                       stage_idle=median((idle / p).tolist()))
+                       stage_idle=median(_stage_idle(clocked)))
     return rows
 
 
@@ -295,12 +307,15 @@ NOTES = '''Reading the table (p = 2 ranks, m micro-batches, v stages per rank):
   micro-batches). A perfect pipeline would give 1/p = 0.5.
 - *measured idle* = 1 - T_pp1 / (p x T_pp2) = 1 - 1 / (p x ratio): the share
   of the p ranks' time not spent on the one-process work. It holds the
-  bubble, the sends and receives, the m smaller matmuls' lower efficiency
-  and the schedule's Python; it can fall below the theory only by noise.
-- *stage idle*: 1 - (time in the stage's forward, backward and
-  weight-gradient passes) / (time in the schedule's `step`), per rank,
-  mean over ranks, median over steps: the bubble and the waits on sends and
-  receives, measured directly; the optimizer step is outside it.
+  bubble, the sends and receives, the m smaller matmuls' efficiency against
+  one big one (usually lower; higher where a micro-batch's activations stay
+  in cache) and the schedule's Python.
+- *stage idle*: 1 - (a rank's time in its stages' forward, backward and
+  weight-gradient passes) / (the longest schedule `step` of any rank), mean
+  over ranks, median over steps: the bubble and the waits on sends and
+  receives, measured directly; the optimizer step is outside it. Load from
+  other jobs that pre-empts a rank mid-pass counts as compute, so on a busy
+  machine it reads low.
 - *theory*: the textbook bubble for equal stages and free communication,
   `mmpar.parallelize.pipeline.schedules.theoretical_bubble`: (p-1)/(m+p-1)
   for GPipe and 1F1B; (p-1)/(v*m+p-1) for Interleaved1F1B and LoopedBFS;
