@@ -148,6 +148,16 @@ def utc_now() -> str:
     return f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}'
 
 
+def run_conditions(backend: str, world_size: int, start: float,
+                   load_before: float) -> dict:
+    """What a report states about its run: the machine, the date, the
+    1-minute load average before (``load_before``) and now, and the seconds
+    since ``start`` (``time.time()``)."""
+    return dict(machine=machine_description(backend, world_size),
+                date=utc_now(), load_before=load_before,
+                load_after=os.getloadavg()[0], wall_s=time.time() - start)
+
+
 def write_section(path: str, title: str, body: str) -> None:
     """Replace the ``title`` section of the Markdown file ``path`` (up to the
     next ``## `` heading) with ``body``, or append it; other sections stay."""

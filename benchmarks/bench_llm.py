@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks._common import (machine_description,  # noqa: E402
-                                measure_on_ranks, median, slowest_rank,
-                                time_steps, utc_now, write_section)
+from benchmarks._common import (measure_on_ranks,  # noqa: E402
+                                median, run_conditions, slowest_rank,
+                                time_steps, write_section)
 
 SECTION = '## Language model (Llama on Tiny Shakespeare)'
 CONFIG_DIR = os.path.join(ROOT, 'configs', 'llama_shakespeare')
@@ -227,10 +227,8 @@ def run_cpu(quick: bool, out: Optional[str], world_size: int = 2) -> str:
     plan = load_plan(quick)
     rows = measure_on_ranks(measure, world_size, plan)
     add_ratios(rows)
-    meta = dict(machine=machine_description('gloo', world_size),
-                date=utc_now(), load_before=load_before,
-                load_after=os.getloadavg()[0], wall_s=time.time() - start)
-    report = format_report(rows, plan, meta)
+    report = format_report(rows, plan, run_conditions(
+        'gloo', world_size, start, load_before))
     if out:
         write_section(os.path.join(out, 'benchmarks.md'), SECTION, report)
     return report

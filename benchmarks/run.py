@@ -40,9 +40,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (counting_collectives,  # noqa: E402
-                                machine_description, measure_on_ranks,
-                                median, slowest_rank, time_steps, utc_now,
-                                write_section)
+                                measure_on_ranks, median, run_conditions,
+                                slowest_rank, time_steps, write_section)
 from benchmarks.baselines import BASELINES  # noqa: E402
 
 SECTION = '## Every strategy side by side'
@@ -86,7 +85,14 @@ def _llm_section(args: argparse.Namespace) -> None:
         print(bench_llm.run_cpu(args.quick, args.out, args.world_size))
 
 
-SECTIONS += [_tensor_parallel_section, _llm_section]
+def _pipeline_section(args: argparse.Namespace) -> None:
+    # Every pipeline schedule at pp=2 against pp=1: its own file.
+    if args.world_size == 2 and args.device == 'cpu':
+        from benchmarks import bench_pipeline
+        print(bench_pipeline.run(args.quick, args.out))
+
+
+SECTIONS += [_tensor_parallel_section, _pipeline_section, _llm_section]
 FORCED_SYNC_GOAL = 1.10  # forced_sync step time / single_auto_sync's
 OWN_BASELINE_GOAL = 0.98  # a wrapper's speed / its hand-written loop's
 ACCUMULATION = 4  # k micro-batches per optimizer step when counting
@@ -650,12 +656,9 @@ def write_report(result: dict, plan: dict, out: str, world_size: int,
         row['batch_size'] = plan['batch_size']
     add_ratios(result['rows'], world_size)
     draw_chart(result['rows'], os.path.join(out, CHART))
-    meta = dict(
-        machine=machine_description(
-            'nccl' if plan['device'] == 'cuda' else 'gloo', world_size),
-        date=utc_now(), load_before=load_before,
-        load_after=os.getloadavg()[0], wall_s=time.time() - start,
-        world_size=world_size)
+    meta = dict(run_conditions('nccl' if plan['device'] == 'cuda' else
+                               'gloo', world_size, start, load_before),
+                world_size=world_size)
     result['meta'] = meta
     report = format_report(result, plan, meta)
     write_section(os.path.join(out, 'benchmarks.md'), SECTION, report)

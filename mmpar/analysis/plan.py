@@ -60,6 +60,7 @@ class Plan:
     policy: Optional[str] = None
     memory: List[Tuple[str, int, int]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    pp_stages: List[int] = field(default_factory=list)
 
 
 def _fake_world(world_size: int, rank: int):
@@ -173,16 +174,22 @@ def plan_tensor_parallel(plan: Plan, model: nn.Module,
 
 
 def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
-                  parallel: ParallelConfig) -> nn.Module:
+                  parallel: ParallelConfig) -> List[nn.Module]:
     """PP rows: each stage's layers and parameters, this rank's stages and
-    the schedule's theoretical bubble. The counts after these notes stay
-    those of the whole model (the data-parallel wrapper is planned on it).
-    Under tp the stages are cut from the split model: this rank's share is
-    its local shards."""
+    the schedule's theoretical bubble. Under tp the stages are cut from the
+    split model: this rank's share is its local shards.
+
+    Returns:
+        The modules the data-parallel wrapper is planned on: this rank's
+        stages, cut as :func:`~mmpar.parallelize.pipeline.
+        pipeline_parallelize` cuts them (so the memory table counts only
+        them); ``[model]`` without pp.
+    """
     if not topology.dims.pp_enabled:
-        return model
+        return [model]
     from mmpar.parallelize.pipeline.config import PipelineConfig
-    from mmpar.parallelize.pipeline.schedules import stage_indices
+    from mmpar.parallelize.pipeline.schedules import (stage_indices,
+                                                      theoretical_bubble)
     from mmpar.parallelize.pipeline.split import (layer_names, split_stage,
                                                   stage_starts)
     from mmpar.parallelize.tensor import local_tensor
@@ -191,28 +198,34 @@ def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
     num_stages = pp * pipe.stages_per_rank
     starts = stage_starts(model, pipe.split_points, num_stages)
     names = layer_names(model)
-    numels, local = [], []
+    plan.pp_stages = stage_indices(pipe.schedule, topology.pp.rank, pp,
+                                   pipe.stages_per_rank)
+    numels, local, mine = [], [], []
     for stage, start in enumerate(starts):
         end = starts[stage + 1] if stage + 1 < num_stages else len(names)
-        params = list(split_stage(model, starts, stage).parameters())
+        stage_model = split_stage(model, starts, stage)
+        params = list(stage_model.parameters())
         numels.append(sum(p.numel() for p in params))
         local.append(sum(local_tensor(p).numel() for p in params))
         plan.notes.append(f'pp stage {stage}: {names[start]} .. '
                           f'{names[end - 1]}, {numels[-1]:,} parameters')
-    mine = stage_indices(pipe.schedule, topology.pp.rank, pp,
-                         pipe.stages_per_rank)
-    held = sum(numels[s] for s in mine)
-    here = sum(local[s] for s in mine)
+        if stage in plan.pp_stages:
+            mine.append(stage_model)
+    held = sum(numels[s] for s in plan.pp_stages)
+    here = sum(local[s] for s in plan.pp_stages)
     split = f'; its tp={topology.dims.tp} shards: {here:,} elements' \
         if topology.dims.tp_enabled else ''
     plan.notes.append(
-        f'this rank holds pp stage(s) {mine}: {held:,} parameters{split} '
-        f'({4 * here:,} bytes in fp32) of the counts below')
-    m = pipe.num_microbatches
+        f'this rank holds pp stage(s) {plan.pp_stages}: {held:,} parameters'
+        f'{split} ({4 * here:,} bytes in fp32); the memory table counts only '
+        'these')
+    m, v = pipe.num_microbatches, pipe.stages_per_rank
+    bubble, formula = theoretical_bubble(pipe.schedule, pp, m, v)
+    kind = 'GPipe/1F1B' if v == 1 else f'{v} stages per rank'
     plan.notes.append(
         f'schedule {pipe.schedule}, {m} micro-batches: theoretical bubble '
-        f'of GPipe/1F1B (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.3f}')
-    return model
+        f'of {kind} {formula} = {bubble:.3f}')
+    return mine
 
 
 def _ranks(group) -> List[int]:
@@ -308,7 +321,9 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                               'model_wrapper_cfg is given and wins')
     # compose's order: TP, PP, then the data-parallel wrapper.
     model = plan_tensor_parallel(plan, model, topology, parallel)
-    model = plan_pipeline(plan, model, topology, parallel)
+    # Under pp each of this rank's stages gets its own wrapper, as in
+    # training; without pp the one "stage" is the whole model.
+    stages = plan_pipeline(plan, model, topology, parallel)
     # FSDP units: MMTensorParallelDDP gathers checkpoints like FSDP
     # (wrapper_shards) but replicates over the data axis.
     sharded = wrapper_shards(wrapper_cfg) and \
@@ -317,17 +332,20 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         # Before the wrapper: its errors then name the config key.
         key = next((k for k in POLICY_KEYS if k in kwargs), POLICY_KEYS[0])
         policy, plan.policy = resolve_policy(kwargs.get(key), model, key)
-        units_model = copy.deepcopy(model)  # the wrapper shards in place
-    built = _build_wrapper(plan, wrapper_cfg, model)
-    plan.axes = wrapper_axes(built, topology)
+        # The wrapper shards in place.
+        units_stages = [copy.deepcopy(stage) for stage in stages]
+    built = [_build_wrapper(plan, wrapper_cfg, stage) for stage in stages]
+    plan.axes = wrapper_axes(built[0], topology)
     if sharded:
-        _plan_fsdp(plan, units_model, policy, key, kwargs)
-    per_rank = sum(u.numel_per_rank for u in plan.units) if sharded \
-        else numel
+        _plan_fsdp(plan, units_stages, policy, key, kwargs)
+        per_rank = sum(u.numel_per_rank for u in plan.units)
+    else:
+        per_rank = sum(p.numel() for stage in stages
+                       for p in stage.parameters() if p.requires_grad)
     if topology.dims.tp_enabled:
         # Split (and, under FSDP2, sharded) DTensors: the real local shards.
-        per_rank = sum(local_tensor(p).numel() for p in built.parameters()
-                       if p.requires_grad)
+        per_rank = sum(local_tensor(p).numel() for wrapper in built
+                       for p in wrapper.parameters() if p.requires_grad)
     factor, opt_name = optimizer_state_factor(cfg)
     plan.memory = [('params', per_rank, per_rank * elem),
                    ('grads', per_rank, per_rank * elem)]
@@ -341,14 +359,20 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
     return plan
 
 
-def _plan_fsdp(plan: Plan, model: nn.Module, policy, key: str,
+def _plan_fsdp(plan: Plan, stages: List[nn.Module], policy, key: str,
                kwargs: dict) -> None:
-    """FSDP units and shards, with the shard size the real wrapper uses."""
+    """FSDP units and shards of each stage (each its own root), with the
+    shard size the real wrapper uses."""
     plan.shard_size = len(plan.axes['shard'][1]) if 'shard' in plan.axes \
         else 1
-    plan.units = fsdp_units(model, policy, plan.shard_size,
-                            per_param=plan.wrapper_type == 'MMFullyShard')
-    if policy is not None and len(plan.units) == 1:
+    plan.units = []
+    for index, stage in zip(plan.pp_stages or [None], stages):
+        units = fsdp_units(stage, policy, plan.shard_size,
+                           per_param=plan.wrapper_type == 'MMFullyShard')
+        if index is not None:
+            units[0].name = f'(stage {index} root)'
+        plan.units += units
+    if policy is not None and len(plan.units) == len(stages):
         raise PlanError(
             f'model_wrapper_cfg.{key}={kwargs.get(key)!r} wraps no '
             f'module of {plan.model_cls}: only the root would be an FSDP '

@@ -196,3 +196,89 @@ def test_pipeline_with_tensor_parallel_at_8(rank, held):
                 for n, p in params.items())
     assert f'this rank holds pp stage(s) [{held}]: {numel:,} parameters; ' \
         f'its tp=2 shards: {local:,} elements ({4 * local:,} bytes' in text
+
+
+def _pp_plan(world_size, rank, **options):
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.fromfile(str(root / 'configs/vit_digits/vit_digits_pp.py'))
+    cfg.merge_from_dict(options)
+    return make_plan(cfg, world_size, rank)
+
+
+def _stage_numels(plan, num_stages):
+    # The plan's own per-stage notes, checked against split_stage above.
+    notes = [n for n in plan.notes if n.startswith('pp stage ')]
+    assert len(notes) == num_stages
+    return [int(n.rsplit(', ', 1)[1].split()[0].replace(',', ''))
+            for n in notes]
+
+
+@pytest.mark.parametrize('schedule,stages_of_rank', [
+    ('1F1B', [[0], [1]]),
+    ('Interleaved1F1B', [[0, 2], [1, 3]]),
+    ('ZBVZeroBubble', [[0, 3], [1, 2]]),
+])
+def test_pipeline_memory_counts_only_this_ranks_stages(schedule,
+                                                       stages_of_rank):
+    """pp=2 on 2 ranks: each rank's params, grads and AdamW state are those
+    of its own stages, and the ranks' params add up to the whole model."""
+    v = len(stages_of_rank[0])
+    pipeline = dict(schedule=schedule, stages_per_rank=v,
+                    split_points=None if v > 1 else ['blocks.2'])
+    plans = [_pp_plan(2, rank, parallel=dict(pipeline=pipeline))
+             for rank in (0, 1)]
+    numels = _stage_numels(plans[0], 2 * v)
+    assert sum(numels) == plans[0].param_numel
+    for plan, stages in zip(plans, stages_of_rank):
+        held = sum(numels[s] for s in stages)
+        assert plan.pp_stages == stages
+        assert plan.memory == [
+            ('params', held, 4 * held), ('grads', held, 4 * held),
+            ('optimizer state (AdamW: 2 x params)', 2 * held, 8 * held)]
+        assert f'this rank: pp stage(s) {stages}' in format_plan(plan)
+    assert sum(p.memory[0][2] for p in plans) == 4 * plans[0].param_numel
+    if v > 1:  # p=2, m=4, v=2: (p-1)/(v*m+p-1) = 1/9
+        bound = '<= ' if 'Zero' in schedule else ''
+        expected = ('theoretical bubble of 2 stages per rank '
+                    f'{bound}(p-1)/(v*m+p-1) = 0.111')
+        assert any(n.endswith(expected) for n in plans[0].notes)
+
+
+def _real_stage_shard_numel(rank, stage):
+    """Parameters ``rank`` of 4 holds of ``stage`` under a real FSDP2 over
+    the data axis of pp=2 x dp=2 (fake group)."""
+    from mmpar.models import DigitsViT
+    from mmpar.parallel import init_parallelism, reset_parallelism
+    from mmpar.parallel.config import ParallelConfig
+    from mmpar.parallelize.pipeline.split import split_stage
+    from mmpar.wrappers import build_model_wrapper
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.fromfile(str(root / 'configs/vit_digits/vit_digits_pp.py'))
+    model = DigitsViT(**{k: v for k, v in cfg.model.items() if k != 'type'})
+    dist.init_process_group('fake', store=FakeStore(), rank=rank,
+                            world_size=4)
+    try:
+        wrapper_cfg = dict(type='MMFullyShard')
+        init_parallelism(dims=ParallelConfig.from_cfg(cfg.parallel).dims(
+            4, wrapper_cfg))
+        built = build_model_wrapper(wrapper_cfg,
+                                    split_stage(model, [0, 2], stage))
+        return sum(p.to_local().numel() for p in built.parameters())
+    finally:
+        reset_parallelism()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize('rank', [0, 3])
+def test_pipeline_memory_is_also_sharded_over_dp(rank):
+    """pp=2 x FSDP2 dp=2 on 4 ranks: a rank holds its dp shard of its stage
+    (about half, plus per-parameter padding), one FSDP root per stage."""
+    plan = _pp_plan(4, rank, model_wrapper_cfg=dict(type='MMFullyShard'))
+    numels = _stage_numels(plan, 2)
+    (stage, ) = plan.pp_stages
+    assert [u.name for u in plan.units] == [f'(stage {stage} root)']
+    assert plan.units[0].numel == numels[stage]
+    count = plan.memory[0][1]
+    assert count == _real_stage_shard_numel(rank, stage)
+    assert numels[stage] / 2 <= count < 0.55 * numels[stage]

@@ -7,7 +7,8 @@ from mmpar.config_check import check_layout
 from mmpar.failures import ConfigError
 from mmpar.parallelize.pipeline import (check_protocol, split_stage,
                                         stage_starts)
-from mmpar.parallelize.pipeline.schedules import schedule_class
+from mmpar.parallelize.pipeline.schedules import (schedule_class,
+                                                  theoretical_bubble)
 from mmpar.registry import PIPELINE_SCHEDULES, registered_names
 from tests.parallelize.pipeline_cases import make_pipe_model
 from tests.toy import make_model
@@ -25,6 +26,26 @@ def test_the_registry_holds_torchs_schedules():
                  'ZBVZeroBubble'):
         assert name in names
     assert schedule_class('1F1B').__module__.startswith('torch.distributed')
+
+
+@pytest.mark.parametrize('name,v,expected,formula', [
+    # p=2, m=4: GPipe/1F1B 1/5; v=2 stages per rank: 1/9.
+    ('GPipe', 1, 1 / 5, '(p-1)/(m+p-1)'),
+    ('1F1B', 1, 1 / 5, '(p-1)/(m+p-1)'),
+    ('Interleaved1F1B', 2, 1 / 9, '(p-1)/(v*m+p-1)'),
+    ('LoopedBFS', 2, 1 / 9, '(p-1)/(v*m+p-1)'),
+    ('InterleavedZeroBubble', 2, 1 / 9, '<= (p-1)/(v*m+p-1)'),
+    ('ZBVZeroBubble', 2, 1 / 9, '<= (p-1)/(v*m+p-1)'),
+    ('DualPipeV', 2, 1 / 9, '<= (p-1)/(v*m+p-1)'),
+])
+def test_theoretical_bubble(name, v, expected, formula):
+    assert theoretical_bubble(name, 2, 4, v) == (pytest.approx(expected),
+                                                 formula)
+
+
+def test_theoretical_bubble_of_an_unknown_schedule_lists_the_known():
+    with pytest.raises(ValueError, match="schedule='Foo'.*1F1B"):
+        theoretical_bubble('Foo', 2, 4)
 
 
 @pytest.mark.parametrize('pipeline,named', [

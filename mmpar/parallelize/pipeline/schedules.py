@@ -6,7 +6,7 @@ multi-stage ones (``Interleaved1F1B``, ``LoopedBFS``, ``InterleavedZeroBubble``,
 each rank: round-robin ("loop": rank r holds r, r+pp, ...) or, for the V
 schedules, rank r holds stages r and 2*pp-1-r.
 """
-from typing import List
+from typing import List, Tuple
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -23,6 +23,9 @@ _TORCH = {
     'DualPipeV': torch_schedules.ScheduleDualPipeV,
 }
 V_SCHEDULES = ('ZBVZeroBubble', 'DualPipeV')
+# Split backward into input and weight gradients to fill the bubble.
+ZERO_BUBBLE_SCHEDULES = ('InterleavedZeroBubble', 'ZBVZeroBubble',
+                         'DualPipeV')
 
 for _name, _cls in _TORCH.items():
     if PIPELINE_SCHEDULES.get(_name) is None:
@@ -54,3 +57,31 @@ def stage_indices(name: str, pp_rank: int, pp: int,
     if name in V_SCHEDULES:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def theoretical_bubble(name: str, pp: int, num_microbatches: int,
+                       stages_per_rank: int = 1) -> Tuple[float, str]:
+    """The share of a step each rank idles by the schedule's textbook
+    analysis (equal stages, free communication), and the formula used.
+
+    * GPipe, 1F1B: ``(p-1)/(m+p-1)`` (Huang et al. 2019, GPipe;
+      Narayanan et al. 2021 for 1F1B): ``p-1`` fill/drain slots in ``m+p-1``.
+    * Interleaved1F1B, LoopedBFS with ``v`` stages per rank:
+      ``(p-1)/(v*m+p-1)`` (Narayanan et al. 2021, https://arxiv.org/abs/
+      2104.04473): each slot is ``1/v`` of a rank's work per micro-batch.
+    * The zero-bubble schedules: the same interleaved value, as an upper
+      bound; delaying the weight gradients fills part of it, all of it when
+      forward, input- and weight-gradient passes cost the same (Qi et al.
+      2023, https://arxiv.org/abs/2401.10241).
+
+    Returns:
+        ``(value, formula)``, the formula with ``<=`` for an upper bound.
+    """
+    schedule_class(name)  # unknown names raise, listing the known ones
+    p, m, v = pp, num_microbatches, stages_per_rank
+    if v == 1:
+        return (p - 1) / (m + p - 1), '(p-1)/(m+p-1)'
+    formula = '(p-1)/(v*m+p-1)'
+    if name in ZERO_BUBBLE_SCHEDULES:
+        formula = '<= ' + formula
+    return (p - 1) / (v * m + p - 1), formula
