@@ -110,8 +110,8 @@ def pipeline_parallelize(model: nn.Module, topology, parallel,
     stages, extra = [], ()
     for index in indices:
         stage = split_stage(model, starts, index)
-        # With tp > 1 also at dp=1: the wrapper gathers the stage's DTensors
-        # into full checkpoints.
+        # With tp > 1 also at dp=1, as compose wraps any tp model
+        # (MMTensorParallelDDP; its all-reduce is then over one rank).
         if dims.dp > 1 or dims.tp_enabled:
             stage = _wrap_stage(stage, wrap, wrapper_cfg)
             extra = getattr(stage, 'clip_extra_groups', ())
