@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mmpar.checkpoint.full import to_cpu
 from mmpar.checkpoint.named_optim import (localize_named_optim_state,
                                           merge_named_optim_states,
                                           named_optim_state)
@@ -101,11 +102,7 @@ class PipelineStateMixin:
         state = optim_wrapper.state_dict()
         local = named_optim_state(optim_wrapper.optimizer,
                                   self.plain_param_names(), full=True)
-        local['state'] = {
-            name: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                   for k, v in entries.items()}
-            for name, entries in local['state'].items()
-        }
+        local['state'] = to_cpu(local['state'])  # before pickling
         state.update(merge_named_optim_states(self._gather_pp(local)))
         return state
 
