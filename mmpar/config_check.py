@@ -12,16 +12,20 @@ import importlib
 import inspect
 import numbers
 import os.path as osp
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Tuple
 
 
+from mmpar.checkpoint.format import checkpoint_format
+from mmpar.checks import check_int, is_int
 from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
+from mmpar.parallel.config import ParallelConfig
+from mmpar.parallel.dims import ParallelDims
+from mmpar.parallelize.activation import (check_activation_checkpointing,
+                                          merge_wrapper_key)
 from mmpar.parallelize.compile import check_compile_cfg
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
-# Top-level ``checkpoint_format`` (docs/checkpoints.md).
-CHECKPOINT_FORMATS = ('full', 'sharded')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
 TRAIN_CFG_KEYS = {
     'type', 'by_epoch', 'max_epochs', 'max_iters', 'val_begin',
@@ -40,13 +44,8 @@ def _fail(key: str, value: Any, allowed: str) -> None:
     raise ConfigError(f'{key}={value!r} is not allowed; {allowed}')
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_positive_int(key: str, value: Any, minimum: int = 1) -> None:
-    if not _is_int(value) or value < minimum:
-        _fail(key, value, f'allowed: an int >= {minimum}')
+    check_int(key, value, minimum, error=ConfigError)
 
 
 def _check_positive_number(key: str, value: Any) -> None:
@@ -144,9 +143,12 @@ def _init_arg_names(cls: type) -> Optional[set]:
 
 def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     """Arguments the wrapper class does not take (e.g. FSDP-only keys on
-    DDP) and wrong types of common DDP arguments."""
+    DDP) and wrong types of common DDP arguments. (Activation
+    checkpointing, also accepted here, is compose's step, checked by
+    :func:`check_layout`.)"""
     from mmpar.wrappers.builder import (DEFAULT_WRAPPER, check_wrapper_cfg,
                                         wrapper_class)
+    _, wrapper_cfg = merge_wrapper_key(None, wrapper_cfg)
     check_wrapper_cfg(wrapper_cfg)  # type, sync strategy, the class's check
     if wrapper_cfg is None:
         return
@@ -271,7 +273,7 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
     checkpoint = default_hooks.get('checkpoint') or {}
     interval = checkpoint.get('interval', 1)
     if interval != -1:  # -1: never save by interval
-        if not _is_int(interval) or interval < 1:
+        if not is_int(interval) or interval < 1:
             _fail('default_hooks.checkpoint.interval', interval,
                   'allowed: an int >= 1, or -1 (never)')
     for index, hook in enumerate(cfg.get('custom_hooks') or []):
@@ -306,22 +308,40 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
 def check_parallel(parallel: Any, launcher: Optional[str],
                    model_wrapper_cfg: Any = None,
                    world_size: Optional[int] = None,
-                   batch_size: Optional[int] = None) -> None:
-    """The ``parallel`` section against the wrapper, and its layout at the
-    world size (``world_size``, else the launcher's)
-    (:func:`mmpar.parallel.dims.resolve_dims`, the one validator); a
-    ``pipeline`` section against the per-rank train ``batch_size``."""
-    from mmpar.parallel.config import ParallelConfig
+                   batch_size: Optional[int] = None,
+                   compile_cfg: Any = None
+                   ) -> Tuple[ParallelConfig, Optional[ParallelDims]]:
+    """The ``parallel`` section, parsed once: its own keys, the plan, the
+    wrapper it picks; and at the world size (``world_size``, else the
+    launcher's) its layout (:func:`mmpar.parallel.dims.resolve_dims`, the
+    one validator) and what the layout and wrapper can only get wrong
+    together (:func:`mmpar.parallelize.compose.check_composition`).
+
+    Returns:
+        The parsed section and its layout (None when the world is unknown:
+        the Runner resolves it once the process group exists).
+    """
+    from mmpar.parallelize.compose import check_composition
+    from mmpar.parallelize.pipeline import PipelineConfig
+    from mmpar.parallelize.tensor import check_tp_plan
+    from mmpar.wrappers.builder import check_use_fsdp, default_wrapper_cfg
     config = ParallelConfig.from_cfg(parallel)
-    config.check_wrapper(model_wrapper_cfg)
+    _, model_wrapper_cfg = merge_wrapper_key(None, model_wrapper_cfg)
+    check_use_fsdp(config, model_wrapper_cfg)
+    built_wrapper_cfg = model_wrapper_cfg or default_wrapper_cfg(config)
+    if config.tp_plan is not None:
+        check_tp_plan(config.tp_plan)
     if config.pipeline is not None:
-        from mmpar.parallelize.pipeline import PipelineConfig
         pp = config.pp or config.pipeline_parallelism
         PipelineConfig.from_cfg(config.pipeline, pp, batch_size)
     world_size = world_size or _launch_world_size(launcher)
-    if parallel is None or world_size is None:
-        return  # an unknown world is checked when the process group exists
-    config.dims(world_size, model_wrapper_cfg)
+    if world_size is None:
+        return config, None
+    dims = config.dims(world_size, model_wrapper_cfg)
+    if dims.world_size > 1:
+        check_composition(config, dims, built_wrapper_cfg, compile_cfg,
+                          batch_size)
+    return config, dims
 
 
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
@@ -345,24 +365,35 @@ def _as_config_error() -> Iterator[None]:
         raise ConfigError(str(err)) from None
 
 
-def check_layout(cfg: Any, world_size: Optional[int] = None) -> None:
-    """The wrapper and ``parallel`` sections: what ``check_config`` and the
-    plan tool (which plans partial configs) both check.
+def check_layout(cfg: Any, world_size: Optional[int] = None
+                 ) -> Tuple[ParallelConfig, Optional[ParallelDims]]:
+    """The wrapper, ``parallel``, activation-checkpointing and compile
+    sections: what ``check_config`` and the plan tool (which plans partial
+    configs) both check.
+
+    Returns:
+        As :func:`check_parallel`.
 
     Raises:
         ConfigError: naming the key, the value and what is allowed.
     """
     with _as_config_error():
         check_wrapper_args(cfg.get('model_wrapper_cfg'))
+        ac_cfg, _ = merge_wrapper_key(cfg.get('activation_checkpointing'),
+                                      cfg.get('model_wrapper_cfg'))
+        check_activation_checkpointing(ac_cfg)
+        check_compile_cfg(cfg.get('model_compile'))
         loader = cfg.get('train_dataloader')
         batch_size = loader.get('batch_size') if isinstance(
             loader, dict) else None
-        check_parallel(cfg.get('parallel'), cfg.get('launcher'),
-                       cfg.get('model_wrapper_cfg'), world_size,
-                       batch_size if _is_int(batch_size) else None)
+        return check_parallel(cfg.get('parallel'), cfg.get('launcher'),
+                              cfg.get('model_wrapper_cfg'), world_size,
+                              batch_size if is_int(batch_size) else None,
+                              cfg.get('model_compile'))
 
 
-def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
+def check_config(cfg: Any, world_size: Optional[int] = None
+                 ) -> Tuple[ParallelConfig, Optional[ParallelDims]]:
     """Validate a full Runner config (a ``Config`` or dict) up front.
 
     Args:
@@ -370,6 +401,10 @@ def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
         world_size: the number of ranks to check the ``parallel`` layout
             for; None reads it from the launcher's environment (the plan
             tool passes its ``--world-size``).
+
+    Returns:
+        The parsed ``parallel`` section and its layout (None when the world
+        is unknown), so the Runner parses it once.
 
     Raises:
         ConfigError: the first problem found, naming key, value and what is
@@ -411,16 +446,13 @@ def check_config(cfg: Any, world_size: Optional[int] = None) -> None:
     check_sync_bn(cfg.get('sync_bn'), cfg.get('launcher'))
     with _as_config_error():
         check_hooks(cfg, scope)
-        check_compile_cfg(cfg.get('model_compile'))
-    check_layout(cfg, world_size)
+        checkpoint_format(cfg)
+    layout = check_layout(cfg, world_size)
     check_checkpoint_paths(cfg)
-    checkpoint_format = cfg.get('checkpoint_format', 'full')
-    if checkpoint_format not in CHECKPOINT_FORMATS:
-        _fail('checkpoint_format', checkpoint_format,
-              f'allowed: {", ".join(map(repr, CHECKPOINT_FORMATS))}')
     log_level = cfg.get('log_level', 'INFO')
     if isinstance(log_level, str) and log_level.upper() not in LOG_LEVELS:
         _fail('log_level', log_level, f'allowed: {", ".join(LOG_LEVELS)}')
     seed = (cfg.get('randomness') or {}).get('seed')
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int(seed):
         _fail('randomness.seed', seed, 'allowed: an int or None')
+    return layout

@@ -8,6 +8,7 @@ fresh one.
 """
 import datetime
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -45,7 +46,11 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results):
         fn, args, kwargs = task
         saved_env = dict(os.environ)
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            # Pickle here: the queue pickles in a background thread, where a
+            # failure is only printed and the test would wait for a result
+            # that never comes.
+            results.put((rank, True, pickle.loads(pickle.dumps(result))))
         except BaseException:  # noqa: B902 - report everything to the test
             results.put((rank, False, traceback.format_exc()))
         finally:

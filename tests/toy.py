@@ -5,8 +5,10 @@ from typing import List
 import torch
 import torch.nn.functional as F
 from mmengine.model import BaseModel
-from mmengine.optim import OptimWrapper
+from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 from torch import nn
+
+from mmpar.optim import OptimWrapper
 
 
 class ToyModel(BaseModel):
@@ -50,21 +52,24 @@ def shard_batch(batch: dict, rank: int, world_size: int) -> dict:
 
 
 def make_optim_wrapper(model, lr=0.1, accumulative_counts=1, clip=None,
-                       optimizer='SGD'):
+                       optimizer='SGD', reference=False):
+    """mmpar's optim wrapper (what a wrapped model trains with); with
+    ``reference``, MMEngine's own, for the one-process oracle."""
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == 'SGD':
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     else:
         opt = torch.optim.AdamW(params, lr=lr)
     clip_grad = None if clip is None else dict(max_norm=clip)
-    return OptimWrapper(
-        opt, accumulative_counts=accumulative_counts, clip_grad=clip_grad)
+    cls = MMEngineOptimWrapper if reference else OptimWrapper
+    return cls(opt, accumulative_counts=accumulative_counts,
+               clip_grad=clip_grad)
 
 
 def train_reference(model: BaseModel, batches: List[dict], **optim_kwargs):
     """Single-process training on the global batches; returns the params."""
     model = copy.deepcopy(model)
-    optim_wrapper = make_optim_wrapper(model, **optim_kwargs)
+    optim_wrapper = make_optim_wrapper(model, reference=True, **optim_kwargs)
     for batch in batches:
         model.train_step(batch, optim_wrapper)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

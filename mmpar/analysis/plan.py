@@ -23,12 +23,16 @@ from torch import nn
 from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
                                        fsdp_units, resolve_policy)
 from mmpar.failures import ConfigError
-from mmpar.parallel.config import ParallelConfig, default_wrapper_cfg
+from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims, ParallelismError
+from mmpar.parallel.dtensor import local_tensor
 from mmpar.parallel.layout import ParallelLayout
-from mmpar.parallel.topology import (ParallelTopology, init_parallelism,
-                                     reset_parallelism)
+from mmpar.parallel.topology import ParallelTopology, build_topology
+from mmpar.parallelize.compose import data_axis_args, wrapper_cfg_for
 from mmpar.registry import MODELS, SCOPE
+from mmpar.wrappers.base import describe
+from mmpar.wrappers.builder import (build_model_wrapper, declared,
+                                    default_wrapper_cfg)
 
 # Optimizer state per parameter element, in parameter-sized tensors.
 OPTIMIZER_STATE_FACTORS = dict(
@@ -141,14 +145,16 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
     dims = parallel.dims(world_size, cfg.get('model_wrapper_cfg'))
     model = build_model(cfg)
     _fake_world(world_size, rank)
+    topology = None
     try:
-        topology = init_parallelism(dims=dims)
+        topology = build_topology(dims)
         return _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                               explicit)
     except ParallelismError as err:
         raise PlanError(f'parallel: {err}') from err
     finally:
-        reset_parallelism()
+        if topology is not None:
+            topology.destroy()
         dist.destroy_process_group()
 
 
@@ -157,7 +163,7 @@ def plan_tensor_parallel(plan: Plan, model: nn.Module,
                          parallel: ParallelConfig) -> nn.Module:
     """Apply the TP plan as :mod:`mmpar.parallelize.compose` does, on the
     fake group: the per-rank counts then follow from the split parameters."""
-    from mmpar.parallelize.tensor import apply_tp, local_tensor
+    from mmpar.parallelize.tensor import apply_tp
     if not topology.dims.tp_enabled:
         return model
     try:
@@ -192,7 +198,6 @@ def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
                                                       theoretical_bubble)
     from mmpar.parallelize.pipeline.split import (layer_names, split_stage,
                                                   stage_starts)
-    from mmpar.parallelize.tensor import local_tensor
     pp = topology.dims.pp
     pipe = PipelineConfig.from_cfg(parallel.pipeline, pp)
     num_stages = pp * pipe.stages_per_rank
@@ -241,41 +246,29 @@ def _axis_name(ranks: List[int], topology: ParallelTopology) -> str:
 
 def wrapper_axes(wrapper: nn.Module, topology: ParallelTopology
                  ) -> Dict[str, Tuple[str, List[int]]]:
-    """What a built wrapper communicates over, read from the wrapper itself.
+    """What a built wrapper communicates over, from its description.
 
     Returns:
         ``{'reduce': (axis, ranks)}`` for replicating wrappers (DDP, naive,
         bucketed, FSDP NO_SHARD); ``{'shard': ...}`` plus, for HSDP,
         ``{'replicate': ...}`` for FSDP1/FSDP2.
     """
-    mesh = getattr(wrapper, 'device_mesh', None)
-    strategy = getattr(getattr(wrapper, 'sharding_strategy', None), 'name',
-                       None)
-    if mesh is not None:  # FSDP2: replicate x shard, or shard
-        found = {'shard': mesh.get_group(mesh.ndim - 1)}
-        if mesh.ndim == 2:
-            found['replicate'] = mesh.get_group(0)
-    elif strategy == 'NO_SHARD':
-        found = {'reduce': wrapper.process_group}
-    elif strategy is not None:  # FSDP1; HYBRID keeps the replicate group
-        found = {'shard': wrapper.process_group}
-        if 'HYBRID' in strategy:
-            found['replicate'] = wrapper._inter_node_pg
-    else:
-        found = {'reduce': wrapper.process_group}
     axes = {}
-    for role, group in found.items():
+    for role, group in describe(wrapper).axes.items():
         ranks = _ranks(group)
         axes[role] = (_axis_name(ranks, topology), ranks)
     return axes
 
 
-def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module):
-    from mmpar.wrappers.builder import build_model_wrapper
+def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module,
+                   topology: ParallelTopology):
     try:
-        # The real wrapper on the fake group: it rejects what it would reject
-        # in training, and nothing is sent anywhere.
-        return build_model_wrapper(wrapper_cfg, model)
+        # The real wrapper on the fake group, given the data axis as compose
+        # gives it: it rejects what it would reject in training, and nothing
+        # is sent anywhere.
+        return build_model_wrapper(
+            wrapper_cfg, model,
+            default_args=data_axis_args(wrapper_cfg, topology))
     except (TypeError, ValueError) as err:
         raise PlanError(
             f'model_wrapper_cfg for {plan.wrapper_type}: {err}') from err
@@ -283,20 +276,14 @@ def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module):
 
 def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                    explicit) -> Plan:
-    from mmpar.parallelize.compose import wrapper_shards
-    from mmpar.parallelize.tensor import local_tensor
-    from mmpar.parallelize.tp_wrapper import (TP_DDP_WRAPPER,
-                                              data_parallel_cfg_for_tp)
-    from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
-    if topology.dims.tp_enabled:
-        # The wrapper compose builds around a TP model (DDP replicates it as
-        # MMTensorParallelDDP).
-        wrapper_cfg = data_parallel_cfg_for_tp(wrapper_cfg, topology.dims.tp)
+    # The wrapper compose builds (around a TP model, DDP replicates it as
+    # MMTensorParallelDDP).
+    wrapper_cfg = wrapper_cfg_for(topology.dims, wrapper_cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     elem = params[0].element_size() if params else 4
     kwargs = {k: v for k, v in wrapper_cfg.items() if k != 'type'}
-    wrapper_cls = wrapper_class(wrapper_cfg.get('type', DEFAULT_WRAPPER))
+    wrapper_cls = declared(wrapper_cfg['type'])
     plan = Plan(
         world_size=topology.dims.world_size,
         rank=dist.get_rank(),
@@ -324,17 +311,18 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
     # Under pp each of this rank's stages gets its own wrapper, as in
     # training; without pp the one "stage" is the whole model.
     stages = plan_pipeline(plan, model, topology, parallel)
-    # FSDP units: MMTensorParallelDDP gathers checkpoints like FSDP
-    # (wrapper_shards) but replicates over the data axis.
-    sharded = wrapper_shards(wrapper_cfg) and \
-        wrapper_cfg.get('type') != TP_DDP_WRAPPER
+    sharded = wrapper_cls.shards_parameters  # FSDP units
     if sharded:
         # Before the wrapper: its errors then name the config key.
         key = next((k for k in POLICY_KEYS if k in kwargs), POLICY_KEYS[0])
         policy, plan.policy = resolve_policy(kwargs.get(key), model, key)
         # The wrapper shards in place.
         units_stages = [copy.deepcopy(stage) for stage in stages]
-    built = [_build_wrapper(plan, wrapper_cfg, stage) for stage in stages]
+    if topology.dims.pp_enabled:
+        from mmpar.parallelize.pipeline import stage_wrapper_cfg
+        wrapper_cfg = stage_wrapper_cfg(wrapper_cfg)
+    built = [_build_wrapper(plan, wrapper_cfg, stage, topology)
+             for stage in stages]
     plan.axes = wrapper_axes(built[0], topology)
     if sharded:
         _plan_fsdp(plan, units_stages, policy, key, kwargs)

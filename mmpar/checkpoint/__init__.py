@@ -5,7 +5,8 @@ Functions of (model, optim wrapper, extras), not of the Runner:
 - :mod:`~mmpar.checkpoint.files`: plain data on disk, atomic saves, loads
   with clear errors;
 - :mod:`~mmpar.checkpoint.state`: model and optimizer state under any
-  wrapper, in the plain model's terms;
+  layout, in the plain model's terms (:mod:`~mmpar.checkpoint.pipeline`
+  for a pipelined model's stages);
 - :mod:`~mmpar.checkpoint.full` and :mod:`~mmpar.checkpoint.sharded`: the
   two formats; :mod:`~mmpar.checkpoint.format`: the config value;
 - :mod:`~mmpar.checkpoint.latest`: which checkpoint to resume from;
@@ -16,7 +17,7 @@ The Runner's glue (what it adds, the plain-data hook) is
 """
 from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     from_plain, load_checkpoint_file,
-                                    to_plain)
+                                    to_cpu, to_plain)
 from mmpar.checkpoint.full import collect_checkpoint
 from mmpar.checkpoint.latest import (find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
@@ -24,7 +25,7 @@ from mmpar.checkpoint.rng import (all_rng_states, restore_rng_states,
                                   rng_state, set_rng_state)
 from mmpar.checkpoint.sharded import (is_sharded_checkpoint, load_sharded,
                                       save_sharded, sharded_to_full)
-from mmpar.checkpoint.state import (load_full_model_state,
+from mmpar.checkpoint.state import (load_model_state,
                                     localize_optim_state, model_state,
                                     optimizer_state)
 
@@ -32,7 +33,7 @@ __all__ = [
     'CheckpointLoadError', 'all_rng_states', 'atomic_save',
     'collect_checkpoint', 'find_latest_complete_checkpoint', 'from_plain',
     'is_complete_checkpoint', 'is_sharded_checkpoint', 'load_checkpoint_file',
-    'load_full_model_state', 'load_sharded', 'localize_optim_state',
+    'load_model_state', 'load_sharded', 'localize_optim_state',
     'model_state', 'optimizer_state', 'restore_rng_states', 'rng_state',
-    'save_sharded', 'set_rng_state', 'sharded_to_full', 'to_plain'
+    'save_sharded', 'set_rng_state', 'sharded_to_full', 'to_cpu', 'to_plain'
 ]

@@ -16,6 +16,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer
+from mmengine.utils import apply_to
 
 _BUFFER_TAG = '__history_buffer__'
 
@@ -47,6 +48,12 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_plain(v) for v in obj)
     return obj
+
+
+def to_cpu(state: Any) -> Any:
+    """``state`` with every tensor moved to the CPU."""
+    return apply_to(state, lambda x: isinstance(x, torch.Tensor),
+                    lambda x: x.cpu())
 
 
 def from_plain(obj: Any) -> Any:

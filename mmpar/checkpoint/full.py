@@ -7,9 +7,9 @@ from typing import Optional
 
 from mmengine.optim import OptimWrapper
 from mmengine.runner.checkpoint import weights_to_cpu
-from mmengine.utils import apply_to
 from torch import nn
 
+from mmpar.checkpoint.files import to_cpu
 from mmpar.checkpoint.state import model_state, optimizer_state
 
 
@@ -37,7 +37,3 @@ def collect_checkpoint(model: nn.Module,
         checkpoint['optimizer'] = to_cpu(optimizer_state(model, optim_wrapper))
     return checkpoint
 
-
-def to_cpu(state):
-    """``state`` with every tensor moved to the CPU."""
-    return apply_to(state, lambda x: hasattr(x, 'cpu'), lambda x: x.cpu())

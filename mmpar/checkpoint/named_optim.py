@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mmpar.checkpoint.files import CheckpointLoadError
-from mmpar.parallelize.tensor import distribute_like
+from mmpar.parallel.dtensor import distribute_like
 
 STATE, GROUPS, PARAMS = 'state', 'param_groups', 'params'
 

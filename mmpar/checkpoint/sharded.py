@@ -44,9 +44,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_model_state_dict,
                                                      set_state_dict)
 
+from mmpar.checkpoint import pipeline
 from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     is_complete_file, load_checkpoint_file)
-from mmpar.checkpoint.state import stateful_module
+from mmpar.wrappers.base import describe
 
 PLAIN_FILE = 'mmpar_state.pth'
 DCP_METADATA = '.metadata'
@@ -144,12 +145,12 @@ def distributed_state(model: nn.Module,
                       ) -> Tuple[dict, Optional[dict]]:
     """``(model_state, optim_state)`` as DCP takes them: the plain model's
     names, this rank's shards. torch's ``get_state_dict`` on the module
-    that holds the plain names, or the model's own
-    ``distributed_state_dict`` (a pipelined model, whose optimizer spans
-    several stage copies)."""
-    if hasattr(model, 'distributed_state_dict'):
-        return model.distributed_state_dict(optimizer)
-    module = stateful_module(model)
+    that holds the plain names, or for a pipelined model (whose optimizer
+    spans several stage copies) :mod:`mmpar.checkpoint.pipeline`'s."""
+    info = describe(model)
+    if info.pipeline is not None:
+        return pipeline.distributed_state_dict(info.pipeline, optimizer)
+    module = info.state_module
     if optimizer is None:
         return get_state_dict(module, [])[0], None
     return get_state_dict(module, optimizer)
@@ -160,14 +161,15 @@ def _set_distributed_state(model: nn.Module,
                            model_state: dict, optim_state: Optional[dict],
                            strict: bool) -> None:
     """Load what DCP read into :func:`distributed_state`'s dicts."""
-    if hasattr(model, 'load_distributed_state_dict'):
-        model.load_distributed_state_dict(optimizer, model_state,
-                                          optim_state, strict)
+    info = describe(model)
+    if info.pipeline is not None:
+        pipeline.load_distributed_state_dict(info.pipeline, optimizer,
+                                             model_state, optim_state, strict)
     elif optim_state is None:
-        set_model_state_dict(stateful_module(model), model_state,
+        set_model_state_dict(info.state_module, model_state,
                              options=StateDictOptions(strict=strict))
     else:
-        set_state_dict(stateful_module(model), optimizer,
+        set_state_dict(info.state_module, optimizer,
                        model_state_dict=model_state,
                        optim_state_dict=optim_state,
                        options=StateDictOptions(strict=strict))

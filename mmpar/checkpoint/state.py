@@ -1,60 +1,56 @@
-"""Model and optimizer state under any wrapper, in the plain model's terms.
+"""Model and optimizer state under any layout, in the plain model's terms.
 
-Sharded wrappers (FSDP1, FSDP2) provide ``full_state_dict`` /
-``full_optim_state_dict`` / ``load_full_*`` (collectives: every rank calls
-them); DDP-like wrappers hold the plain model as ``.module``. Full
+The model's description (:func:`mmpar.wrappers.describe`) says how: a
+pipelined model's stages (:mod:`mmpar.checkpoint.pipeline`), a model whose
+tensors are only this rank's part (FSDP, tensor parallelism: gathered by
+torch's ``torch.distributed.checkpoint.state_dict`` API, a collective every
+rank calls), or a module whose state is whole on every rank. Full
 checkpoints of sharded runs key the optimizer state by parameter names, DDP
-and one-process runs by index; :func:`localize_optim_state` turns either into
-what this process's optim wrapper loads.
+and one-process runs by index; :func:`localize_optim_state` turns either
+into what this process's optim wrapper loads.
 """
 import copy
 import re
 from collections import OrderedDict
 
-import torch
-from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper
+from mmengine.runner.checkpoint import _load_checkpoint_to_model
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                     set_optimizer_state_dict)
 
+from mmpar.checkpoint import pipeline
 from mmpar.checkpoint.files import CheckpointLoadError
-from mmpar.parallelize.compose import is_sharded
+from mmpar.wrappers import full_state
+from mmpar.wrappers.base import describe
 
 
-def model_state(model: torch.nn.Module) -> dict:
+def model_state(model: nn.Module) -> dict:
     """The plain model's full state dict, keys as ``model.state_dict()``.
 
-    A wrapper whose parameters are sharded provides ``full_state_dict()``
-    (collective: every rank must call it); otherwise the inner module's state
-    dict is used.
+    A collective when the model holds shards (every rank must call it).
     """
-    if hasattr(model, 'full_state_dict'):
-        return model.full_state_dict()
-    module = model.module if is_model_wrapper(model) else model
-    return module.state_dict()
+    info = describe(model)
+    if info.pipeline is not None:
+        return pipeline.full_state_dict(info.pipeline)
+    if info.holds_shards:
+        return full_state.full_state_dict(info.state_module)
+    return info.state_module.state_dict()
 
 
-def optimizer_state(model: torch.nn.Module, optim_wrapper) -> dict:
+def optimizer_state(model: nn.Module, optim_wrapper) -> dict:
     """Optimizer state in a form that loads under any wrapper.
 
-    Sharded wrappers provide ``full_optim_state_dict(optim_wrapper)``
-    (collective); otherwise the optim wrapper's own state dict.
+    Models holding shards: unsharded and keyed by parameter names, with the
+    optim wrapper's own entries (e.g. an AMP loss scaler) kept (collective);
+    otherwise the optim wrapper's own state dict (keyed by index).
     """
-    if hasattr(model, 'full_optim_state_dict'):
-        return model.full_optim_state_dict(optim_wrapper)
-    return optim_wrapper.state_dict()
-
-
-def stateful_module(model: nn.Module) -> nn.Module:
-    """The module whose ``get_state_dict`` keys are the plain model's.
-
-    Sharded wrappers name their FSDP root (FSDP1: the wrapper itself; FSDP2:
-    the ``fully_shard``-ed model); DDP-like wrappers their inner module.
-    """
-    if hasattr(model, '_sharded_root'):
-        return model._sharded_root
-    return model.module if is_model_wrapper(model) else model
+    info = describe(model)
+    if info.pipeline is not None:
+        return pipeline.full_optim_state_dict(info.pipeline, optim_wrapper)
+    state = optim_wrapper.state_dict()
+    if info.holds_shards:
+        state.update(full_state.full_optim_state_dict(
+            info.state_module, optim_wrapper.optimizer))
+    return state
 
 
 def _revise(state: dict, revise_keys: list) -> dict:
@@ -64,11 +60,20 @@ def _revise(state: dict, revise_keys: list) -> dict:
     return state
 
 
-def load_full_model_state(model: nn.Module, checkpoint: dict,
-                          strict: bool, revise_keys: list) -> None:
-    """Load a full checkpoint's weights into a sharded model (every rank)."""
-    state = checkpoint.get('state_dict', checkpoint)
-    model.load_full_state_dict(_revise(state, revise_keys), strict=strict)
+def load_model_state(model: nn.Module, checkpoint: dict, strict: bool,
+                     revise_keys: list) -> dict:
+    """Load a full checkpoint's weights into ``model`` under any layout
+    (every rank calls it); returns the checkpoint."""
+    info = describe(model)
+    if info.pipeline is None and not info.holds_shards:
+        return _load_checkpoint_to_model(
+            info.state_module, checkpoint, strict, revise_keys=revise_keys)
+    state = _revise(checkpoint.get('state_dict', checkpoint), revise_keys)
+    if info.pipeline is not None:
+        pipeline.load_full_state_dict(info.pipeline, state, strict=strict)
+    else:
+        full_state.load_full_state_dict(info.state_module, state, strict)
+    return checkpoint
 
 
 def _is_full_optim_state(state: dict) -> bool:
@@ -85,6 +90,8 @@ def _names_for_indices(model: nn.Module, optimizer, saved: dict) -> dict:
     builds its optimizer from the same model in the same order, so the
     current optimizer's parameters name the indices.
     """
+    # torch's own cleaning of FSDP1's wrapper prefixes (private; the public
+    # state-dict API does the same inside).
     from torch.distributed.fsdp._common_utils import clean_tensor_name
     names = {p: clean_tensor_name(n) for n, p in model.named_parameters()}
     order = [names[p] for g in optimizer.param_groups for p in g['params']]
@@ -101,16 +108,15 @@ def localize_optim_state(model: nn.Module, optim_wrapper,
     """Turn name-keyed optimizer state into this process's form, in place.
 
     ``checkpoint['optimizer']`` in the full form sharded runs save (or, for a
-    sharded model, the index-keyed form DDP and one-process runs save) becomes
-    what ``optim_wrapper.state_dict()`` would return here (sharded or plain
-    model), so MMEngine's ``resume`` loads it with
-    ``optim_wrapper.load_state_dict`` as usual. The optimizer itself is left
-    as it was (``load_from`` does not restore optimizer state). Anything
-    else is left untouched.
+    model holding shards, the index-keyed form DDP and one-process runs
+    save) becomes what ``optim_wrapper.state_dict()`` would return here, so
+    MMEngine's ``resume`` loads it with ``optim_wrapper.load_state_dict`` as
+    usual. The optimizer itself is left as it was (``load_from`` does not
+    restore optimizer state). Anything else is left untouched.
 
-    A pipelined model (``plain_param_names``: its optimizer holds only this
-    rank's stages) takes name-keyed state only; index-keyed state (a DDP or
-    one-process run) cannot say which index is which of its parameters.
+    A pipelined model (its optimizer holds only this rank's stages) takes
+    name-keyed state only; index-keyed state (a DDP or one-process run)
+    cannot say which index is which of its parameters.
 
     Raises:
         CheckpointLoadError: ``resuming`` a pipelined model from index-keyed
@@ -121,10 +127,12 @@ def localize_optim_state(model: nn.Module, optim_wrapper,
             and isinstance(optim_wrapper, OptimWrapper)):
         return
     optimizer = optim_wrapper.optimizer
-    if hasattr(model, 'plain_param_names'):
+    info = describe(model)
+    if info.pipeline is not None:
         if _is_full_optim_state(saved):
             local = dict(saved)
-            local.update(model.localize_optim_state(optimizer, saved))
+            local.update(pipeline.localize_optim_state(info.pipeline,
+                                                       optimizer, saved))
             checkpoint['optimizer'] = local
         elif resuming:
             raise CheckpointLoadError(
@@ -136,21 +144,13 @@ def localize_optim_state(model: nn.Module, optim_wrapper,
         return
     if _is_full_optim_state(saved):
         full = {k: saved[k] for k in ('state', 'param_groups')}
-    elif is_sharded(model):
+    elif info.holds_shards:
         # Saved unsharded by index (DDP, one process): resuming it sharded.
-        # Names as the plain model has them: FSDP2's wrapper holds the model
-        # as `module` (FSDP1's prefixes are cleaned by clean_tensor_name).
-        full = _names_for_indices(model.module, optimizer, saved)
+        full = _names_for_indices(info.model, optimizer, saved)
     else:
         return
     before = copy.deepcopy(optimizer.state_dict())
-    if is_sharded(model):
-        model.load_full_optim_state_dict(optimizer, full)
-    else:
-        model = model.module if is_model_wrapper(model) else model
-        set_optimizer_state_dict(
-            model, optimizer, full,
-            options=StateDictOptions(full_state_dict=True))
+    full_state.load_full_optim_state_dict(info.state_module, optimizer, full)
     local = dict(saved)
     local.update(optimizer.state_dict())
     optimizer.load_state_dict(before)

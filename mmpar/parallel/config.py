@@ -10,29 +10,21 @@ A config says, with the named axes (docs/topology.md)::
 or with the seed names ``model_parallelism`` (= ``tp``; with FSDP
 ``HYBRID_SHARD`` and no ``tp_plan`` it means ``dp_shard``) and
 ``pipeline_parallelism`` (= ``pp``). :meth:`ParallelConfig.from_cfg` turns
-the dict into one typed object at the edge; :meth:`ParallelConfig.dims`
-resolves the sizes for a world (:func:`mmpar.parallel.dims.resolve_dims`,
-the one validator of the axes).
+the dict into one typed object at the edge, once per run;
+:meth:`ParallelConfig.dims` resolves the sizes for a world
+(:func:`mmpar.parallel.dims.resolve_dims`, the one validator of the axes).
+What needs the model or the wrappers (the tensor-parallel plan, which
+wrapper composes with which axis) is checked by :mod:`mmpar.parallelize`.
 """
 import dataclasses
 import difflib
-import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-import torch.distributed as dist
+from mmpar.checks import check_int
+from mmpar.parallel.dims import AXES, REST, ParallelDims, resolve_dims
+from mmpar.parallel.sharding import SHARDING_STRATEGIES, is_hybrid
 
-from mmpar.parallel.dims import (ParallelDims, is_hybrid_strategy,
-                                 resolve_dims)
-from mmpar.parallel.topology import (ParallelTopology, init_parallelism,
-                                     parallel_group_info,
-                                     parallelism_is_initialized)
-
-SHARDING_STRATEGIES = ('FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD',
-                       'HYBRID_SHARD', '_HYBRID_SHARD_ZERO2')
-DDP_WRAPPER = 'MMDistributedDataParallel'
-FSDP_WRAPPER = 'MMFullyShardedDataParallel'
-AXIS_KEYS = ('dp_replicate', 'dp_shard', 'tp', 'pp')
 SEED_SIZE_KEYS = ('model_parallelism', 'pipeline_parallelism')
 
 
@@ -50,8 +42,8 @@ class ParallelConfig:
         model_parallelism: the seed name of ``tp`` (see the module doc for
             its HSDP meaning).
         pipeline_parallelism: the seed name of ``pp``.
-        tp_plan: the tensor-parallel plan, stored as given (validated by
-            :mod:`mmpar.parallelize`).
+        tp_plan: the tensor-parallel plan, stored as given (checked by
+            :func:`mmpar.parallelize.tensor.check_tp_plan`).
         pipeline: how to split the model into stages: a dict, stored as
             given (validated by :mod:`mmpar.parallelize`).
         use_fsdp: when ``model_wrapper_cfg`` is absent, wrap with FSDP
@@ -79,22 +71,10 @@ class ParallelConfig:
     sync_module_states: bool = True
 
     def __post_init__(self) -> None:
-        for key in AXIS_KEYS + SEED_SIZE_KEYS:
-            value = getattr(self, key)
-            # bool is an int subclass; True is no size.
-            if value is None or (isinstance(value, int)
-                                 and not isinstance(value, bool) and
-                                 (value >= 1 or
-                                  (value == -1 and key in AXIS_KEYS))):
-                continue
-            allowed = 'an int >= 1' + (', or -1 for the rest of the world'
-                                       if key in AXIS_KEYS else '')
-            raise ValueError(f'parallel.{key}={value!r} is not allowed; '
-                             f'allowed: {allowed}')
-        if self.tp_plan is not None:
-            # The plan's own checks live with the technique.
-            from mmpar.parallelize.tensor import check_tp_plan
-            check_tp_plan(self.tp_plan)
+        for key in AXES + SEED_SIZE_KEYS:
+            if getattr(self, key) is not None:
+                check_int(f'parallel.{key}', getattr(self, key),
+                          also=REST if key in AXES else ())
         if self.pipeline is not None and not isinstance(self.pipeline,
                                                         Mapping):
             raise ValueError(f'parallel.pipeline={self.pipeline!r} is not '
@@ -127,39 +107,19 @@ class ParallelConfig:
             model_wrapper_cfg: the config's wrapper section; its
                 ``sharding_strategy`` (HYBRID: HSDP meaning of
                 ``model_parallelism``) and ``hybrid_shard_size`` count.
+                None: the wrapper this section picks (``use_fsdp``).
 
         Raises:
             ParallelismError: as :func:`mmpar.parallel.dims.resolve_dims`.
         """
-        wrapper = dict(model_wrapper_cfg or {})
         if model_wrapper_cfg is None:
-            wrapper = default_wrapper_cfg(self)
-        dims = resolve_dims(
-            self, world_size,
-            hybrid=is_hybrid_strategy(wrapper.get('sharding_strategy')),
-            hybrid_shard_size=wrapper.get('hybrid_shard_size'))
-        if dims.tp_enabled:
-            # The wrapper must compose with TP (FSDP1 does not).
-            from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
-            data_parallel_cfg_for_tp(wrapper, dims.tp)
-        return dims
-
-    def check_wrapper(self, model_wrapper_cfg: Optional[Mapping]) -> None:
-        """``use_fsdp=True`` only picks the wrapper when none is given.
-
-        Raises:
-            ValueError: ``use_fsdp=True`` with an explicit non-FSDP wrapper
-                (one of the two is a mistake).
-        """
-        if not self.use_fsdp or model_wrapper_cfg is None:
-            return
-        wrapper = model_wrapper_cfg.get('type', DDP_WRAPPER)
-        name = getattr(wrapper, '__name__', str(wrapper))
-        if 'FullyShard' not in name:
-            raise ValueError(
-                f'parallel.use_fsdp=True but model_wrapper_cfg.type={name!r} '
-                'is not FSDP; use_fsdp only picks the wrapper when '
-                'model_wrapper_cfg is absent: drop one of them')
+            strategy = self.sharding_strategy if self.use_fsdp else None
+            shard_size = None
+        else:
+            strategy = model_wrapper_cfg.get('sharding_strategy')
+            shard_size = model_wrapper_cfg.get('hybrid_shard_size')
+        return resolve_dims(self, world_size, hybrid=is_hybrid(strategy),
+                            hybrid_shard_size=shard_size)
 
     @classmethod
     def from_cfg(cls, cfg: Optional[Mapping]) -> 'ParallelConfig':
@@ -198,61 +158,3 @@ class ParallelConfig:
 def field_names() -> tuple:
     """The keys a ``parallel`` section may have, in declaration order."""
     return tuple(f.name for f in dataclasses.fields(ParallelConfig))
-
-
-def default_wrapper_cfg(parallel_cfg=None) -> dict:
-    """The ``model_wrapper_cfg`` to use when a config has none.
-
-    Args:
-        parallel_cfg: a :class:`ParallelConfig`, a ``parallel`` dict or None.
-
-    Returns:
-        ``dict(type='MMFullyShardedDataParallel', cpu_offload=...,
-        sharding_strategy=..., sync_module_states=...)`` when ``use_fsdp``,
-        else ``dict(type='MMDistributedDataParallel')``. A new dict each call.
-    """
-    parallel = ParallelConfig.from_cfg(parallel_cfg)
-    if parallel.use_fsdp:
-        return dict(type=FSDP_WRAPPER, **parallel.fsdp_kwargs)
-    return dict(type=DDP_WRAPPER)
-
-
-def setup_parallelism(parallel_cfg=None,
-                      model_wrapper_cfg: Optional[Mapping] = None
-                      ) -> Optional[ParallelTopology]:
-    """Build the topology a ``parallel`` section asks for, at start-up.
-
-    Call after the default process group exists (``init_dist``). Without
-    one (a single-process run) there is nothing to split: sizes above 1 are
-    ignored with a warning and None is returned. If an identical topology is
-    already initialised (a second Runner in one process) it is reused.
-
-    Args:
-        parallel_cfg: a :class:`ParallelConfig`, a ``parallel`` dict or None.
-        model_wrapper_cfg: the config's wrapper section (see
-            :meth:`ParallelConfig.dims`).
-
-    Returns:
-        The topology, or None in a single-process run.
-
-    Raises:
-        ValueError: a bad ``parallel`` section.
-        ParallelismError: sizes that do not fit the world size, a layout
-            that cannot train correctly, or a different topology already
-            initialised.
-    """
-    parallel = ParallelConfig.from_cfg(parallel_cfg)
-    if not (dist.is_available() and dist.is_initialized()):
-        asked = {k: getattr(parallel, k) for k in AXIS_KEYS + SEED_SIZE_KEYS}
-        big = {k: v for k, v in asked.items() if v is not None and v > 1}
-        if big:
-            named = ', '.join(f'{k}={v}' for k, v in big.items())
-            warnings.warn(f'parallel.{named} in a single-process run: '
-                          'using 1 for every axis')
-        return None
-    dims = parallel.dims(dist.get_world_size(), model_wrapper_cfg)
-    if parallelism_is_initialized():
-        current = parallel_group_info()
-        if current.dims == dims:
-            return current
-    return init_parallelism(dims=dims)

@@ -21,12 +21,17 @@ The Runner, ``check_config`` and ``tools/plan.py`` all call it.
 import os
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
-# Mesh order: slowest-varying first. dp outermost keeps the seed's groups
-# for init_parallelism(mp, pp); tp innermost keeps a tp group on one node.
+from mmpar.checks import check_int
+
+# The one list of axes, in mesh order: slowest-varying first. dp outermost
+# keeps the seed's groups for init_parallelism(mp, pp); tp innermost keeps a
+# tp group on one node. Config keys, layout, mesh, topology and the plan
+# report all iterate it; a new axis is added here and in ParallelDims.
 AXES = ('dp_replicate', 'dp_shard', 'pp', 'tp')
-HYBRID_STRATEGIES = ('HYBRID_SHARD', '_HYBRID_SHARD_ZERO2')
+# Sizes may be -1: "the rest of the world".
+REST = ((-1, 'the rest of the world'), )
 
 
 class ParallelismError(ValueError, RuntimeError):
@@ -35,12 +40,6 @@ class ParallelismError(ValueError, RuntimeError):
     A ``ValueError`` (a user's sizes are wrong) and, for code written against
     the seed API, a ``RuntimeError``.
     """
-
-
-def _is_size(value: Any, allow_rest: bool = True) -> bool:
-    # bool is an int subclass; True is no size.
-    return (isinstance(value, int) and not isinstance(value, bool)
-            and (value >= 1 or (allow_rest and value == -1)))
 
 
 @dataclass(frozen=True)
@@ -69,15 +68,11 @@ class ParallelDims:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        if not _is_size(self.world_size, allow_rest=False):
-            raise ParallelismError(
-                f'world_size={self.world_size!r} must be an int >= 1')
+        check_int('world_size', self.world_size, error=ParallelismError)
         sizes = {name: getattr(self, name) for name in AXES}
         for name, value in sizes.items():
-            if not _is_size(value):
-                raise ParallelismError(
-                    f'parallel.{name}={value!r} is not allowed; allowed: an '
-                    'int >= 1, or -1 for the rest of the world')
+            check_int(f'parallel.{name}', value, also=REST,
+                      error=ParallelismError)
         rest = [name for name, value in sizes.items() if value == -1]
         if len(rest) > 1:
             raise ParallelismError(
@@ -160,9 +155,10 @@ def node_local_shard(dp: int, explicit: Optional[int] = None) -> int:
         ParallelismError: a size that does not divide ``dp``.
     """
     size = explicit or min(int(os.environ.get('LOCAL_WORLD_SIZE', dp)), dp)
-    if not _is_size(size, allow_rest=False) or dp % size:
-        key = 'model_wrapper_cfg.hybrid_shard_size' if explicit else \
-            'the HYBRID shard size (LOCAL_WORLD_SIZE, ranks per node)'
+    key = 'model_wrapper_cfg.hybrid_shard_size' if explicit else \
+        'the HYBRID shard size (LOCAL_WORLD_SIZE, ranks per node)'
+    check_int(key, size, error=ParallelismError)
+    if dp % size:
         raise ParallelismError(
             f'{key}={size!r} is not allowed; allowed: an int >= 1 that '
             f'divides the data-parallel size {dp} (or set parallel.dp_shard)')
@@ -270,8 +266,3 @@ def resolve_dims(parallel,
         raise ParallelismError(f'{err} ({"; ".join(seeds)})') from None
     _refuse_unsupported(parallel, dims)
     return dims
-
-
-def is_hybrid_strategy(strategy: Any) -> bool:
-    """Whether an FSDP ``sharding_strategy`` (name or enum) is HYBRID."""
-    return getattr(strategy, 'name', strategy) in HYBRID_STRATEGIES

@@ -14,18 +14,12 @@ keys: ``mp`` is ``tp``. With 8 ranks, tp=2 and pp=2::
 Everything here is arithmetic on integers, so it is tested for every valid
 layout without starting a process.
 """
-import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mmpar.parallel.dims import AXES, ParallelDims, ParallelismError
-
-# The seed's group kinds (mp is tp); ``ParallelLayout.groups`` also has one
-# entry per axis of AXES.
-DIMS = ('dp', 'pp', 'mp')
-
+from mmpar.parallel.dims import AXES, ParallelDims
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -51,7 +45,7 @@ class ParallelLayout:
 
     @property
     def shape(self) -> Tuple[int, int, int]:
-        """The grid shape in ``DIMS`` order: ``(dp, pp, mp)``."""
+        """The seed's grid shape: ``(dp, pp, mp)``."""
         return (self.dp, self.pp, self.mp)
 
     def group_of(self, kind: str, rank: int) -> List[int]:
@@ -69,64 +63,6 @@ class ParallelLayout:
                              f'{self.world_size}')
         return (rank // (self.mp * self.pp), rank // self.mp % self.pp,
                 rank % self.mp)
-
-
-def check_sizes(world_size: int,
-                model_parallelism: int = 1,
-                pipeline_parallelism: int = 1) -> Tuple[int, int, int]:
-    """Validate the sizes and return ``(mp, pp, dp)``.
-
-    A model parallelism larger than the world is clamped to the world size
-    (with a warning), so a config written for a big cluster still runs on a
-    small one.
-
-    Raises:
-        ParallelismError: a size below 1, or a world size not divisible by
-            mp or by mp * pp; the message gives the numbers.
-    """
-    for key, value in (('world_size', world_size),
-                       ('model_parallelism', model_parallelism),
-                       ('pipeline_parallelism', pipeline_parallelism)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ParallelismError(f'{key}={value!r} must be an int >= 1')
-    mp, pp = model_parallelism, pipeline_parallelism
-    if mp > world_size:
-        warnings.warn(f'model_parallelism={mp} is larger than the world size '
-                      f'{world_size}; using model_parallelism={world_size}')
-        mp = world_size
-    if world_size % mp:
-        raise ParallelismError(
-            f'world size {world_size} is not divisible by '
-            f'model_parallelism={mp}')
-    if world_size % (mp * pp):
-        raise ParallelismError(
-            f'world size {world_size} is not divisible by model_parallelism'
-            f' * pipeline_parallelism = {mp} * {pp} = {mp * pp}')
-    return mp, pp, world_size // (mp * pp)
-
-
-def parallel_layout(world_size: int,
-                    model_parallelism: int = 1,
-                    pipeline_parallelism: int = 1) -> ParallelLayout:
-    """Compute every mp, pp and dp group for a world of ``world_size`` ranks.
-
-    Args:
-        world_size: number of ranks.
-        model_parallelism: ranks per model-parallel group.
-        pipeline_parallelism: ranks per pipeline-parallel group.
-
-    Returns:
-        The layout; group lists are in the order ``init_parallelism`` creates
-        them (every rank must create groups in the same order).
-
-    Raises:
-        ParallelismError: as :func:`check_sizes`.
-    """
-    mp, pp, dp = check_sizes(world_size, model_parallelism,
-                             pipeline_parallelism)
-    return layout_of(
-        ParallelDims(dp_replicate=1, dp_shard=dp, tp=mp, pp=pp,
-                     world_size=world_size))
 
 
 def axis_groups(dims: ParallelDims, axes: Tuple[str, ...]) -> List[List[int]]:

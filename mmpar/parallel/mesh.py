@@ -2,25 +2,25 @@
 
 :func:`build_mesh` turns a :class:`~mmpar.parallel.dims.ParallelDims` into
 one group per axis for this rank and a ``DeviceMesh`` with dims
-``('dp_replicate', 'dp_shard', 'pp', 'tp')`` plus the flattened data axis
-``'dp'``. :func:`fallback_data_mesh` serves wrappers built without a
-topology (tests, scripts): the whole world as the data axis, or split into
-HSDP's replicate x shard pair.
+:data:`~mmpar.parallel.dims.AXES` plus the flattened data axis ``'dp'``.
+:func:`fallback_data_mesh` serves wrappers built without a topology (tests,
+scripts): the whole world as the data axis, or split into HSDP's
+replicate x shard pair.
 
 Groups are made with ``new_group`` and the default group's timeout
 (``env_cfg.dist_cfg.timeout``), not torch's 30-minute default for new groups,
-so a hung rank ends the job in the time the user configured.
+so a hung rank ends the job in the time the user configured; axes with the
+same ranks share one group.
 """
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
 from mmpar.dist import collective_timeout, uses_cuda
-from mmpar.parallel.dims import AXES, ParallelDims
+from mmpar.parallel.dims import AXES, ParallelDims, node_local_shard
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import ParallelLayout, layout_of
 
@@ -96,26 +96,33 @@ def _new_groups(layout: ParallelLayout, kind: str, backend: Optional[str],
     return mine
 
 
-def _flatten(root: DeviceMesh, axes: Tuple[str, ...], name: str,
-             group: dist.ProcessGroup) -> DeviceMesh:
-    """A 1-D mesh over ``axes`` of ``root`` that uses ``group``.
+def _group_options(backend: str):
+    """Backend options carrying the default group's timeout, for groups
+    torch makes itself (a flattened mesh dim)."""
+    timeout = collective_timeout()
+    if timeout is None:
+        return backend
+    if backend == 'nccl':
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # no public setter in torch 2.13
+        return backend, options
+    return backend, dist.ProcessGroupGloo.Options(backend, timeout)
 
-    torch's ``DeviceMesh._flatten`` would make its groups again (and with
-    torch's default timeout); this is what it builds, around the group made
-    above. Keeping ``root`` as its root lets FSDP2 combine it with a tp mesh.
+
+def _flat_data_axis(root: DeviceMesh, backend: Optional[str]) -> DeviceMesh:
+    """The data axis ``'dp'`` as a 1-D mesh that shares ``root``.
+
+    With one of the two data axes of size 1 it is the other one's slice;
+    otherwise torch flattens the two (a new group, with our timeout). It
+    must share the root: FSDP2 combines it with a tp mesh of the same root.
     """
-    layout = _MeshLayout([root[axes]._layout.collapse()])
-    flat = DeviceMesh(
-        root.device_type,
-        _layout=layout,
-        _rank_map=root._rank_map,
-        mesh_dim_names=(name, ),
-        _root_mesh=root,
-        _init_backend=False)
-    flat._dim_group_names = [group.group_name]
-    root._pg_registry[group.group_name] = group
-    root._flatten_mapping[name] = flat
-    return flat
+    for axis, other in (DATA_AXES, DATA_AXES[::-1]):
+        if root[other].size() == 1:
+            return root[axis]
+    # DeviceMesh._flatten: no public way to flatten dims in torch 2.13.
+    return root[DATA_AXES]._flatten(
+        'dp', backend_override=_group_options(
+            backend or dist.get_backend()))
 
 
 def build_mesh(dims: ParallelDims,
@@ -138,15 +145,18 @@ def build_mesh(dims: ParallelDims,
     layout = layout_of(dims)
     made: Dict[tuple, dist.ProcessGroup] = {}
     groups = {
-        kind: _new_groups(layout, kind, backends.get(kind), made)
-        for kind in (*AXES, 'dp')
+        axis: _new_groups(layout, axis, backends.get(axis), made)
+        for axis in AXES
     }
     root = DeviceMesh.from_group(
         [groups[axis].group for axis in AXES],
         device_type(),
         mesh=torch.arange(dims.world_size).reshape(dims.shape),
         mesh_dim_names=AXES)
-    flat = _flatten(root, DATA_AXES, 'dp', groups['dp'].group)
+    flat = _flat_data_axis(root, backends.get('dp'))
+    ranks = flat.mesh.tolist()
+    groups['dp'] = GroupInfo(flat.get_group(), ranks,
+                             ranks.index(dist.get_rank()), len(ranks))
     # Only this rank's groups: for the others new_group returned a
     # non-member marker, which must never reach destroy_process_group.
     mine = {id(info.group): info.group for info in groups.values()}
@@ -163,13 +173,15 @@ def fallback_data_mesh(hybrid: bool,
         hybrid: a 2-D ``('dp_replicate', 'dp_shard')`` mesh (HSDP) instead
             of the 1-D ``('dp',)`` one.
         shard_size: ranks per shard group when ``hybrid`` (consecutive
-            ranks); it must divide the world size.
+            ranks; default: one node's, ``LOCAL_WORLD_SIZE``); it must
+            divide the world size.
     """
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
     if not hybrid:
         return init_device_mesh(device_type(), (world, ),
                                 mesh_dim_names=('dp', ))
+    shard_size = node_local_shard(world, shard_size)
     return init_device_mesh(
         device_type(), (world // shard_size, shard_size),
         mesh_dim_names=DATA_AXES)

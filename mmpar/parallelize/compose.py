@@ -1,46 +1,40 @@
 """The one place that decides how a model is parallelised, in a fixed order.
 
-``parallelize`` applies, as torchtitan's and picotron's compose functions do:
+:func:`parallelize` applies, as torchtitan's and picotron's compose
+functions do, each step taking the sub-mesh or group it needs from the
+topology it is handed:
 
-1. tensor parallelism over ``mesh['tp']`` (``parallel.tp_plan``),
-2. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``),
-3. activation checkpointing and ``torch.compile`` (today options of the FSDP
-   wrappers),
-4. the data-parallel wrapper over the data axis (``mesh['dp']``, or
-   ``mesh['dp_replicate', 'dp_shard']`` for HSDP).
+1. tensor parallelism over ``mesh['tp']`` (``parallel.tp_plan``,
+   :mod:`.tensor`),
+2. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
+   :mod:`.pipeline`); steps 3-5 then run on each of this rank's stages,
+3. activation checkpointing (:mod:`.activation`),
+4. ``torch.compile`` (:mod:`.compile`),
+5. the data-parallel wrapper, given the data axis as its class declares it
+   takes it (a group, or the 1-D / replicate x shard mesh).
 
-Step 2 (:mod:`mmpar.parallelize.pipeline`) cuts this rank's stages and
-wraps each one in step 4. With ``tp > 1`` the data-parallel wrapper is the
-one that composes with TP (:func:`mmpar.parallelize.tp_wrapper.
-data_parallel_cfg_for_tp`: DDP becomes ``MMTensorParallelDDP``, FSDP1 is
-refused). The module also gives the one answer to "does this wrapper shard
-the parameters?".
+With ``tp > 1`` the data-parallel wrapper is the one its class names for
+tensor parallelism (:mod:`.tp_wrapper`). :func:`check_composition` is the
+one check of what only the combination of the layout and the wrapper can
+get wrong; the config check and the plan tool call it too.
 """
-from typing import Optional
+from typing import Any, Optional
 
 from mmengine.dist import broadcast
 from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
+from mmpar.parallel.dims import ParallelDims
+from mmpar.parallel.sharding import SHARDING_STRATEGIES, strategy_name
 from mmpar.parallel.topology import ParallelTopology
+from mmpar.parallelize.activation import (apply_activation_checkpointing,
+                                          merge_wrapper_key)
 from mmpar.parallelize.compile import apply_compile
 from mmpar.parallelize.tensor import apply_tp
 from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
-                                    wrapper_class)
-from mmpar.wrappers.full_state import FullStateMixin
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is a wrapper that shards its parameters."""
-    return isinstance(model, FullStateMixin)
-
-
-def wrapper_shards(model_wrapper_cfg: Optional[dict]) -> bool:
-    """Whether the wrapper this config builds shards its parameters."""
-    cls = wrapper_class((model_wrapper_cfg or {}).get('type', DEFAULT_WRAPPER))
-    return issubclass(cls, FullStateMixin)
+                                    declared)
 
 
 def init_weights_before_sharding(model: nn.Module) -> None:
@@ -57,68 +51,125 @@ def init_weights_before_sharding(model: nn.Module) -> None:
             broadcast(tensor)
 
 
-def _tensor_parallel(model: nn.Module, topology: ParallelTopology,
-                     parallel: ParallelConfig) -> nn.Module:
-    if not topology.dims.tp_enabled:
+def wrapper_cfg_for(dims: ParallelDims,
+                    model_wrapper_cfg: Optional[dict]) -> dict:
+    """The data-parallel wrapper config compose builds: the default DDP
+    when none is given, its tensor-parallel counterpart under ``tp > 1``."""
+    cfg = dict(model_wrapper_cfg or dict(type=DEFAULT_WRAPPER))
+    if dims.tp_enabled:
+        cfg = data_parallel_cfg_for_tp(cfg, dims.tp)
+    return cfg
+
+
+def check_composition(parallel: ParallelConfig, dims: ParallelDims,
+                      model_wrapper_cfg: Optional[dict],
+                      compile_cfg: Any = None,
+                      batch_size: Optional[int] = None) -> dict:
+    """Check what the layout and the wrapper can only get wrong together.
+
+    Returns:
+        The wrapper config compose will build.
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    from mmpar.parallelize.pipeline import (PipelineConfig,
+                                            check_pipeline_wrapper)
+    try:
+        cfg = wrapper_cfg_for(dims, model_wrapper_cfg)
+        shard_size = cfg.get('hybrid_shard_size')
+        if shard_size is not None and shard_size != dims.dp_shard:
+            raise ValueError(
+                f'model_wrapper_cfg.hybrid_shard_size={shard_size!r} '
+                f'disagrees with the layout (dp_shard={dims.dp_shard}); '
+                'allowed: leave it unset and give parallel.dp_shard instead')
+        if dims.pp_enabled:
+            PipelineConfig.from_cfg(parallel.pipeline, dims.pp, batch_size)
+            check_pipeline_wrapper(cfg, dims.dp)
+            if compile_cfg:
+                raise ValueError(
+                    f'model_compile={compile_cfg!r} with parallel.pp='
+                    f'{dims.pp} is not supported yet; allowed: '
+                    'model_compile=None with pipeline parallelism')
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return cfg
+
+
+def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
+    """The data axis as the wrapper ``cfg`` names takes it, for the
+    builder's ``default_args``: its group, or its mesh."""
+    cls = declared(cfg.get('type', DEFAULT_WRAPPER))
+    if cls.data_axis_arg == 'process_group':
+        return dict(process_group=topology.dp.group)
+    strategy = strategy_name(cfg.get('sharding_strategy'))
+    if not SHARDING_STRATEGIES[strategy].shards:
+        # NO_SHARD replicates over the whole data axis.
+        return dict(device_mesh=topology.mesh['dp'])
+    return dict(device_mesh=topology.data_mesh())
+
+
+def _finish(model: nn.Module, topology: ParallelTopology, wrapper_cfg: dict,
+            ac_cfg: Any, compile_cfg: Any) -> nn.Module:
+    """Steps 3-5 on a model or one pipeline stage."""
+    model = apply_activation_checkpointing(model, ac_cfg)
+    model = apply_compile(model, compile_cfg)
+    dims = topology.dims
+    if dims.pp_enabled and not (dims.dp_enabled or dims.tp_enabled):
+        # A stage with no data axis needs no wrapper (with tp it gets one,
+        # which replicates over one rank, so TP models are wrapped alike).
         return model
-    return apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
-
-
-def _pipeline(model: nn.Module, topology: ParallelTopology,
-              parallel: ParallelConfig, model_wrapper_cfg: dict) -> nn.Module:
-    # Split over mesh['pp']; each stage gets the data-parallel wrapper.
-    from mmpar.parallelize.pipeline import pipeline_parallelize
-    return pipeline_parallelize(model, topology, parallel, model_wrapper_cfg,
-                                _data_parallel)
-
-
-def _data_parallel(model: nn.Module, model_wrapper_cfg: dict) -> nn.Module:
-    # Wrappers find the data axis themselves (mmpar.parallel.data_mesh and
-    # default_dp_group), so one built outside the Runner agrees with it.
-    return build_model_wrapper(model_wrapper_cfg, model)
+    return build_model_wrapper(wrapper_cfg, model,
+                               default_args=data_axis_args(wrapper_cfg,
+                                                           topology))
 
 
 def parallelize(model: nn.Module,
                 topology: Optional[ParallelTopology],
                 parallel_cfg,
                 model_wrapper_cfg: Optional[dict],
-                compile_cfg=None) -> nn.Module:
-    """Lay ``model`` out over the ranks: TP, PP, compile, then the DP wrapper.
+                compile_cfg=None,
+                activation_checkpointing=None) -> nn.Module:
+    """Lay ``model`` out over the ranks in compose's fixed order.
 
     Args:
         model: the plain model, on its device.
-        topology: this rank's topology (None: no process group; the model
-            is returned unwrapped).
+        topology: this rank's topology (None: one process; only
+            checkpointing and compile apply, the model is not wrapped).
         parallel_cfg: the ``parallel`` section (dict, ParallelConfig or
             None).
-        model_wrapper_cfg: the data-parallel wrapper to build.
-        compile_cfg: ``model_compile`` (per-block ``torch.compile``), applied
-            after the split and before the data-parallel wrapper, as
-            torchtitan orders it; also without a topology (one process).
+        model_wrapper_cfg: the data-parallel wrapper to build (None: DDP).
+            Its ``activation_checkpointing`` key, if any, is step 3's.
+        compile_cfg: ``model_compile`` (per-block ``torch.compile``).
+        activation_checkpointing: the top-level config key (step 3).
 
     Returns:
         The wrapped model.
 
     Raises:
-        ConfigError: a technique the layout asks for that is not available.
+        ConfigError: a combination the layout cannot train.
     """
+    ac_cfg, model_wrapper_cfg = merge_wrapper_key(activation_checkpointing,
+                                                  model_wrapper_cfg)
     if topology is None:
+        model = apply_activation_checkpointing(model, ac_cfg)
         return apply_compile(model, compile_cfg)
     parallel = ParallelConfig.from_cfg(parallel_cfg)
-    if topology.dims.tp_enabled:
-        model_wrapper_cfg = data_parallel_cfg_for_tp(model_wrapper_cfg,
-                                                     topology.dims.tp)
-    if topology.dims.tp_enabled or topology.dims.pp_enabled or \
-            wrapper_shards(model_wrapper_cfg):
+    dims = topology.dims
+    wrapper_cfg = check_composition(parallel, dims, model_wrapper_cfg,
+                                    compile_cfg)
+    if dims.tp_enabled or dims.pp_enabled or \
+            declared(wrapper_cfg.get('type', DEFAULT_WRAPPER)) \
+            .shards_parameters:
         # (pp: before the split, while every rank holds the whole model.)
         init_weights_before_sharding(model)
-    model = _tensor_parallel(model, topology, parallel)
-    if topology.dims.pp_enabled:
-        if compile_cfg:
-            raise ConfigError(
-                f'model_compile={compile_cfg!r} with parallel.pp='
-                f'{topology.dims.pp} is not supported yet; allowed: '
-                'model_compile=None with pipeline parallelism')
-        return _pipeline(model, topology, parallel, model_wrapper_cfg)
-    model = apply_compile(model, compile_cfg)
-    return _data_parallel(model, model_wrapper_cfg)
+    if dims.tp_enabled:
+        model = apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
+    if dims.pp_enabled:
+        from mmpar.parallelize.pipeline import (pipeline_parallelize,
+                                                stage_wrapper_cfg)
+        stage_cfg = stage_wrapper_cfg(wrapper_cfg)
+        return pipeline_parallelize(
+            model, topology, parallel,
+            lambda stage: _finish(stage, topology, stage_cfg, ac_cfg, None))
+    return _finish(model, topology, wrapper_cfg, ac_cfg, compile_cfg)

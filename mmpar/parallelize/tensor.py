@@ -13,17 +13,15 @@ styles), so most models need no code at all::
 
 The plan's own checks (:mod:`mmpar.parallelize.module_plan` for the data
 form) run on every rank before the first collective, so a bad plan fails at
-start-up, never in a hang. The module also says which data-parallel wrapper
-composes with a TP model and gives the wrappers this rank's local shards.
-See docs/tensor_parallel.md.
+start-up, never in a hang.
+See docs/tensor_parallel.md. Helpers for this rank's part of a DTensor
+live in :mod:`mmpar.parallel.dtensor`.
 """
 import copy
 from typing import Callable, List, Tuple, Union
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mmpar.parallelize.module_plan import check_module_plan_data, module_plan
 from mmpar.registry import TP_PLANS, lookup_callable, registered_names
@@ -106,53 +104,3 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
     plan, kwargs = resolve_tp_plan(tp_plan)
     plan(model, tp_mesh, **kwargs)
     return model
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its local shard if a DTensor.
-
-    Data-parallel wrappers reduce and broadcast these: ranks at the same
-    tensor-parallel coordinate hold the same shard, so reducing local shards
-    over the data axis is plain data parallelism for a TP model.
-    """
-    if isinstance(tensor, DTensor):
-        return tensor._local_tensor  # no autograd view: in-place edits land
-    return tensor
-
-
-def local_grad(param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``param.grad``, laid out as ``param`` is.
-
-    DTensor's backward may leave a gradient in another layout than its
-    parameter (a vocabulary-split embedding gets a replicated gradient); it
-    is redistributed to the parameter's layout first (from Replicate no
-    communication, from Partial a reduce-scatter every tp rank joins).
-    """
-    grad = param.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
-            param.placements):
-        grad = grad.redistribute(param.device_mesh, param.placements)
-        param.grad = grad
-    return local_tensor(grad)
-
-
-def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``param``: a DTensor with its layout if
-    ``param`` is one (sharing ``local``'s memory), else ``local``."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(local, param.device_mesh, param.placements,
-                              run_check=False, shape=param.shape,
-                              stride=param.stride())
-
-
-def distribute_like(value, like: torch.Tensor):
-    """A whole tensor (as a full checkpoint holds it) as this rank's part of
-    DTensor ``like``, cut locally (no collective: every rank has the whole
-    value); anything else (``like`` not a DTensor, ``value`` already one or
-    of another shape, e.g. an optimizer's step count) unchanged."""
-    if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and \
-            not isinstance(value, DTensor) and value.shape == like.shape:
-        return distribute_tensor(value.to(like.device), like.device_mesh,
-                                 like.placements, src_data_rank=None)
-    return value

@@ -1,5 +1,5 @@
-from mmpar.runner.checkpoint import (CheckpointLoadError, PlainCheckpointHook,
-                                     load_checkpoint_file)
+from mmpar.checkpoint import CheckpointLoadError, load_checkpoint_file
+from mmpar.runner.checkpoint import PlainCheckpointHook
 from mmpar.runner.loops import (FastResumeIterBasedTrainLoop,
                                 SkippableInfiniteSampler)
 from mmpar.runner.nonfinite import NonFiniteLossError, NonFiniteLossHook

@@ -3,21 +3,13 @@
 The formats themselves live in :mod:`mmpar.checkpoint` as functions of
 (model, optim wrapper, extras); this module reads the Runner's own state
 into the extras and registers the hook that keeps checkpoints plain data
-(loadable with ``torch.load(weights_only=True)``). The names re-exported
-below keep their old import path.
+(loadable with ``torch.load(weights_only=True)``).
 """
 from typing import Optional
 
 from mmengine.hooks import Hook
 
-# Old import paths (mmpar.runner.checkpoint.X) keep working.
-from mmpar.checkpoint import (CheckpointLoadError, all_rng_states,  # noqa
-                              atomic_save, find_latest_complete_checkpoint,
-                              from_plain, is_complete_checkpoint,
-                              load_checkpoint_file, model_state,
-                              optimizer_state, rng_state, set_rng_state,
-                              to_plain)
-from mmpar.checkpoint.full import to_cpu
+from mmpar.checkpoint import all_rng_states, from_plain, to_cpu, to_plain
 from mmpar.registry import HOOKS
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch.distributed as dist
 from mmengine.dataset import DefaultSampler, InfiniteSampler
-from mmengine.evaluator import BaseMetric
+from mmengine.evaluator import BaseMetric, Evaluator
 from mmengine.evaluator.metric import _to_cpu
 from torch.utils.data import DataLoader
 
@@ -111,13 +111,46 @@ def evaluate_on_data_axis(metric: BaseMetric, size: int,
     return metrics[0]
 
 
+class DataAxisEvaluator(Evaluator):
+    """MMEngine's ``Evaluator`` whose metrics collect over the data axis
+    (:func:`evaluate_on_data_axis`) instead of the whole world.
+
+    Args:
+        metrics: the metrics (built ``BaseMetric`` objects or configs).
+        topology: this rank's topology.
+    """
+
+    def __init__(self, metrics, topology: ParallelTopology):
+        super().__init__(metrics)
+        self.topology = topology
+
+    def evaluate(self, size: int) -> dict:
+        metrics = {}
+        for metric in self.metrics:
+            results = evaluate_on_data_axis(metric, size, self.topology)
+            clash = sorted(set(results) & set(metrics))
+            if clash:
+                raise ValueError(
+                    f'metric names {clash} are given by two metrics; give '
+                    'the metrics different prefixes')
+            metrics.update(results)
+        return metrics
+
+
 def evaluate_metrics_on_data_axis(evaluator,
                                   topology: Optional[ParallelTopology]):
-    """Make every metric of an MMEngine ``Evaluator`` collect over the data
-    axis (in place); returns ``evaluator``."""
+    """``evaluator`` collecting over the data axis when tp or pp > 1 (a
+    :class:`DataAxisEvaluator` with the same metrics), else itself.
+
+    Raises:
+        ConfigError: an evaluator class of its own, which cannot be told
+            to collect over the data axis.
+    """
     if not _needs_data_axis(topology):
         return evaluator
-    for metric in evaluator.metrics:
-        metric.evaluate = functools.partial(evaluate_on_data_axis, metric,
-                                            topology=topology)
-    return evaluator
+    if type(evaluator) is not Evaluator:
+        raise ConfigError(
+            f'evaluator type={type(evaluator).__name__!r} collects over the '
+            'whole world, which counts each sample once per tensor/pipeline '
+            'peer when tp or pp > 1; allowed: the default Evaluator')
+    return DataAxisEvaluator(evaluator.metrics, topology)

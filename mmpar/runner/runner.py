@@ -1,8 +1,10 @@
 """``mmpar.Runner``: MMEngine's Runner with the few changes mmpar needs.
 
-Overrides: start-up through :func:`mmpar.dist.init_dist`, model wrapping
-through mmpar's ``MODEL_WRAPPERS``, plain-data checkpoints, and validation of
-the launcher and wrapper config before any process-group work.
+Overrides: the whole config checked (and the ``parallel`` section parsed)
+once before any process-group work; start-up through
+:func:`mmpar.dist.init_dist` and one topology, held here and handed down;
+model wrapping through :func:`mmpar.parallelize.compose.parallelize`; mmpar's
+optim wrappers, bound to the model; plain-data checkpoints in any layout.
 """
 import inspect
 import os.path as osp
@@ -13,21 +15,23 @@ from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
 from mmengine.runner import Runner as MMEngineRunner
-from mmengine.runner.checkpoint import (_load_checkpoint,
-                                        _load_checkpoint_to_model)
+from mmengine.runner.checkpoint import _load_checkpoint
 from torch import nn
 
-from mmpar import checkpoint as ckpt
-from mmpar.checkpoint.format import checkpoint_format, sharded_hook_names
+import mmpar.checkpoint as ckpt
+from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.config_check import check_config
 from mmpar.dist import (check_launcher, init_dist, local_rank,
                         usable_backend, uses_cuda)
-from mmpar.parallel.config import (DDP_WRAPPER, default_wrapper_cfg,
-                                   setup_parallelism)
-from mmpar.parallelize.compose import is_sharded, parallelize
+from mmpar.parallel.config import ParallelConfig
+from mmpar.parallel.seed import setup_parallelism
+from mmpar.parallelize.compose import parallelize
 from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
+from mmpar.runner.optim import build_parallel_optim_wrapper
+from mmpar.wrappers.base import describe
+from mmpar.wrappers.builder import DEFAULT_WRAPPER, default_wrapper_cfg
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
 
@@ -43,11 +47,15 @@ class Runner(MMEngineRunner):
     def __init__(self, *args, **kwargs):
         given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         check_launcher(given.get('launcher', 'none'))
-        if given.get('cfg') is not None:
-            # The whole config, model_wrapper_cfg and `parallel` included.
-            check_config(given['cfg'])
-        # 'full' or 'sharded' (mmpar/checkpoint/format.py).
-        self.checkpoint_format = checkpoint_format(given.get('cfg'))
+        cfg = given.get('cfg') or {}
+        self.parallel_cfg, self._dims = ParallelConfig(), None
+        if cfg:
+            # The whole config, model_wrapper_cfg and `parallel` included;
+            # the section parsed once, its layout when the launcher says the
+            # world size.
+            self.parallel_cfg, self._dims = check_config(cfg)
+        # 'full' or 'sharded' (mmpar/checkpoint/format.py; checked above).
+        self.checkpoint_format = cfg.get('checkpoint_format', 'full')
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -59,38 +67,55 @@ class Runner(MMEngineRunner):
             dist_cfg['backend'] = usable_backend(given.get('backend'))
             init_dist(self.launcher, **dist_cfg)
         super().setup_env(env_cfg)
-        # The named axes from the `parallel` section; wrappers work over the
-        # data axis (mmpar.parallel.data_mesh, default_dp_group).
-        self.topology = setup_parallelism(self.cfg.get('parallel'),
-                                          self.cfg.get('model_wrapper_cfg'))
+        # The one topology of the run: compose hands its groups and meshes
+        # to every technique and wrapper.
+        self.topology = setup_parallelism(self.parallel_cfg,
+                                          self._model_wrapper_cfg(),
+                                          self._dims)
+
+    def _model_wrapper_cfg(self) -> dict:
+        """The config's wrapper, or the one ``parallel.use_fsdp`` picks."""
+        given = self.cfg.get('model_wrapper_cfg')
+        if given is not None:
+            return given
+        cfg = default_wrapper_cfg(self.parallel_cfg)
+        if self.cfg.get('find_unused_parameters') and \
+                cfg['type'] == DEFAULT_WRAPPER:
+            cfg['find_unused_parameters'] = True
+        return cfg
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict],
                    model: nn.Module) -> nn.Module:
         if is_model_wrapper(model):
             return super().wrap_model(model_wrapper_cfg, model)
         model = model.to(self._device())
-        compile_cfg = self.cfg.get('model_compile')
+        steps = dict(compile_cfg=self.cfg.get('model_compile'),
+                     activation_checkpointing=self.cfg.get(
+                         'activation_checkpointing'))
         if self.world_size == 1:
             self.logger.info('World size 1: the model is not wrapped.')
-            return parallelize(revert_sync_batchnorm(model), None, None, None,
-                               compile_cfg)
+            return parallelize(revert_sync_batchnorm(model), None, None,
+                               self.cfg.get('model_wrapper_cfg'), **steps)
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
-        if model_wrapper_cfg is None:
-            # `parallel.use_fsdp` picks FSDP or DDP when no wrapper is given.
-            model_wrapper_cfg = default_wrapper_cfg(self.cfg.get('parallel'))
-            if self.cfg.get('find_unused_parameters') and \
-                    model_wrapper_cfg['type'] == DDP_WRAPPER:
-                model_wrapper_cfg['find_unused_parameters'] = True
-        # TP, PP, compile, then the data-parallel wrapper, in that order.
-        return parallelize(model, self.topology, self.cfg.get('parallel'),
-                           model_wrapper_cfg, compile_cfg)
+        # TP, PP, activation checkpointing, compile, then the data-parallel
+        # wrapper, in that order.
+        return parallelize(model, self.topology, self.parallel_cfg,
+                           self._model_wrapper_cfg(), **steps)
+
+    def build_optim_wrapper(self, optim_wrapper):
+        """MMEngine's, building mmpar's optim wrappers (for MMEngine's names
+        too) and binding them to the model: they own the global-norm clip
+        over every axis, the gradient-sync policy and the non-finite guard.
+        """
+        return build_parallel_optim_wrapper(
+            super().build_optim_wrapper, optim_wrapper, self.model)
 
     def _init_model_weights(self) -> None:
-        if is_sharded(self.model) or hasattr(self.model, 'pipeline_stages'):
-            # Done in parallelize, before the parameters were sharded or
-            # the model split into stages.
+        if describe(self.model).holds_shards:
+            # Done in parallelize, before the parameters were sharded, split
+            # by tensor parallelism or cut into pipeline stages.
             return
         super()._init_model_weights()
 
@@ -172,15 +197,8 @@ class Runner(MMEngineRunner):
         else:
             checkpoint = ckpt.load_checkpoint_file(filename, map_location)
         self._after_load_hooks(checkpoint)
-        if is_sharded(self.model) or hasattr(self.model, 'pipeline_stages'):
-            # (A pipelined model: every stage takes its own keys.)
-            ckpt.load_full_model_state(self.model, checkpoint, strict,
-                                       revise_keys)
-        else:
-            model = self.model.module if is_model_wrapper(
-                self.model) else self.model
-            checkpoint = _load_checkpoint_to_model(
-                model, checkpoint, strict, revise_keys=revise_keys)
+        checkpoint = ckpt.load_model_state(self.model, checkpoint, strict,
+                                           revise_keys)
         # Name-keyed (full) optimizer state, as sharded runs save it, becomes
         # this process's own form for MMEngine's resume.
         ckpt.localize_optim_state(self.model, self.optim_wrapper, checkpoint,
@@ -212,9 +230,7 @@ class Runner(MMEngineRunner):
                              'the CheckpointHook config')
         # Buffers (BatchNorm statistics) equal on every data rank first, so
         # full and sharded checkpoints hold the same ones (buffer_sync).
-        sync_buffers = getattr(self.model, 'sync_buffers', None)
-        if sync_buffers is not None:
-            sync_buffers()
+        describe(self.model).sync_buffers()
         extras = checkpoint_extras(self, meta, by_epoch, save_param_scheduler)
         path = osp.join(out_dir, filename)
         if self.checkpoint_format == 'sharded':

@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from mmengine.hooks import Hook
-from mmengine.model import is_model_wrapper
 
 from mmpar.registry import HOOKS
+from mmpar.wrappers.base import describe
 
 # Dense bf16 tensor-core peaks (FLOP/s) by substring of the CUDA device name.
 PEAK_BF16_FLOPS = {
@@ -50,14 +50,6 @@ def device_peak_flops() -> Optional[float]:
         if key in name:
             return peak
     return None
-
-
-def data_parallel_size() -> int:
-    """Number of model replicas (the default data-parallel group's size)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    from mmpar.parallel import default_dp_group
-    return dist.get_world_size(default_dp_group())
 
 
 @HOOKS.register_module()
@@ -90,13 +82,13 @@ class ThroughputHook(Hook):
     def before_train(self, runner) -> None:
         if self.peak_flops is None:
             self.peak_flops = device_peak_flops()
-        # Through nested wrappers (a pipeline's stages are wrapped again).
-        model = runner.model
-        while not hasattr(model, 'flops_per_token') and \
-                is_model_wrapper(model):
-            model = model.module
+        # The user's model (for a pipeline, this rank's stage copy); models
+        # without flops_per_token log tokens per second only.
+        model = describe(runner.model).model
         self._flops_per_token = getattr(model, 'flops_per_token', None)
-        self._dp_size = data_parallel_size()
+        # Model replicas: the data axis of the runner's layout.
+        topology = getattr(runner, 'topology', None)
+        self._dp_size = topology.dp_size if topology is not None else 1
         self._world_size = dist.get_world_size() if dist.is_initialized() \
             else 1
 

@@ -1,20 +1,24 @@
-"""The train/val/test step bodies every mmpar wrapper shares.
+"""What every mmpar wrapper shares: its declarations and the one step body.
 
-DDP, FSDP, naive and bucketed data parallel all mix in :class:`StepMixin`, so
-the step contract (MMEngine's BaseModel: ``data_preprocessor``,
-``forward(mode=...)``, ``parse_losses``, ``optim_wrapper.update_params``) and
-the gradient-sync strategies live in one place and cannot drift apart.
+DDP, FSDP1, FSDP2, naive and bucketed data parallel, the tensor-parallel DDP
+and the pipeline all mix in :class:`StepMixin`, so the step contract
+(MMEngine's BaseModel: ``data_preprocessor``, ``forward(mode=...)``,
+``parse_losses``, the optim wrapper's accumulation) lives in one place and
+cannot drift apart. A wrapper class *declares* what it is (class attributes
+below); :func:`describe` turns that into the one description every other
+module reads.
 """
-import contextlib
-from typing import Any, ContextManager, Dict, Optional, Union
+from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
-from mmengine.optim import OptimWrapper
+from mmengine.model import is_model_wrapper
+from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 from torch import nn
 
-from mmpar.parallel.topology import default_dp_group
-from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
+from mmpar.optim import ParallelOptimMixin
+from mmpar.wrappers import full_state
 from mmpar.wrappers.buffers import check_buffer_sync, sync_buffers
+from mmpar.wrappers.description import WrappedModel
 from mmpar.wrappers.forced_sync import DEFAULT_BUCKET_CAP_MB, ForcedSyncBuckets
 
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
@@ -32,31 +36,40 @@ def check_sync_strategy(sync_strategy: str) -> str:
     return sync_strategy
 
 
-class _NoModel:
-    """Stands in for the model in ``optim_wrapper.optim_context``.
-
-    ``OptimWrapper.optim_context(model)`` enters ``model.no_sync()`` on
-    non-final micro-batches and, for AMP wrappers, autocast. mmpar decides
-    gradient sync itself (:meth:`StepMixin.grad_sync_context`, which must also
-    cover backward), so it hands the optim wrapper an object with no
-    ``no_sync`` and keeps only the autocast part.
-    """
-
-
 class StepMixin:
-    """``train_step`` / ``val_step`` / ``test_step`` for a wrapper.
+    """Declarations and ``train_step`` / ``val_step`` / ``test_step``.
 
-    A class using it must provide ``module`` (the wrapped BaseModel),
-    ``no_sync()`` and ``process_group`` (None means the default group), and
-    call :meth:`_init_steps` from its constructor.
+    A class using it provides ``module`` (the wrapped BaseModel) and
+    ``no_sync()``, and calls :meth:`_init_steps` from its constructor.
     """
+
+    # -- what the class is, declared once (read through describe()) --------
+    #: Parameters are sharded over the data axis (FSDP): they are
+    #: initialised before sharding, and no rank holds them whole.
+    shards_parameters: ClassVar[bool] = False
+    #: Some tensors are only this rank's part (FSDP, TP DTensors): full
+    #: checkpoints gather them and key optimizer state by names.
+    holds_shards: ClassVar[bool] = False
+    #: How compose hands it the data axis: ``'process_group'`` (a group) or
+    #: ``'device_mesh'`` (1-D, or 2-D replicate x shard for HSDP).
+    data_axis_arg: ClassVar[str] = 'process_group'
+    #: The registered wrapper that plays this one's part around a
+    #: tensor-parallel model; None: refused (see ``tensor_parallel_refusal``).
+    tensor_parallel_wrapper: ClassVar[Optional[str]] = None
+    tensor_parallel_refusal: ClassVar[str] = ''
+    #: None: cannot wrap a pipeline stage; else the arguments a stage needs.
+    pipeline_stage_args: ClassVar[Optional[dict]] = None
 
     module: nn.Module
+    # The data-parallel group gradients are reduced over (None: the world).
+    process_group: Any = None
     sync_strategy: str = 'single_auto_sync'
-    # Process groups over which ranks hold different parameters, whose
-    # gradient norms the global-norm clip must also combine (FSDP1's shard
-    # group, the pipeline axis).
-    clip_extra_groups: tuple = ()
+    # Groups over which ranks hold different parameters, whose gradient
+    # norms the global-norm clip combines (FSDP1's shard group, the pp axis).
+    clip_groups: tuple = ()
+    # Groups buffers are made equal over, one after the other (the data
+    # axis; a 2-D mesh's two dims). (None,) is the whole world.
+    buffer_groups: tuple = (None, )
     # forced_sync's buckets; built by _init_forced_sync (which also lets them
     # start during the last backward) or on first use.
     _forced_sync: Optional[ForcedSyncBuckets] = None
@@ -71,20 +84,66 @@ class StepMixin:
         self.buffer_sync = check_buffer_sync(buffer_sync)
         self._buffers_in_sync = True
 
+    # -- the description ----------------------------------------------------
+    @property
+    def state_module(self) -> nn.Module:
+        """The module whose state-dict names are the plain model's."""
+        return self.module
+
+    @property
+    def axes(self) -> Dict[str, Any]:
+        """What it communicates over (``'reduce'``, or ``'shard'`` and
+        ``'replicate'``): process groups."""
+        return {'reduce': self.process_group}
+
+    @property
+    def description(self) -> WrappedModel:
+        """What this wrapped model is (:func:`describe`)."""
+        return WrappedModel(
+            model=self.module,
+            state_module=self.state_module,
+            shards_parameters=self.shards_parameters,
+            holds_shards=self.holds_shards,
+            axes=self.axes,
+            sync_buffers=self.sync_buffers)
+
+    # -- full state (collectives when the wrapper holds shards) -------------
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The plain model's whole state dict (keys as the plain model's)."""
+        return full_state.full_state_dict(self.state_module)
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a plain model's state dict (every rank)."""
+        return full_state.load_full_state_dict(self.state_module, state_dict,
+                                               strict)
+
+    def full_optim_state_dict(self, optimizer) -> dict:
+        """The optimizer state unsharded, keyed by parameter names; given an
+        ``OptimWrapper``, its own entries (e.g. an AMP loss scaler) kept."""
+        state = {}
+        if isinstance(optimizer, MMEngineOptimWrapper):
+            state, optimizer = optimizer.state_dict(), optimizer.optimizer
+        state.update(full_state.full_optim_state_dict(self.state_module,
+                                                      optimizer))
+        return state
+
+    def load_full_optim_state_dict(self, optimizer, state_dict: dict) -> None:
+        """Load what :meth:`full_optim_state_dict` returned (every rank)."""
+        full_state.load_full_optim_state_dict(self.state_module, optimizer,
+                                              state_dict)
+
+    # -- buffers ------------------------------------------------------------
     def sync_buffers(self) -> None:
         """Make buffers equal over the data axis (``buffer_sync``).
 
         Collective over the data axis: every data rank calls it at the same
         point (the first evaluation step after training, a checkpoint).
         """
-        sync_buffers(self.module, self.buffer_sync, self.data_group)
+        for group in self.buffer_groups:
+            sync_buffers(self.module, self.buffer_sync, group)
         self._buffers_in_sync = True
 
-    @property
-    def data_group(self):
-        """The data axis' group (None: the whole world)."""
-        return default_dp_group()
-
+    # -- what the optim wrapper asks (mmpar.optim.optim_wrapper) ------------
     def _init_forced_sync(
             self, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> None:
         """Build forced_sync's buckets now, so they overlap the last backward.
@@ -95,9 +154,33 @@ class StepMixin:
         if self.sync_strategy == 'forced_sync':
             self._forced_sync = ForcedSyncBuckets(
                 self.module.parameters(),
-                getattr(self, 'process_group', None), bucket_cap_mb)
+                self.process_group, bucket_cap_mb)
 
-    # -- hooks a wrapper may override -------------------------------------
+    def before_last_backward(self) -> None:
+        """forced_sync: buckets may start during the backward that ends the
+        accumulation window, as their gradients complete."""
+        if self._forced_sync is not None:
+            self._forced_sync.arm()
+
+    def finish_grad_sync(self) -> None:
+        """Before each optimizer step: forced_sync's one averaging."""
+        if self.sync_strategy == 'forced_sync':
+            self.all_reduce_grads()
+
+    def all_reduce_grads(self) -> None:
+        """Average every gradient over the data-parallel group now.
+
+        In flattened buckets, one asynchronous all-reduce each
+        (:class:`~mmpar.wrappers.forced_sync.ForcedSyncBuckets`). Wrappers
+        whose gradients are sharded or already bucketed override this.
+        """
+        if self._forced_sync is None:
+            self._forced_sync = ForcedSyncBuckets(
+                self.module.parameters(),
+                self.process_group)
+        self._forced_sync.finish()
+
+    # -- hooks a wrapper may override ---------------------------------------
     @property
     def eval_forward_module(self) -> nn.Module:
         """What ``val_step``/``test_step`` call forward on.
@@ -109,91 +192,76 @@ class StepMixin:
         """
         return self
 
-    def all_reduce_grads(self) -> None:
-        """Average every gradient over the data-parallel group (forced sync).
+    def forward_backward(self, data: Any, optim_wrapper) -> Dict[str, Any]:
+        """Forward and backward of one batch; returns the log variables.
 
-        In flattened buckets, one asynchronous all-reduce each
-        (:class:`~mmpar.wrappers.forced_sync.ForcedSyncBuckets`). Wrappers
-        whose gradients are sharded or already bucketed override this.
+        The pipeline overrides this (a schedule runs both).
         """
-        if self._forced_sync is None:
-            self._forced_sync = ForcedSyncBuckets(
-                self.module.parameters(),
-                getattr(self, 'process_group', None))
-        self._forced_sync.finish()
+        with optim_wrapper.optim_context(self.module):  # autocast, if AMP
+            data = self.module.data_preprocessor(data, training=True)
+            losses = self._run_forward(self, data, mode='loss')
+        loss, log_vars = self.module.parse_losses(losses)
+        optim_wrapper.backward(optim_wrapper.scale_loss(loss), terms=log_vars)
+        return log_vars
+
+    def predict(self, data: Any) -> list:
+        """Predictions of a preprocessed batch; the pipeline overrides it."""
+        return self._run_forward(self.eval_forward_module, data, 'predict')
 
     # -- the steps ----------------------------------------------------------
-    def grad_sync_context(self,
-                          optim_wrapper: OptimWrapper) -> ContextManager:
-        """The gradient-sync context for this micro-batch.
-
-        Covers forward *and* backward, so wrappers that read their sync flag
-        during backward (naive, bucketed, FSDP) behave like DDP, which reads it
-        at forward time.
-        """
-        if self.sync_strategy == 'multi_auto_sync':
-            return contextlib.nullcontext()
-        if self.sync_strategy == 'forced_sync':
-            return self.no_sync()
-        if optim_wrapper.should_sync():
-            return contextlib.nullcontext()
-        return self.no_sync()
-
     def train_step(self, data: Union[dict, tuple, list],
-                   optim_wrapper: OptimWrapper) -> Dict[str, torch.Tensor]:
-        """One micro-batch: preprocess, forward, parse losses, update.
+                   optim_wrapper) -> Dict[str, torch.Tensor]:
+        """One micro-batch: forward, backward and, at the end of an
+        accumulation window, the optimizer step.
 
         Args:
             data: a batch from the dataloader.
-            optim_wrapper: updates parameters; with ``accumulative_counts = k``
-                the optimizer steps every k calls.
+            optim_wrapper: one of mmpar's optim wrappers
+                (:mod:`mmpar.optim`); with ``accumulative_counts = k`` it
+                steps every k calls. Bound to this model on first use.
 
         Returns:
             The log variables from ``parse_losses``.
+
+        Raises:
+            TypeError: an optim wrapper that is not mmpar's.
         """
+        self._bind(optim_wrapper)
         self._buffers_in_sync = False
-        with self.grad_sync_context(optim_wrapper), \
-                clip_func_swapped(optim_wrapper, self.clip_grad_norm):
-            with optim_wrapper.optim_context(_NoModel()):
-                data = self.module.data_preprocessor(data, training=True)
-                losses = self._run_forward(self, data, mode='loss')
-            parsed_loss, log_vars = self.module.parse_losses(losses)
-            if self.sync_strategy == 'forced_sync':
-                self._update_after_forced_sync(optim_wrapper, parsed_loss)
-            else:
-                optim_wrapper.update_params(parsed_loss)
-        return log_vars
-
-    def clip_grad_norm(self, params, max_norm: float, norm_type: float = 2.0,
-                       **kwargs) -> torch.Tensor:
-        """MMEngine's ``clip_func`` during a step: the one global-norm clip
-        (:func:`mmpar.parallelize.clip.clip_grad_norm_`) over every axis."""
-        return clip_grad_norm_(params, max_norm, norm_type,
-                               extra_groups=self.clip_extra_groups, **kwargs)
-
-    def _update_after_forced_sync(self, optim_wrapper: OptimWrapper,
-                                  loss: torch.Tensor) -> None:
-        # ``update_params`` with an all-reduce between backward and step.
-        # should_sync() is True before the last micro-batch's backward: only
-        # then may buckets start as their gradients complete.
-        if self._forced_sync is not None and optim_wrapper.should_sync():
-            self._forced_sync.arm()
-        optim_wrapper.backward(optim_wrapper.scale_loss(loss))
+        with optim_wrapper.grad_sync_context():
+            log_vars = self.forward_backward(data, optim_wrapper)
         if optim_wrapper.should_update():
-            self.all_reduce_grads()
             optim_wrapper.step()
             optim_wrapper.zero_grad()
+        return log_vars
+
+    def _bind(self, optim_wrapper) -> None:
+        if not isinstance(optim_wrapper, ParallelOptimMixin):
+            raise TypeError(
+                f'{type(self).__name__}.train_step needs an mmpar optim '
+                'wrapper (mmpar.optim.OptimWrapper or AmpOptimWrapper: they '
+                'clip by the global norm over every axis and own the '
+                f'gradient-sync policy); got {type(optim_wrapper).__name__}. '
+                "Configs: optim_wrapper=dict(type='OptimWrapper', ...) "
+                'through mmpar.Runner')
+        if optim_wrapper.model is not self:
+            optim_wrapper.bind(self)
 
     def val_step(self, data: Union[dict, tuple, list]) -> list:
         """Predictions for a validation batch (``mode='predict'``)."""
-        if not getattr(self, '_buffers_in_sync', True):
+        if not self._buffers_in_sync:
             self.sync_buffers()
-        data = self.module.data_preprocessor(data, training=False)
-        return self._run_forward(self.eval_forward_module, data, 'predict')
+        return self.predict(
+            self.module.data_preprocessor(data, training=False))
 
     def test_step(self, data: Union[dict, tuple, list]) -> list:
         """Predictions for a test batch (``mode='predict'``)."""
         return self.val_step(data)
+
+    def prepare_as_pipeline_stage(self) -> None:
+        """Called when the wrapper wraps a pipeline stage, whose forward and
+        backward torch's schedule runs on the plain module; a wrapper whose
+        backward hooks expect its own forward stands aside here."""
 
     @staticmethod
     def _run_forward(target: nn.Module, data: Any, mode: str) -> Any:
@@ -204,3 +272,18 @@ class StepMixin:
             return target(*data, mode=mode)
         raise TypeError('the data preprocessor must return a dict, list or '
                         f'tuple, got {type(data).__name__}')
+
+
+def describe(model: nn.Module) -> WrappedModel:
+    """What ``model`` is: an mmpar wrapper (or the pipeline) says so itself;
+    an MMEngine wrapper holds a plain module; anything else is a plain
+    module."""
+    if isinstance(model, StepMixin):
+        return model.description
+    inner = model.module if is_model_wrapper(model) else model
+    return WrappedModel(model=inner, state_module=inner)
+
+
+def mesh_groups(mesh) -> Tuple:
+    """A DeviceMesh's groups, one per dim, outermost first."""
+    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from mmpar.parallelize.tensor import like_param, local_grad, local_tensor
+from mmpar.parallel.dtensor import like_param, local_grad, local_tensor
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.bucketing import (assign_buckets,  # noqa: F401
                                       check_bucket_cap_mb)
@@ -107,7 +107,7 @@ class MMBucketDataParallel(PythonDataParallel):
             parameters then accumulate in fp32), ``'float64'`` or
             ``'bfloat16'`` (half the bytes, less precision), as a name or
             torch dtype.
-        process_group: the data-parallel group; None uses the default group.
+        process_group: the data-parallel group; None is the whole world.
         sync_strategy: ``'single_auto_sync'``, ``'multi_auto_sync'`` or
             ``'forced_sync'`` (see ``MMNaiveDataParallel``).
 
@@ -115,6 +115,8 @@ class MMBucketDataParallel(PythonDataParallel):
         ValueError: a bad ``bucket_cap_mb``, ``grad_dtype`` or
             ``sync_strategy``, naming the allowed values.
     """
+
+    tensor_parallel_wrapper = 'MMTensorParallelDDP'
 
     def __init__(self,
                  module: nn.Module,
@@ -290,6 +292,11 @@ class MMBucketDataParallel(PythonDataParallel):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+
+    def prepare_as_pipeline_stage(self) -> None:
+        # Its gradients are averaged once per optimizer step instead
+        # (finish_grad_sync, called by the pipeline).
+        self.remove_grad_hooks()
 
     def all_reduce_grads(self) -> None:
         """Average all gradients now (``forced_sync``), in ``grad_dtype``."""

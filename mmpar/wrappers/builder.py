@@ -12,10 +12,12 @@ from mmengine.registry import DefaultScope
 from torch import nn
 
 from mmpar.registry import MODEL_WRAPPERS, SCOPE
-from mmpar.wrappers.base import check_sync_strategy
+from mmpar.wrappers.base import StepMixin, check_sync_strategy
 from mmpar.wrappers.buffers import check_buffer_sync
 
 DEFAULT_WRAPPER = 'MMDistributedDataParallel'
+# What `parallel.use_fsdp=True` picks when no model_wrapper_cfg is given.
+USE_FSDP_WRAPPER = 'MMFullyShardedDataParallel'
 
 
 def registered_wrappers() -> list:
@@ -43,6 +45,16 @@ def wrapper_class(wrapper_type) -> type:
             f'model_wrapper_cfg.type={wrapper_type!r} is not a registered '
             f'model wrapper; allowed: {", ".join(registered_wrappers())}')
     return cls
+
+
+def declared(wrapper_type) -> type:
+    """The class whose declarations (``shards_parameters``,
+    ``tensor_parallel_wrapper``, ...) describe ``wrapper_type``: the class
+    itself for mmpar's wrappers; another registry's wrapper declares nothing,
+    so :class:`~mmpar.wrappers.base.StepMixin`'s defaults apply.
+    """
+    cls = wrapper_class(wrapper_type)
+    return cls if issubclass(cls, StepMixin) else StepMixin
 
 
 MMENGINE_PREFIX = 'mmengine.'
@@ -101,13 +113,17 @@ def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
 
 
 def build_model_wrapper(model_wrapper_cfg: Optional[dict],
-                        module: nn.Module) -> nn.Module:
+                        module: nn.Module,
+                        default_args: Optional[dict] = None) -> nn.Module:
     """Build the wrapper ``model_wrapper_cfg`` names around ``module``.
 
     Args:
         model_wrapper_cfg: ``dict(type=NAME, **kwargs)``; None or a dict
             without ``type`` means ``MMDistributedDataParallel``.
         module: the model to wrap, already on its device.
+        default_args: runtime objects for arguments the config does not set
+            (as MMEngine's builders take them): compose passes the data
+            axis (``process_group`` or ``device_mesh``).
 
     Returns:
         The wrapper. The user's config dict is not mutated.
@@ -115,4 +131,40 @@ def build_model_wrapper(model_wrapper_cfg: Optional[dict],
     check_wrapper_cfg(model_wrapper_cfg)
     kwargs = copy.deepcopy(dict(model_wrapper_cfg or {}))
     cls = wrapper_class(kwargs.pop('type', DEFAULT_WRAPPER))
+    for key, value in (default_args or {}).items():
+        kwargs.setdefault(key, value)
     return cls(module=module, **kwargs)
+
+
+def default_wrapper_cfg(parallel) -> dict:
+    """The ``model_wrapper_cfg`` to use when a config has none.
+
+    Args:
+        parallel: a :class:`mmpar.parallel.config.ParallelConfig`.
+
+    Returns:
+        ``dict(type='MMFullyShardedDataParallel', cpu_offload=...,
+        sharding_strategy=..., sync_module_states=...)`` when ``use_fsdp``,
+        else ``dict(type='MMDistributedDataParallel')``. A new dict each call.
+    """
+    if parallel.use_fsdp:
+        return dict(type=USE_FSDP_WRAPPER, **parallel.fsdp_kwargs)
+    return dict(type=DEFAULT_WRAPPER)
+
+
+def check_use_fsdp(parallel, model_wrapper_cfg: Optional[dict]) -> None:
+    """``parallel.use_fsdp=True`` only picks the wrapper when none is given.
+
+    Raises:
+        ValueError: ``use_fsdp=True`` with an explicit wrapper that does not
+            shard (one of the two is a mistake).
+    """
+    if not parallel.use_fsdp or model_wrapper_cfg is None:
+        return
+    wrapper = model_wrapper_cfg.get('type', DEFAULT_WRAPPER)
+    if not declared(wrapper).shards_parameters:
+        name = getattr(wrapper, '__name__', str(wrapper))
+        raise ValueError(
+            f'parallel.use_fsdp=True but model_wrapper_cfg.type={name!r} '
+            'is not FSDP; use_fsdp only picks the wrapper when '
+            'model_wrapper_cfg is absent: drop one of them')

@@ -6,7 +6,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mmpar.dist import local_rank, uses_cuda
-from mmpar.parallel import default_dp_group
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import StepMixin
 
@@ -25,9 +24,8 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
             their all-reduce while that backward still runs).
         device_ids: as DDP's; None picks ``[LOCAL_RANK]`` on CUDA and nothing
             on CPU (DDP rejects device ids for CPU modules).
-        process_group: the data-parallel group; None uses
-            :func:`mmpar.parallel.default_dp_group` (the topology's dp group,
-            or the default group when no topology is initialised).
+        process_group: the data-parallel group; None is the whole world.
+            The Runner passes the layout's data axis.
         buffer_sync: ``'broadcast'`` (default), ``'average'`` or None: how
             buffers (BatchNorm statistics) are made equal before evaluation
             and checkpoints (:mod:`mmpar.wrappers.buffers`). DDP broadcasts
@@ -42,6 +40,9 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
         ValueError: an unknown ``sync_strategy``.
     """
 
+    tensor_parallel_wrapper = 'MMTensorParallelDDP'
+    pipeline_stage_args = {}
+
     def __init__(self,
                  module: nn.Module,
                  sync_strategy: str = 'single_auto_sync',
@@ -52,20 +53,15 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
         self._init_steps(sync_strategy, buffer_sync)
         if device_ids is None and uses_cuda():
             device_ids = [local_rank()]
-        if process_group is None:
-            process_group = default_dp_group()
         super().__init__(
             module,
             device_ids=device_ids,
             process_group=process_group,
             **kwargs)
+        self.buffer_groups = (process_group, )
         # forced_sync buckets as big as DDP's own (bucket_cap_mb, 25 MiB by
         # default).
         self._init_forced_sync(self.bucket_bytes_cap / 2**20)
-
-    @property
-    def data_group(self) -> Optional[dist.ProcessGroup]:
-        return self.process_group
 
     @property
     def eval_forward_module(self) -> nn.Module:

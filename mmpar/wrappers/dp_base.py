@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmpar.parallel import default_dp_group
-from mmpar.parallelize.tensor import local_tensor
+from mmpar.parallel.dtensor import local_tensor
 from mmpar.wrappers.base import StepMixin
 
 
@@ -40,9 +39,8 @@ class PythonDataParallel(StepMixin, nn.Module):
 
     Args:
         module: the model (an MMEngine ``BaseModel`` for ``train_step``).
-        process_group: the data-parallel group; None uses
-            :func:`mmpar.parallel.default_dp_group` (the topology's dp group,
-            or the default group when no topology is initialised).
+        process_group: the data-parallel group; None is the whole world.
+            The Runner passes the layout's data axis.
         sync_strategy: see :data:`mmpar.wrappers.base.SYNC_STRATEGIES`.
         buffer_sync: ``'broadcast'``, ``'average'`` or None: how buffers
             (BatchNorm statistics) are made equal before evaluation and
@@ -61,9 +59,8 @@ class PythonDataParallel(StepMixin, nn.Module):
         super().__init__()
         self._init_steps(sync_strategy, buffer_sync)
         self.module = module
-        if process_group is None:
-            process_group = default_dp_group()
         self.process_group = process_group
+        self.buffer_groups = (process_group, )
         self.world_size = dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
         broadcast_module_state(module, process_group)
@@ -81,10 +78,6 @@ class PythonDataParallel(StepMixin, nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @property
-    def data_group(self) -> Optional[dist.ProcessGroup]:
-        return self.process_group
 
     @property
     def eval_forward_module(self) -> nn.Module:

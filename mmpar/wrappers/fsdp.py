@@ -4,20 +4,21 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from mmpar.dist import uses_cuda
+from mmpar.parallel.mesh import fallback_data_mesh
+from mmpar.parallel.sharding import is_hybrid
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers.base import StepMixin, check_sync_strategy
 from mmpar.wrappers.dp_base import broadcast_module_state
-from mmpar.wrappers.full_state import FullStateMixin
 from mmpar.wrappers.policies import check_wrap_policy, resolve_wrap_policy
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
-                                 FullyShardedDataParallel):
+class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     """FSDP (torch's ``FullyShardedDataParallel``) plus the mmpar steps.
 
     ``val_step``/``test_step`` call forward through this FSDP root, which
@@ -31,23 +32,22 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         sharding_strategy: a ``ShardingStrategy`` or its name; default
             FULL_SHARD.
         process_group: FSDP's group, or for HYBRID strategies a
-            ``(shard_group, replicate_group)`` tuple. None: the data axis
-            (:func:`mmpar.parallel.data_mesh`): with a topology whose
-            ``dp_replicate > 1``, HSDP (shard over ``dp_shard``, replicate
-            over ``dp_replicate``; FULL_SHARD becomes HYBRID_SHARD), else
-            sharding over ``dp``; without a topology the whole world, for
-            HYBRID split into groups of ``hybrid_shard_size`` consecutive
-            ranks (default: one node's, ``LOCAL_WORLD_SIZE``).
+            ``(shard_group, replicate_group)`` tuple; wins over
+            ``device_mesh``.
+        device_mesh: the data axis as a mesh: 1-D (shard over it) or 2-D
+            ``(replicate, shard)``: HSDP, FULL_SHARD becoming HYBRID_SHARD.
+            The Runner passes the layout's data axis. None (and no
+            ``process_group``): the whole world, for HYBRID split into shard
+            groups of ``hybrid_shard_size`` consecutive ranks (default: one
+            node's, ``LOCAL_WORLD_SIZE``).
         hybrid_shard_size: ranks per shard group for HYBRID strategies
-            without a topology (with one it must equal ``dp_shard``).
+            with neither ``process_group`` nor ``device_mesh``.
         cpu_offload: None, bool or ``CPUOffload`` (needs CUDA).
         fsdp_auto_wrap_policy: None, a registered name, ``dict(type=NAME,
             **kwargs)`` or a callable (see :mod:`mmpar.wrappers.policies`).
         backward_prefetch: None, ``'pre'``, ``'post'``, the enum names or a
             ``BackwardPrefetch``.
         mixed_precision: None, ``MixedPrecision`` or a dict of dtype names.
-        activation_checkpointing: class names (or classes) whose instances
-            are checkpointed.
         sync_module_states: broadcast rank 0's parameters at wrap time.
         buffer_sync: ``'broadcast'`` (default), ``'average'`` or None: how
             buffers (BatchNorm statistics) are made equal over the data axis
@@ -63,26 +63,33 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
             values.
     """
 
+    shards_parameters = True
+    holds_shards = True
+    data_axis_arg = 'device_mesh'
+    tensor_parallel_refusal = (
+        'torch FSDP1 does not compose with tensor parallelism reliably; '
+        "allowed: type='MMFullyShard' (FSDP2 over the data axis) or "
+        "'MMDistributedDataParallel'")
+
     def __init__(self,
                  module: nn.Module,
                  sync_strategy: str = 'single_auto_sync',
                  sharding_strategy: Union[str, ShardingStrategy, None] = None,
                  process_group=None,
+                 device_mesh: Optional[DeviceMesh] = None,
                  hybrid_shard_size: Optional[int] = None,
                  cpu_offload=None,
                  fsdp_auto_wrap_policy=None,
                  backward_prefetch=None,
                  mixed_precision=None,
-                 activation_checkpointing=None,
                  sync_module_states: bool = False,
                  use_orig_params: bool = True,
                  device_id=None,
                  buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
         # Each argument is normalised once below (with the same errors as
-        # check_cfg); these two have no normaliser of their own.
+        # check_cfg); this one has no normaliser of its own.
         args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
-        args.check_activation_checkpointing(activation_checkpointing)
         self._init_steps(sync_strategy, buffer_sync)
         strategy = args.normalize_sharding_strategy(sharding_strategy)
         offload = args.normalize_cpu_offload(cpu_offload)
@@ -92,8 +99,8 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
                 'parameters in host memory, which fails without an '
                 'accelerator (on CPU the parameters already live in host '
                 'memory); use cpu_offload=None')
-        strategy, process_group = self._data_axis(strategy, process_group,
-                                                  hybrid_shard_size)
+        strategy, process_group = self._data_axis(
+            strategy, process_group, device_mesh, hybrid_shard_size)
         if device_id is None:
             device_id = (torch.device('cuda', torch.cuda.current_device())
                          if uses_cuda() else torch.device('cpu'))
@@ -117,9 +124,10 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
             use_orig_params=use_orig_params,
             device_id=device_id,
             **kwargs)
-        # After wrapping, as torch recommends for FSDP1: the checkpoint
-        # wrappers then sit inside the FSDP units.
-        args.apply_activation_checkpointing(self, activation_checkpointing)
+        # (shard, replicate) for HYBRID, else the one group.
+        self._groups = process_group if isinstance(process_group, tuple) \
+            else (process_group, )
+        self.buffer_groups = self._groups
 
     @classmethod
     def check_cfg(cls, cfg: dict) -> None:
@@ -136,11 +144,9 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
         args.normalize_backward_prefetch(cfg.get('backward_prefetch'))
         args.normalize_mixed_precision(cfg.get('mixed_precision'))
-        args.check_activation_checkpointing(
-            cfg.get('activation_checkpointing'))
 
     @staticmethod
-    def _data_axis(strategy, process_group, shard_size):
+    def _data_axis(strategy, process_group, mesh, shard_size):
         """(strategy, process group) over the data axis.
 
         Explicit groups win; else the data mesh decides
@@ -153,9 +159,10 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
         strategy it is equivalent to.
         """
         if process_group is None:
-            strategy, process_group = args.fsdp1_process_group(
-                strategy, shard_size)
-        if strategy not in args.HYBRID_STRATEGIES:
+            if mesh is None:
+                mesh = fallback_data_mesh(is_hybrid(strategy), shard_size)
+            strategy, process_group = args.fsdp1_process_group(strategy, mesh)
+        if not is_hybrid(strategy):
             return strategy, process_group
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(f'process_group={process_group!r}: a HYBRID '
@@ -176,15 +183,26 @@ class MMFullyShardedDataParallel(StepMixin, FullStateMixin,
             "forced_sync is not supported")
 
     @property
-    def clip_extra_groups(self) -> tuple:
+    def clip_groups(self) -> tuple:
         """The shard group, for the global-norm clip.
 
         FSDP1's flat parameters are plain tensors holding this rank's shard,
         so torch's ``clip_grad_norm_`` (MMEngine's) would clip each rank by
         its own, too small norm; the one clip
-        (:func:`mmpar.parallelize.clip.clip_grad_norm_`) sums the shards'
-        norms over this group. NO_SHARD keeps whole gradients: nothing to sum.
+        (:func:`mmpar.optim.clip.clip_grad_norm_`) sums the shards' norms
+        over this group. NO_SHARD keeps whole gradients: nothing to sum.
         """
         if self.sharding_strategy == ShardingStrategy.NO_SHARD:
             return ()
         return (self.process_group, )
+
+    @property
+    def state_module(self) -> nn.Module:
+        return self  # the FSDP root
+
+    @property
+    def axes(self) -> dict:
+        if self.sharding_strategy == ShardingStrategy.NO_SHARD:
+            return {'reduce': self.process_group}
+        roles = dict(zip(('shard', 'replicate'), self._groups))
+        return roles

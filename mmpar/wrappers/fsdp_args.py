@@ -4,19 +4,16 @@ Every function here takes what a config may hold (a name, a bool, a dict of
 dtype names, an enum or torch object) and returns one type, or raises an error
 that names the key, the bad value and what is allowed.
 """
-import functools
-from typing import Iterable, Optional, Union
+from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
-from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload,
                                     MixedPrecision, MixedPrecisionPolicy,
                                     ShardingStrategy)
 
-from mmpar.parallel.dims import node_local_shard
-from mmpar.parallel.topology import data_mesh, default_dp_group
-from mmpar.wrappers.policies import resolve_module_classes
+from mmpar.parallel.sharding import (SHARDING_STRATEGIES, UNHYBRID,
+                                     is_hybrid, strategy_name)
 
 DTYPES = {
     'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
@@ -30,17 +27,6 @@ BACKWARD_PREFETCH = {
     'BACKWARD_PRE': BackwardPrefetch.BACKWARD_PRE,
     'BACKWARD_POST': BackwardPrefetch.BACKWARD_POST,
 }
-SHARDING_STRATEGIES = tuple(s.name for s in ShardingStrategy)
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD,
-                     ShardingStrategy._HYBRID_SHARD_ZERO2)
-# A sharding strategy on a 2-D (replicate x shard) data mesh, and back.
-_HYBRID = {
-    ShardingStrategy.FULL_SHARD: ShardingStrategy.HYBRID_SHARD,
-    ShardingStrategy.SHARD_GRAD_OP: ShardingStrategy._HYBRID_SHARD_ZERO2,
-}
-_UNHYBRID = {v: k for k, v in _HYBRID.items()}
-
-
 def to_dtype(value: Union[str, torch.dtype], key: str) -> torch.dtype:
     """A dtype from its name (``'bf16'``, ``'fp32'``, ...) or itself."""
     if isinstance(value, torch.dtype):
@@ -86,14 +72,7 @@ def normalize_sharding_strategy(value) -> ShardingStrategy:
     Raises:
         ValueError: an unknown name, listing the allowed ones.
     """
-    if value is None:
-        return ShardingStrategy.FULL_SHARD
-    if isinstance(value, ShardingStrategy):
-        return value
-    if isinstance(value, str) and value in SHARDING_STRATEGIES:
-        return ShardingStrategy[value]
-    raise ValueError(f'sharding_strategy={value!r} is not supported; '
-                     f'allowed: {", ".join(SHARDING_STRATEGIES)}')
+    return ShardingStrategy[strategy_name(value)]
 
 
 def _precision(value, policy_cls: type):
@@ -138,39 +117,6 @@ def normalize_mp_policy(value) -> Optional[MixedPrecisionPolicy]:
     return _precision(value, MixedPrecisionPolicy)
 
 
-def check_activation_checkpointing(value) -> None:
-    """None, a class name or class, or a list of them."""
-    if value is None or isinstance(value, (str, type)):
-        return
-    if isinstance(value, (list, tuple)) and all(
-            isinstance(v, (str, type)) for v in value):
-        return
-    raise TypeError(f'activation_checkpointing={value!r} must be None or '
-                    'module class names/classes (a list of them)')
-
-
-def apply_activation_checkpointing(model: nn.Module,
-                                   classes: Union[None, str, type,
-                                                  Iterable]) -> None:
-    """Checkpoint every instance of ``classes`` inside ``model`` in place.
-
-    Non-reentrant checkpointing: it composes with FSDP's hooks and keeps the
-    state-dict keys unchanged (torch's wrapper strips its own prefix).
-    """
-    if not classes:
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing as apply_ac,
-        checkpoint_wrapper)
-    classes = resolve_module_classes(
-        model, classes, key='activation_checkpointing')
-    apply_ac(
-        model,
-        checkpoint_wrapper_fn=functools.partial(
-            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda module: isinstance(module, classes))
-
-
 def check_sync_strategy_supported(sync_strategy: str, wrapper: str) -> None:
     """FSDP wrappers support every sync strategy but ``forced_sync``.
 
@@ -188,37 +134,26 @@ def check_sync_strategy_supported(sync_strategy: str, wrapper: str) -> None:
             'accumulation window) or multi_auto_sync')
 
 
-def hybrid_shard_size(explicit: Optional[int] = None) -> int:
-    """Ranks per shard group for HYBRID_SHARD without a topology.
+def fsdp1_process_group(strategy: ShardingStrategy, mesh: DeviceMesh):
+    """(strategy, process group) for FSDP1 over the data mesh ``mesh``.
 
-    ``explicit`` if given, else ``LOCAL_WORLD_SIZE`` (ranks on this node,
-    torch's default node-local split), else the whole world.
+    A 2-D mesh (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP
+    wrapper HSDP (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding,
+    so FSDP1 agrees with FSDP2 and DDP about the data axis; a HYBRID
+    strategy on a 1-D mesh is the plain strategy it then equals.
 
     Raises:
-        ValueError: a size that does not divide the world size.
+        ValueError: NO_SHARD on a 2-D mesh (it replicates over the whole
+            data axis: give the 1-D one).
     """
-    return node_local_shard(dist.get_world_size(), explicit)
-
-
-def fsdp1_process_group(strategy: ShardingStrategy, hybrid_shard_size=None):
-    """(strategy, process group) for FSDP1 on the data axis.
-
-    The mesh comes from :func:`mmpar.parallel.data_mesh`: a 2-D mesh
-    (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP wrapper HSDP
-    (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding, so FSDP1
-    agrees with FSDP2 and DDP about the data axis. NO_SHARD reduces over
-    the whole data axis.
-    """
-    hybrid = strategy in HYBRID_STRATEGIES
-    mesh = data_mesh(hybrid, hybrid_shard_size)
+    name = strategy.name
     if mesh.ndim == 1:
-        if hybrid:  # a one-rank replicate side: plain sharding
-            strategy = _UNHYBRID[strategy]
-        return strategy, mesh.get_group()
-    if strategy == ShardingStrategy.NO_SHARD:
-        # Replicate everywhere: the flattened data axis (the whole world
-        # without a topology).
-        topology_dp = default_dp_group()
-        return strategy, topology_dp
-    groups = (mesh.get_group('dp_shard'), mesh.get_group('dp_replicate'))
-    return _HYBRID.get(strategy, strategy), groups
+        return ShardingStrategy[UNHYBRID.get(name, name)], mesh.get_group()
+    if not SHARDING_STRATEGIES[name].shards:
+        raise ValueError(
+            f'sharding_strategy={name!r} replicates over the whole data axis; '
+            f'allowed: a 1-D device_mesh, got {mesh.mesh_dim_names}')
+    groups = (mesh.get_group(1), mesh.get_group(0))  # (shard, replicate)
+    if not is_hybrid(name):
+        name = {v: k for k, v in UNHYBRID.items()}[name]
+    return ShardingStrategy[name], groups

@@ -1,16 +1,17 @@
-"""Full (unsharded) model and optimizer state for both FSDP wrappers.
+"""Full (unsharded) model and optimizer state of a module, in the plain
+model's names, whatever holds its tensors (FSDP1 or FSDP2 shards, tensor-
+parallel DTensors, or whole tensors).
 
-Checkpoints must hold the whole model with the plain model's keys, whatever
-the sharding, so a checkpoint from FSDP training loads into a single-process
-model with ``strict=True``. torch's ``torch.distributed.checkpoint.state_dict``
-API gathers full state for FSDP1 and FSDP2 alike. Every method here is a
-collective: all ranks must call it.
+torch's ``torch.distributed.checkpoint.state_dict`` API gathers full state
+for all of them; these functions fix its options once. The module is the
+one whose names are the plain model's (``describe(model).state_module``).
+Every function is a collective when the module holds shards: all ranks call
+it.
 """
 from collections import OrderedDict
-from typing import Any, Dict, Union
+from typing import Any, Dict
 
 import torch
-from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_model_state_dict,
@@ -30,50 +31,32 @@ def _options(**kwargs) -> StateDictOptions:
         full_state_dict=True, cpu_offload=uses_cuda(), **kwargs)
 
 
-class FullStateMixin:
-    """``full_state_dict`` and friends; ``_sharded_root`` is the FSDP root."""
+def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """The unsharded model state, keys exactly as the plain model's.
 
-    @property
-    def _sharded_root(self) -> nn.Module:
-        return self
+    An OrderedDict, as ``nn.Module.state_dict`` returns (MMEngine's
+    ``weights_to_cpu`` sets ``_metadata`` on it).
+    """
+    return OrderedDict(get_model_state_dict(module, options=_options()))
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The unsharded model state; keys exactly as the plain model's.
 
-        An OrderedDict, as ``nn.Module.state_dict`` returns (MMEngine's
-        ``weights_to_cpu`` sets ``_metadata`` on it).
-        """
-        return OrderedDict(
-            get_model_state_dict(self._sharded_root, options=_options()))
+def load_full_state_dict(module: nn.Module, state_dict: Dict[str, Any],
+                         strict: bool = True) -> Any:
+    """Load a full (plain-model) state dict into the (sharded) module."""
+    return set_model_state_dict(
+        module, state_dict,
+        options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
-                             strict: bool = True) -> Any:
-        """Load a full (plain-model) state dict into the sharded model."""
-        return set_model_state_dict(
-            self._sharded_root,
-            state_dict,
-            options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def full_optim_state_dict(
-            self, optimizer: Union[torch.optim.Optimizer,
-                                   OptimWrapper]) -> dict:
-        """The optimizer state unsharded, keyed by parameter names.
+def full_optim_state_dict(module: nn.Module,
+                          optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state unsharded, keyed by parameter names."""
+    return get_optimizer_state_dict(module, optimizer, options=_options())
 
-        Given an ``OptimWrapper``, its own entries (e.g. an AMP loss scaler)
-        are kept and its optimizer's ``state``/``param_groups`` replaced.
-        """
-        if isinstance(optimizer, OptimWrapper):
-            state = optimizer.state_dict()
-            state.update(self.full_optim_state_dict(optimizer.optimizer))
-            return state
-        return get_optimizer_state_dict(
-            self._sharded_root, optimizer, options=_options())
 
-    def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer,
-                                   state_dict: dict) -> None:
-        """Load what :meth:`full_optim_state_dict` returned (on every rank)."""
-        set_optimizer_state_dict(
-            self._sharded_root,
-            optimizer,
-            state_dict,
-            options=StateDictOptions(full_state_dict=True))
+def load_full_optim_state_dict(module: nn.Module,
+                               optimizer: torch.optim.Optimizer,
+                               state_dict: dict) -> None:
+    """Load what :func:`full_optim_state_dict` returned (on every rank)."""
+    set_optimizer_state_dict(module, optimizer, state_dict,
+                             options=StateDictOptions(full_state_dict=True))

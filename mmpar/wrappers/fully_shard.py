@@ -16,31 +16,24 @@ from torch.distributed.fsdp import CPUOffloadPolicy, ShardingStrategy
 from torch.distributed.fsdp import fully_shard
 
 from mmpar.dist import uses_cuda
-from mmpar.parallel.topology import data_mesh
+from mmpar.parallel.mesh import fallback_data_mesh
+from mmpar.parallel.sharding import SHARDING_STRATEGIES, Strategy
+from mmpar.parallel.sharding import strategy_name
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
-from mmpar.wrappers.base import StepMixin, check_sync_strategy
-from mmpar.wrappers.full_state import FullStateMixin
+from mmpar.wrappers.base import StepMixin, check_sync_strategy, mesh_groups
 from mmpar.wrappers.policies import (check_wrap_policy, modules_to_wrap,
                                      resolve_wrap_policy)
 
-# FSDP1 strategy names FSDP2 understands: (hybrid mesh?, reshard_after_fwd).
-STRATEGIES = {
-    ShardingStrategy.FULL_SHARD: (False, True),
-    ShardingStrategy.SHARD_GRAD_OP: (False, False),
-    ShardingStrategy.HYBRID_SHARD: (True, True),
-    ShardingStrategy._HYBRID_SHARD_ZERO2: (True, False),
-}
+# The strategies that shard: FSDP2 has no NO_SHARD.
+FSDP2_STRATEGIES = tuple(name for name, s in SHARDING_STRATEGIES.items()
+                         if s.shards)
 
 
-def _strategy(value) -> ShardingStrategy:
-    strategy = args.normalize_sharding_strategy(value)
-    if strategy not in STRATEGIES:
-        raise ValueError(
-            f'sharding_strategy={value!r} is not supported by MMFullyShard; '
-            f'allowed: {", ".join(s.name for s in STRATEGIES)} (for '
-            'NO_SHARD use MMDistributedDataParallel)')
-    return strategy
+def _strategy(value) -> Strategy:
+    return SHARDING_STRATEGIES[strategy_name(
+        value, allowed=FSDP2_STRATEGIES,
+        hint=' (MMFullyShard; for NO_SHARD use MMDistributedDataParallel)')]
 
 
 def _normalize_cpu_offload(value) -> Optional[CPUOffloadPolicy]:
@@ -54,7 +47,7 @@ def _normalize_cpu_offload(value) -> Optional[CPUOffloadPolicy]:
 
 
 @MODEL_WRAPPERS.register_module()
-class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
+class MMFullyShard(StepMixin, nn.Module):
     """FSDP2 sharding of a model plus the mmpar steps.
 
     Args:
@@ -66,27 +59,34 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
             _HYBRID_SHARD_ZERO2 (2-D mesh: replicate x shard).
         reshard_after_forward: overrides the strategy's choice (bool or int,
             as ``fully_shard``).
-        device_mesh: a ``DeviceMesh`` to use as is (1-D: shard; 2-D:
-            replicate x shard).
+        device_mesh: the data axis (1-D: shard; 2-D: replicate x shard,
+            HSDP, whatever the strategy). The Runner passes the layout's.
+            None: the whole world, for HYBRID strategies split into shard
+            groups of ``hybrid_shard_size`` ranks.
         hybrid_shard_size: ranks per shard group for HYBRID strategies
-            without a topology (default ``LOCAL_WORLD_SIZE``); with one the
-            layout decides (:func:`mmpar.parallel.data_mesh`: HSDP when
-            ``dp_replicate > 1``, whatever the strategy).
+            without a ``device_mesh`` (default ``LOCAL_WORLD_SIZE``).
         fsdp_auto_wrap_policy: as FSDP1's; the chosen submodules get their own
             ``fully_shard``, children first, then the root.
         mixed_precision: None, ``MixedPrecisionPolicy`` or a dict of dtype
             names (``param_dtype``, ``reduce_dtype``, ``output_dtype``).
         cpu_offload: None, bool or ``CPUOffloadPolicy``.
-        activation_checkpointing: class names (or classes) to checkpoint.
         buffer_sync: ``'broadcast'`` (default), ``'average'`` or None
             (:mod:`mmpar.wrappers.buffers`).
         **kwargs: any other ``fully_shard`` argument.
 
-    Clipping goes through :func:`mmpar.parallelize.clip.clip_grad_norm_`
+    Clipping goes through :func:`mmpar.optim.clip.clip_grad_norm_`
     (as for every wrapper): the gradients are DTensors whose norms it makes
     whole over their meshes, also when tensor parallelism leaves them on
     different meshes (tested against one process).
     """
+
+    shards_parameters = True
+    holds_shards = True
+    data_axis_arg = 'device_mesh'
+    tensor_parallel_wrapper = 'MMFullyShard'
+    # The schedule interleaves micro-batches' forward and backward:
+    # parameters stay gathered between them.
+    pipeline_stage_args = dict(reshard_after_forward=False)
 
     def __init__(self,
                  module: nn.Module,
@@ -98,17 +98,18 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
                  fsdp_auto_wrap_policy=None,
                  mixed_precision=None,
                  cpu_offload=None,
-                 activation_checkpointing=None,
                  buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
         args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
-        args.check_activation_checkpointing(activation_checkpointing)
         super().__init__()
         self._init_steps(sync_strategy, buffer_sync)
-        hybrid, reshard = STRATEGIES[_strategy(sharding_strategy)]
+        strategy = _strategy(sharding_strategy)
+        reshard = strategy.reshard_after_forward
         if reshard_after_forward is not None:
             reshard = reshard_after_forward
-        self.device_mesh = device_mesh or self._mesh(hybrid, hybrid_shard_size)
+        self.device_mesh = device_mesh or fallback_data_mesh(
+            strategy.hybrid, hybrid_shard_size)
+        self.buffer_groups = mesh_groups(self.device_mesh)
         shard_kwargs = dict(
             mesh=self.device_mesh,
             reshard_after_forward=reshard,
@@ -118,9 +119,6 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
         if offload is not None:
             shard_kwargs['offload_policy'] = offload
         shard_kwargs = {k: v for k, v in shard_kwargs.items() if v is not None}
-        # Before sharding, as torchtitan does: fully_shard then sees the
-        # checkpoint wrappers and its hooks run outside the recomputation.
-        args.apply_activation_checkpointing(module, activation_checkpointing)
         policy = resolve_wrap_policy(fsdp_auto_wrap_policy, module)
         if policy is not None:
             for sub in modules_to_wrap(module, policy):
@@ -138,13 +136,6 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
         _normalize_cpu_offload(cfg.get('cpu_offload'))
         check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
         args.normalize_mp_policy(cfg.get('mixed_precision'))
-        args.check_activation_checkpointing(
-            cfg.get('activation_checkpointing'))
-
-    @staticmethod
-    def _mesh(hybrid: bool, shard_size: Optional[int]) -> DeviceMesh:
-        # The data axis: 1-D shards, 2-D (replicate x shard) is HSDP.
-        return data_mesh(hybrid, shard_size)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -152,8 +143,9 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
         return self.device_mesh.get_group(-1)
 
     @property
-    def _sharded_root(self) -> nn.Module:
-        return self.module
+    def axes(self) -> dict:
+        return dict(zip(('shard', 'replicate'),
+                        mesh_groups(self.device_mesh)[::-1]))
 
     @property
     def eval_forward_module(self) -> nn.Module:

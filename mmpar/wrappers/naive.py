@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mmpar.parallelize.tensor import local_grad
+from mmpar.parallel.dtensor import local_grad
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.bucketing import check_bucket_cap_mb
 from mmpar.wrappers.dp_base import PythonDataParallel
@@ -30,7 +30,7 @@ class MMNaiveDataParallel(PythonDataParallel):
 
     Args:
         module: the model (an MMEngine ``BaseModel`` for ``train_step``).
-        process_group: the data-parallel group; None uses the default group.
+        process_group: the data-parallel group; None is the whole world.
         sync_strategy: ``'single_auto_sync'`` (sync on the last micro-batch
             of an accumulation only), ``'multi_auto_sync'`` (every
             micro-batch) or ``'forced_sync'`` (average all gradients once,

@@ -6,28 +6,25 @@ tensor-parallel weights out of ``state_dict()`` (measured), so checkpoints
 would silently lose them. Replicating a TP model over the data axis only
 needs each rank's *local shards* all-reduced over the data group (ranks at
 the same tp coordinate hold the same shard): the bucketed wrapper does
-exactly that for DTensor parameters. This class adds full (gathered)
-checkpoints, and is what ``MMDistributedDataParallel`` and
-``MMBucketDataParallel`` configs become when ``parallel.tp > 1``
+exactly that for DTensor parameters. This class declares that its tensors
+are tensor-parallel shards (full checkpoints gather them), and is what
+``MMDistributedDataParallel`` and ``MMBucketDataParallel`` configs become
+when ``parallel.tp > 1``
 (:func:`mmpar.parallelize.tp_wrapper.data_parallel_cfg_for_tp`).
 """
-from torch import nn
-
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.bucket import MMBucketDataParallel
-from mmpar.wrappers.full_state import FullStateMixin
 
 
 @MODEL_WRAPPERS.register_module()
-class MMTensorParallelDDP(FullStateMixin, MMBucketDataParallel):
+class MMTensorParallelDDP(MMBucketDataParallel):
     """Bucketed all-reduce of local shards over the data axis, for TP models.
 
     Takes :class:`MMBucketDataParallel`'s arguments (``bucket_cap_mb``,
     ``grad_dtype``, ``process_group``, ``sync_strategy``). Checkpoints are
-    gathered to the plain model's keys and shapes
-    (:class:`~mmpar.wrappers.full_state.FullStateMixin`).
+    gathered to the plain model's keys and shapes.
     """
 
-    @property
-    def _sharded_root(self) -> nn.Module:
-        return self.module
+    holds_shards = True
+    tensor_parallel_wrapper = 'MMTensorParallelDDP'
+    pipeline_stage_args = {}

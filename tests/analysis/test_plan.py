@@ -91,9 +91,13 @@ def _real_local_numel(wrapper, shard_group_ranks):
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group('fake', store=FakeStore(), rank=5, world_size=8)
     try:
+        from mmpar.parallelize.compose import data_axis_args
         dims = ParallelConfig.from_cfg(HSDP_LAYOUT).dims(8)
-        init_parallelism(dims=dims)
-        built = build_model_wrapper(WRAPPERS[wrapper], PlanToyNet())
+        topology = init_parallelism(dims=dims)
+        # The data axis as compose hands it to the wrapper.
+        built = build_model_wrapper(
+            WRAPPERS[wrapper], PlanToyNet(),
+            default_args=data_axis_args(WRAPPERS[wrapper], topology))
         if wrapper == 'fsdp1':
             return sum(m._flat_param.numel()
                        for m in FSDP.fsdp_modules(built))
@@ -259,11 +263,13 @@ def _real_stage_shard_numel(rank, stage):
     dist.init_process_group('fake', store=FakeStore(), rank=rank,
                             world_size=4)
     try:
+        from mmpar.parallelize.compose import data_axis_args
         wrapper_cfg = dict(type='MMFullyShard')
-        init_parallelism(dims=ParallelConfig.from_cfg(cfg.parallel).dims(
-            4, wrapper_cfg))
-        built = build_model_wrapper(wrapper_cfg,
-                                    split_stage(model, [0, 2], stage))
+        topology = init_parallelism(
+            dims=ParallelConfig.from_cfg(cfg.parallel).dims(4, wrapper_cfg))
+        built = build_model_wrapper(
+            wrapper_cfg, split_stage(model, [0, 2], stage),
+            default_args=data_axis_args(wrapper_cfg, topology))
         return sum(p.to_local().numel() for p in built.parameters())
     finally:
         reset_parallelism()

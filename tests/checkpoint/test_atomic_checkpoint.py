@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from mmpar.runner.checkpoint import (atomic_save,
+from mmpar.checkpoint import (atomic_save,
                                      find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
 from tests.e2e import DEFAULT_CONFIG, load_ckpt, run_tool

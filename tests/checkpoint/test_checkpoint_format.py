@@ -4,7 +4,7 @@ import pytest
 import torch
 from mmengine.logging import HistoryBuffer, MessageHub
 
-from mmpar.runner.checkpoint import (CheckpointLoadError, from_plain,
+from mmpar.checkpoint import (CheckpointLoadError, from_plain,
                                      load_checkpoint_file, to_plain)
 
 
@@ -60,7 +60,7 @@ def _draws():
 
 
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
-    from mmpar.runner.checkpoint import all_rng_states, set_rng_state
+    from mmpar.checkpoint import all_rng_states, set_rng_state
     torch.manual_seed(3)
     np.random.seed(3)
     states = all_rng_states()
@@ -75,7 +75,7 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
 def _gathered_rng_states():
     import torch.distributed as dist
 
-    from mmpar.runner.checkpoint import all_rng_states
+    from mmpar.checkpoint import all_rng_states
     torch.manual_seed(100 + dist.get_rank())
     states = all_rng_states()
     own = torch.get_rng_state()

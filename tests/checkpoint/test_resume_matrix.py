@@ -67,7 +67,7 @@ def _resume_all_dist(fmt, root, out):
 
 @pytest.mark.parametrize('fmt', ['full', 'sharded'])
 def test_every_wrapper_resumes_every_other(run_dist, tmp_path, fmt):
-    from mmpar.runner.sharded_checkpoint import sharded_to_full
+    from mmpar.checkpoint.sharded import sharded_to_full
     root = tmp_path / 'saved'
     _save(ONE, fmt, f'{root}/{ONE}')
     run_dist(_save_all_dist, fmt, str(root))

@@ -240,17 +240,20 @@ class _CaptureLoaded:
         raise AttributeError(name)
 
     def before_train(self, runner):
-        from mmpar.checkpoint.state import stateful_module
+        from mmpar.checkpoint import pipeline
+        from mmpar.wrappers import describe
         self.epoch = runner.epoch
-        if hasattr(runner.model, 'pipeline_stages'):
+        info = describe(runner.model)
+        if info.pipeline is not None:
             # A pipelined model: every stage's, gathered under plain names.
-            full = runner.model.full_optim_state_dict(runner.optim_wrapper)
+            full = pipeline.full_optim_state_dict(info.pipeline,
+                                                  runner.optim_wrapper)
             self.state = full['state']
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_optimizer_state_dict)
         full = get_optimizer_state_dict(
-            stateful_module(runner.model), runner.optim_wrapper.optimizer,
+            info.state_module, runner.optim_wrapper.optimizer,
             options=StateDictOptions(full_state_dict=True))
         self.state = {
             name: {k: v.clone() for k, v in value.items()}

@@ -141,7 +141,7 @@ def _train_dist(config, work_dir, name, max_iters, **extra):
 
 
 def test_fsdp2_sharded_resume_is_bit_exact(run_dist, tmp_path):
-    from mmpar.runner.sharded_checkpoint import sharded_to_full
+    from mmpar.checkpoint.sharded import sharded_to_full
     config = 'configs/llama_shakespeare/llama_shakespeare_fsdp2.py'
     straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
     run_dist(_train_dist, config, straight, 'llama2_straight', 4)

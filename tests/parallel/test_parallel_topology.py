@@ -215,10 +215,14 @@ def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
 
 
 def _grads_over_data_axis(wrapper_type, model_parallelism):
+    from mmpar.parallelize.compose import data_axis_args
     from mmpar.wrappers import build_model_wrapper
     from tests.toy import make_batches, make_model
     topology = init_parallelism(model_parallelism)
-    wrapper = build_model_wrapper(dict(type=wrapper_type), make_model())
+    # The data axis as compose hands it to the wrapper.
+    cfg = dict(type=wrapper_type)
+    wrapper = build_model_wrapper(cfg, make_model(),
+                                  default_args=data_axis_args(cfg, topology))
     assert wrapper.process_group is topology.dp.group
     # Data by data rank: tensor-parallel peers read the same batch, so once
     # the dp peers have averaged, every rank holds the same gradient.
@@ -296,20 +300,23 @@ def test_parallel_config_errors_name_key_value_allowed(section, named):
 
 
 def test_default_wrapper_cfg():
-    from mmpar.parallel.config import default_wrapper_cfg
-    assert default_wrapper_cfg(None) == dict(type='MMDistributedDataParallel')
+    from mmpar.parallel.config import ParallelConfig
+    from mmpar.wrappers.builder import default_wrapper_cfg
+    assert default_wrapper_cfg(ParallelConfig()) == dict(
+        type='MMDistributedDataParallel')
     section = dict(use_fsdp=True, cpu_offload=True)
-    first = default_wrapper_cfg(section)
+    first = default_wrapper_cfg(ParallelConfig.from_cfg(section))
     assert first == dict(type='MMFullyShardedDataParallel', cpu_offload=True,
                          sharding_strategy='FULL_SHARD',
                          sync_module_states=True)
     first['cpu_offload'] = False  # a new dict each call
-    assert default_wrapper_cfg(section)['cpu_offload'] is True
+    assert default_wrapper_cfg(
+        ParallelConfig.from_cfg(section))['cpu_offload'] is True
     assert section == dict(use_fsdp=True, cpu_offload=True)
 
 
 def test_setup_parallelism_single_process_warns_and_skips():
-    from mmpar.parallel.config import setup_parallelism
+    from mmpar.parallel import setup_parallelism
     assert setup_parallelism(None) is None
     with pytest.warns(UserWarning, match='single-process'):
         assert setup_parallelism(dict(model_parallelism=2)) is None
@@ -317,7 +324,7 @@ def test_setup_parallelism_single_process_warns_and_skips():
 
 
 def test_setup_parallelism_builds_and_reuses(fake_world):
-    from mmpar.parallel.config import setup_parallelism
+    from mmpar.parallel import setup_parallelism
     # model_parallelism=2 alone is refused now (no tp_plan): a 2-D data
     # layout instead.
     topology = setup_parallelism(dict(dp_replicate=2))

@@ -28,7 +28,8 @@ WRAPPERS = {
 
 def _train_composed(wrapper_cfg, batches, optim_kwargs):
     from mmpar.parallel import setup_parallelism
-    from mmpar.parallelize.compose import is_sharded, parallelize
+    from mmpar.parallelize.compose import parallelize
+    from mmpar.wrappers import describe
     topology = setup_parallelism(LAYOUT, wrapper_cfg)  # reset by harness
     model = parallelize(make_model(), topology, LAYOUT, wrapper_cfg)
     optim_wrapper = make_optim_wrapper(model.module, **optim_kwargs)
@@ -36,7 +37,7 @@ def _train_composed(wrapper_cfg, batches, optim_kwargs):
         model.train_step(
             shard_batch(batch, topology.dp_rank, topology.dp_size),
             optim_wrapper)
-    if is_sharded(model):
+    if describe(model).holds_shards:
         state = model.full_state_dict()
         local = sum(p.numel() for p in _local_params(model))
     else:

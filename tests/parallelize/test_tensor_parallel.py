@@ -152,7 +152,7 @@ def test_replicate_style_parity(run_dist):
 
 def _clip_mixed_meshes():
     """The clip agrees with one process on mixed plain/DTensor gradients."""
-    from mmpar.parallelize.clip import clip_grad_norm_
+    from mmpar.optim.clip import clip_grad_norm_
     mesh = tp_cases.world_mesh(2)
     model = tp_cases.make_vit()
     ref = tp_cases.make_vit()

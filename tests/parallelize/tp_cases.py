@@ -53,7 +53,7 @@ def optim_wrapper_for(model, amp: bool = False):
     if not amp:
         return make_optim_wrapper(
             model, lr=LR, accumulative_counts=ACCUMULATE, clip=CLIP)
-    from mmpar.optim.amp import AmpOptimWrapper
+    from mmpar.optim import AmpOptimWrapper
     return AmpOptimWrapper(
         optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
         accumulative_counts=ACCUMULATE, clip_grad=dict(max_norm=CLIP))

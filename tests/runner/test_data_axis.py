@@ -87,7 +87,7 @@ def _evaluate(use_data_axis):
     topology, loader = _build_loader('DefaultSampler')
     evaluator = Evaluator(_CountMetric(prefix='ids'))
     if use_data_axis:
-        evaluate_metrics_on_data_axis(evaluator, topology)
+        evaluator = evaluate_metrics_on_data_axis(evaluator, topology)
     for batch in loader:
         ids = [int(i) for i in batch]
         evaluator.process(ids, ids)

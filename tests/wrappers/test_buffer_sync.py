@@ -137,7 +137,7 @@ def test_full_and_sharded_checkpoints_evaluate_alike(run_dist, tmp_path,
     assert full_val == sharded_val
     assert full_test == full_val
     assert sharded_test == full_val
-    from mmpar.runner.sharded_checkpoint import sharded_to_full
+    from mmpar.checkpoint.sharded import sharded_to_full
     full = load_ckpt(tmp_path / 'full' / 'epoch_1.pth')['state_dict']
     sharded = sharded_to_full(str(tmp_path / 'sharded' / 'epoch_1'))
     running = [k for k in full if 'running' in k]

@@ -66,13 +66,24 @@ def _frozen_model() -> ToyModel:
     return model
 
 
-def _wrap(wrapper_type, model, **kwargs):
-    return build_model_wrapper(dict(type=wrapper_type, **kwargs), model)
+def _wrap(wrapper_type, model, topology=None, **kwargs):
+    """Compose's steps 3 and 5: activation checkpointing (the wrapper key
+    still names it), then the wrapper over the topology's data axis (the
+    whole world without one)."""
+    from mmpar.parallelize.activation import (apply_activation_checkpointing,
+                                              merge_wrapper_key)
+    from mmpar.parallelize.compose import data_axis_args
+    ac_cfg, cfg = merge_wrapper_key(None, dict(type=wrapper_type, **kwargs))
+    model = apply_activation_checkpointing(model, ac_cfg)
+    axis = {} if topology is None else data_axis_args(cfg, topology)
+    return build_model_wrapper(cfg, model, default_args=axis)
 
 
-def _train_sharded(wrapper_type, wrapper_kwargs, batches, optim_kwargs):
+def _train_sharded(wrapper_type, wrapper_kwargs, batches, optim_kwargs,
+                   topology=None):
     rank, world = dist.get_rank(), dist.get_world_size()
-    wrapper = _wrap(wrapper_type, _frozen_model(), **wrapper_kwargs)
+    wrapper = _wrap(wrapper_type, _frozen_model(), topology,
+                    **wrapper_kwargs)
     # Built after wrapping: FSDP2 replaces the parameters with DTensors.
     optim_wrapper = make_optim_wrapper(wrapper.module, **optim_kwargs)
     for batch in batches:
@@ -117,10 +128,12 @@ def _train_hybrid_on_topology(model_parallelism, wrapper_type, batches,
     # The seed's HSDP spelling: with HYBRID_SHARD, model_parallelism=k means
     # dp_shard=k (was init_parallelism(k), which now means tensor
     # parallelism). Reset by the harness.
-    setup_parallelism(dict(model_parallelism=model_parallelism),
-                      dict(type=wrapper_type, **hybrid))
-    local_numel = _local_numel(_wrap(wrapper_type, make_model(), **hybrid))
-    state = _train_sharded(wrapper_type, hybrid, batches, optim_kwargs)
+    topology = setup_parallelism(dict(model_parallelism=model_parallelism),
+                                 dict(type=wrapper_type, **hybrid))
+    local_numel = _local_numel(_wrap(wrapper_type, make_model(), topology,
+                                     **hybrid))
+    state = _train_sharded(wrapper_type, hybrid, batches, optim_kwargs,
+                           topology)
     return local_numel, state
 
 
@@ -169,7 +182,8 @@ def _grad_norm_after_step(wrapper_type, batch):
     optim_wrapper = make_optim_wrapper(wrapper.module, clip=CLIP)
     wrapper.train_step(shard_batch(batch, rank, world), optim_wrapper)
     norm = MessageHub.get_current_instance().get_scalar('train/grad_norm')
-    return norm.current(), optim_wrapper.clip_func
+    return norm.current(), \
+        optim_wrapper.clip_func == optim_wrapper.clip_grad_norm
 
 
 @pytest.mark.parametrize('wrapper_type', [FSDP1, FSDP2])
@@ -180,10 +194,11 @@ def test_clipping_uses_the_global_norm(run_dist, wrapper_type):
     expected = float(
         torch.nn.utils.clip_grad_norm_(model.parameters(), float('inf')))
     results = run_dist(_grad_norm_after_step, wrapper_type, batch)
-    for norm, clip_func in results:
+    for norm, global_clip in results:
         assert norm == pytest.approx(expected, rel=1e-5)
-        # The user's optim wrapper is left as it was.
-        assert clip_func is torch.nn.utils.clip_grad_norm_
+        # mmpar's optim wrapper clips with the one global-norm clip from
+        # construction on (no per-step swap).
+        assert global_clip
 
 
 def _grad_shapes_after_first_micro_batch(wrapper_type, sync_strategy):
@@ -352,7 +367,6 @@ def test_mixed_precision_from_dtype_names():
     ('fsdp_auto_wrap_policy', 'nope', ValueError, 'REGISTERED'),
     ('fsdp_auto_wrap_policy', 3, TypeError, 'fsdp_auto_wrap_policy'),
     ('mixed_precision', dict(param_dtype='int9'), ValueError, 'int9'),
-    ('activation_checkpointing', 3, TypeError, 'activation_checkpointing'),
 ])
 def test_check_cfg_rejects_bad_values(wrapper_type, key, value, error,
                                       match):
@@ -364,6 +378,17 @@ def test_check_cfg_rejects_bad_values(wrapper_type, key, value, error,
     with pytest.raises(error, match=match):
         check_wrapper_cfg(cfg)
     assert cfg == {'type': wrapper_type, key: value}
+
+
+@pytest.mark.parametrize('wrapper_type', [FSDP1, FSDP2])
+def test_config_check_rejects_bad_activation_checkpointing(wrapper_type):
+    # Compose's step now, still spelled in the wrapper's config.
+    from mmpar.config_check import check_layout
+    from mmpar.failures import ConfigError
+    cfg = dict(model_wrapper_cfg=dict(type=wrapper_type,
+                                      activation_checkpointing=3))
+    with pytest.raises(ConfigError, match='activation_checkpointing=3'):
+        check_layout(cfg)
 
 
 def test_fsdp2_rejects_no_shard():
@@ -456,9 +481,10 @@ def test_modules_to_wrap_matches_fsdp1_recursive_wrap():
 
 
 def test_hybrid_shard_size_must_divide_world(monkeypatch):
-    monkeypatch.setattr(dist, 'get_world_size', lambda group=None: 4)
-    assert fsdp_args.hybrid_shard_size(2) == 2
+    # The shard size a HYBRID wrapper without a topology uses.
+    from mmpar.parallel.dims import node_local_shard
+    assert node_local_shard(4, 2) == 2
     monkeypatch.setitem(os.environ, 'LOCAL_WORLD_SIZE', '4')
-    assert fsdp_args.hybrid_shard_size() == 4
+    assert node_local_shard(4) == 4
     with pytest.raises(ValueError, match='hybrid_shard_size=3'):
-        fsdp_args.hybrid_shard_size(3)
+        node_local_shard(4, 3)

@@ -16,50 +16,26 @@ forward/backward of the usual step with one ``schedule.step`` per batch:
   would also divide gradients accumulated by earlier batches: the parity
   test caught it); a batch the micro-batch count does not divide is padded
   and the padding left out of the loss;
-* the logged loss is broadcast from the last stage over the pp group, and
-  ``optim_wrapper.backward`` is then called on every rank with a detached
-  copy of it: the schedule already ran the real backward, this call keeps
-  MMEngine's accumulation count and lets every wrapper of ``backward`` (the
-  non-finite guard) see the same loss on every stage;
-* the optimizer step clips by the global norm summed over the pp group
-  (:func:`mmpar.parallelize.clip.clip_grad_norm_`).
+* the logged loss is broadcast from the last stage over the pp group and
+  handed to ``optim_wrapper.record_backward``: the schedule already ran the
+  backward; the optim wrapper counts it for accumulation and its
+  non-finite guard checks the same loss on every stage;
+* the rest is the step every wrapper shares (:class:`~mmpar.wrappers.base.
+  StepMixin`): the optim wrapper's step syncs the replicated stages'
+  gradients (:meth:`MMPipelineParallel.finish_grad_sync`) and clips by the
+  global norm summed over the pp group (``clip_groups``).
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from mmengine.optim import OptimWrapper
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from mmpar.parallelize.clip import clip_func_swapped, clip_grad_norm_
 from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
-from mmpar.parallelize.pipeline.state import PipelineStateMixin, _unwrap
 from mmpar.registry import MODEL_WRAPPERS
-from mmpar.wrappers.base import _NoModel
-
-
-def _stage_submodule(module: nn.Module) -> nn.Module:
-    """What torch's PipelineStage runs: FSDP2's sharded module inside
-    ``MMFullyShard`` (torch drives its gradient sync), else the plain stage.
-
-    DDP is not handed to torch: its reducer breaks on a pipeline (torch
-    2.13: "rebuilt params size" on the second step, after the stage's shape
-    inference and with several stages per rank; silently wrong with
-    ``static_graph``). Its gradients are all-reduced once per optimizer step
-    instead (:func:`_sync_replicated_grads`), mmpar's ``forced_sync`` path.
-    """
-    return _unwrap(module)
-
-
-def _sync_replicated_grads(stages: Sequence[nn.Module]) -> None:
-    """Average the gradients of every replicated (not FSDP2) stage over its
-    data-parallel group: the wrapper's own ``all_reduce_grads``."""
-    for stage in stages:
-        if not isinstance(getattr(stage, 'module', None), FSDPModule) and \
-                hasattr(stage, 'all_reduce_grads'):
-            stage.all_reduce_grads()
+from mmpar.wrappers.base import StepMixin
+from mmpar.wrappers.description import PipelineParts, WrappedModel
 
 
 def split_data(data: Any) -> Tuple[torch.Tensor, Any]:
@@ -96,11 +72,20 @@ def _call(fn, outputs, rest: Any, index: Optional[torch.Tensor]):
 
 
 @MODEL_WRAPPERS.register_module()
-class MMPipelineParallel(PipelineStateMixin, nn.Module):
+class MMPipelineParallel(StepMixin, nn.Module):
     """This rank's pipeline stages and the steps that run a schedule.
 
     Built by :func:`mmpar.parallelize.pipeline.pipeline_parallelize`, not
     from a config.
+
+    torch's ``PipelineStage`` runs each stage's plain module: FSDP2's
+    sharded module inside ``MMFullyShard`` (torch drives its gradient sync),
+    else the unwrapped stage. DDP is not handed to torch: its reducer breaks
+    on a pipeline (torch 2.13: "rebuilt params size" on the second step,
+    after the stage's shape inference and with several stages per rank;
+    silently wrong with ``static_graph``). The gradients of replicated
+    stages are all-reduced once per optimizer step instead
+    (:meth:`finish_grad_sync`, mmpar's ``forced_sync`` path).
 
     Args:
         stages: this rank's stage modules (data-parallel wrapped or plain),
@@ -113,18 +98,25 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
         pp_group: the pipeline group; ``pp_ranks`` its global ranks.
         last_holder: the pp rank (index in the group) of the last stage.
         device: where activations live.
-        clip_extra_groups: groups over which ranks hold different
-            parameters besides the pp group (from the data wrapper).
+        stage_modules: the stages unwrapped (what torch's stages run).
+        clip_groups: groups over which ranks hold different parameters
+            besides the pp group (from the data wrapper).
     """
+
+    # Data-parallel sync happens in the stages (FSDP2) or at the step
+    # (finish_grad_sync): never a no_sync window at this level.
+    sync_strategy = 'multi_auto_sync'
 
     def __init__(self, stages: Sequence[nn.Module], stage_indices: List[int],
                  num_stages: int, schedule: str, schedule_cls: type,
                  num_microbatches: int, pp_group, pp_ranks: List[int],
                  last_holder: int, device: torch.device,
-                 clip_extra_groups: tuple = ()):
+                 stage_modules: Sequence[nn.Module],
+                 clip_groups: tuple = ()):
         super().__init__()
-        self.module = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
-        self.stages = list(stages)
+        self._init_steps('multi_auto_sync', None)
+        self.stages = nn.ModuleList(stages)
+        self.stage_modules = list(stage_modules)
         self.stage_indices = list(stage_indices)
         self.num_stages = num_stages
         self.schedule_name = schedule
@@ -134,7 +126,7 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
         self.pp_ranks = list(pp_ranks)
         self.last_holder = last_holder
         self.device = device
-        self.clip_extra_groups = tuple(clip_extra_groups) + (pp_group, )
+        self.clip_groups = tuple(clip_groups) + (pp_group, )
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
         self._schedules: Dict[tuple, Any] = {}
@@ -147,16 +139,49 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
         this rank holds it: it has ``pipeline_head``'s modules)."""
         i = self.stage_indices.index(self.num_stages - 1) \
             if self.has_last else 0
-        return _unwrap(self.stages[i])
+        return self.stage_modules[i]
+
+    @property
+    def module(self) -> nn.Module:
+        """The model MMEngine's Runner and hooks see (a wrapper's
+        ``module``): this rank's stage copy of the user's model, a
+        ``BaseModel`` with ``train_step``, whatever the number of stages."""
+        return self.model
 
     @property
     def data_preprocessor(self) -> nn.Module:
         return self.model.data_preprocessor
 
     @property
-    def pipeline_stages(self) -> List[nn.Module]:
-        """This rank's stages (as wrapped); marks a pipelined model."""
-        return self.stages
+    def description(self) -> WrappedModel:
+        wrapped = [s for s in self.stages if isinstance(s, StepMixin)]
+        return WrappedModel(
+            model=self.model,
+            state_module=None,
+            shards_parameters=any(s.shards_parameters for s in wrapped),
+            holds_shards=True,
+            axes=dict(wrapped[0].axes) if wrapped else {},
+            pipeline=PipelineParts(tuple(self.stages),
+                                   tuple(self.stage_modules),
+                                   tuple(self.stage_indices), self.pp_group),
+            sync_buffers=self.sync_buffers)
+
+    def sync_buffers(self) -> None:
+        """Each wrapped stage's buffers over its data axis."""
+        for stage in self.stages:
+            if isinstance(stage, StepMixin):
+                stage.sync_buffers()
+        self._buffers_in_sync = True
+
+    def finish_grad_sync(self) -> None:
+        """Average the gradients of every replicated stage (its wrapper does
+        not see torch's backward): FSDP2 stages sync inside the schedule."""
+        for stage in self.stages:
+            if isinstance(stage, StepMixin) and not stage.shards_parameters:
+                stage.all_reduce_grads()
+
+    def before_last_backward(self) -> None:
+        pass
 
     # -- schedules ----------------------------------------------------------
     def _schedule(self, train: bool, microbatches: int, batch: int):
@@ -166,10 +191,10 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
         key = (train, microbatches, batch)
         if key not in self._schedules:
             stages = [
-                PipelineStage(_stage_submodule(module), index,
-                              self.num_stages, self.device,
+                PipelineStage(module, index, self.num_stages, self.device,
                               group=self.pp_group)
-                for module, index in zip(self.stages, self.stage_indices)
+                for module, index in zip(self.stage_modules,
+                                         self.stage_indices)
             ]
             loss_fn = self._microbatch_loss if train else None
             arg = stages if len(stages) > 1 else stages[0]
@@ -229,28 +254,16 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
             box, src=self.pp_ranks[self.last_holder], group=self.pp_group)
         return box[0]
 
-    # -- the steps ----------------------------------------------------------
-    def clip_grad_norm(self, params, max_norm: float, norm_type: float = 2.0,
-                       **kwargs) -> torch.Tensor:
-        """The global-norm clip over every stage (sums over the pp group)."""
-        return clip_grad_norm_(params, max_norm, norm_type,
-                               extra_groups=self.clip_extra_groups, **kwargs)
-
-    def train_step(self, data: Any,
-                   optim_wrapper: OptimWrapper) -> Dict[str, torch.Tensor]:
-        """One batch through the schedule, then MMEngine's update.
-
-        Returns:
-            The log variables, averaged over micro-batches, equal on every
-            pp rank.
-        """
-        data = self.data_preprocessor(data, training=True)
-        with optim_wrapper.optim_context(_NoModel()):
+    # -- the steps (the body is StepMixin's) -------------------------------
+    def forward_backward(self, data: Any, optim_wrapper) -> Dict[str, Any]:
+        """One batch through the schedule: every micro-batch's forward and
+        backward; returns the log variables, averaged over micro-batches,
+        equal on every pp rank."""
+        with optim_wrapper.optim_context(self.model):  # autocast, if AMP
+            data = self.data_preprocessor(data, training=True)
             self._run(data, True, dict(optim_wrapper=optim_wrapper))
         log_vars = None
         if self.has_last:
-            # The last m calls: on its first batch torch's stage also calls
-            # the loss once while it infers shapes.
             state = self._step_state
             # The real micro-batches of this step (on its first batch
             # torch's stage also calls the loss while it infers shapes).
@@ -262,25 +275,16 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
                 k: sum(p[k] * w for p, w in parts) / total
                 for k in parts[0][0]
             }
-        log_vars = self._from_last(log_vars)
-        loss = torch.tensor(log_vars['loss'], device=self.device)
-        # Detached leaf: the schedule already back-propagated (see module
-        # doc); this keeps the accumulation count and the non-finite guard.
-        leaf = optim_wrapper.scale_loss(loss).detach().requires_grad_()
-        with clip_func_swapped(optim_wrapper, self.clip_grad_norm):
-            optim_wrapper.backward(leaf)
-            if optim_wrapper.should_update():
-                _sync_replicated_grads(self.stages)
-                optim_wrapper.step()
-                optim_wrapper.zero_grad()
-        return {k: torch.tensor(v) for k, v in log_vars.items()}
+        log_vars = {k: torch.tensor(v)
+                    for k, v in self._from_last(log_vars).items()}
+        optim_wrapper.record_backward(
+            optim_wrapper.scale_loss(log_vars['loss'].to(self.device)),
+            terms=log_vars)
+        return log_vars
 
-    def val_step(self, data: Any) -> list:
-        """Predictions of a batch, forward-only through the stages.
-
-        Returns:
-            The predictions, on every pp rank.
-        """
+    def predict(self, data: Any) -> list:
+        """Predictions of a preprocessed batch, forward-only through the
+        stages, on every pp rank."""
         if self.schedule_name in V_SCHEDULES:
             # torch 2.13: a V schedule's eval still runs its backward
             # actions ("can't steal_bwd_input if this stage doesn't have
@@ -290,7 +294,6 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
                 'run validation/test in torch 2.13; allowed for a job with '
                 'a val/test loop: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, '
                 'InterleavedZeroBubble')
-        data = self.data_preprocessor(data, training=False)
         _, rest = split_data(data)
         outputs = self._run(data, False)
         preds = _call(self.model.pipeline_predict, outputs, rest, None) \
@@ -299,10 +302,6 @@ class MMPipelineParallel(PipelineStateMixin, nn.Module):
         # output); the evaluator counts only the last pp rank's
         # (mmpar.runner.data_axis), once per data rank.
         return self._from_last(preds)
-
-    def test_step(self, data: Any) -> list:
-        """As :meth:`val_step`."""
-        return self.val_step(data)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError('MMPipelineParallel runs through train_step, '

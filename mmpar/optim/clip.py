@@ -12,11 +12,10 @@ combined, optionally reduced over extra process groups whose ranks hold
 disjoint parameters (pipeline stages, FSDP1's flat shards), and every
 gradient is scaled by the same factor.
 
-Every wrapper's ``train_step`` points MMEngine's ``OptimWrapper.clip_func``
-at this function for the step (:func:`clip_func_swapped`).
+mmpar's optim wrapper (:mod:`mmpar.optim.optim_wrapper`) clips with this
+function, with the groups the model's wrapper declares, in every layout.
 """
-import contextlib
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -122,23 +121,3 @@ def clip_grad_norm_(parameters: Params,
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             local.mul_(coef.to(local.device, local.dtype))
     return total
-
-
-@contextlib.contextmanager
-def clip_func_swapped(optim_wrapper, clip_norm) -> Iterator[None]:
-    """Make ``optim_wrapper`` clip by ``clip_norm`` while inside the block.
-
-    Only norm clipping is swapped (``clip_grad=dict(type='norm', ...)``, the
-    default): value clipping is element-wise and already correct on shards.
-    The swap lasts one step, so an optim wrapper shared with other code is
-    left as it was.
-    """
-    current = getattr(optim_wrapper, 'clip_func', None)
-    if current is not torch.nn.utils.clip_grad_norm_:
-        yield
-        return
-    optim_wrapper.clip_func = clip_norm
-    try:
-        yield
-    finally:
-        optim_wrapper.clip_func = current

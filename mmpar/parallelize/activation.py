@@ -1,0 +1,118 @@
+"""Activation checkpointing: step 3 of compose's order, for every layout.
+
+Config (top level)::
+
+    activation_checkpointing = dict(
+        module_classes=['LlamaBlock'],  # which modules to checkpoint
+        every=1)                        # every k-th of them (1: all)
+
+or just the class names (``activation_checkpointing = 'LlamaBlock'`` or a
+list). The older spelling inside an FSDP wrapper's config,
+``model_wrapper_cfg.activation_checkpointing=[...]``, means the same and is
+still accepted (compose takes it out of the wrapper's arguments).
+
+Checkpointed modules keep their state-dict names (torch's non-reentrant
+wrapper strips its own prefix), so checkpoints, tensor-parallel plans and
+wrap policies see the same model. Applied after tensor parallelism and the
+pipeline split, before ``torch.compile`` and the data-parallel wrapper, as
+torchtitan orders it: the data-parallel hooks then run outside the
+recomputation.
+"""
+import functools
+from typing import Any, Optional
+
+from torch import nn
+
+from mmpar.checks import check_int
+from mmpar.wrappers.policies import resolve_module_classes
+
+KEY = 'activation_checkpointing'
+OWN_KEYS = ('module_classes', 'every')
+
+
+def check_activation_checkpointing(cfg: Any, key: str = KEY) -> Optional[dict]:
+    """``cfg`` normalised to ``dict(module_classes=[...], every=k)``, or None.
+
+    Raises:
+        TypeError / ValueError: a value of the wrong type, an unknown key or
+            a bad ``every``, naming the key.
+    """
+    if cfg is None or cfg is False:
+        return None
+    if isinstance(cfg, (str, type)) or (
+            isinstance(cfg, (list, tuple)) and cfg and
+            all(isinstance(c, (str, type)) for c in cfg)):
+        cfg = dict(module_classes=cfg)
+    if not isinstance(cfg, dict):
+        raise TypeError(f'{key}={cfg!r} must be None, module class names '
+                        '(or classes, a list of them) or dict(module_classes='
+                        '[...], every=1)')
+    unknown = sorted(set(cfg) - set(OWN_KEYS))
+    if unknown:
+        raise ValueError(f'{key}: unknown key(s) {unknown}; allowed: '
+                         f'{", ".join(OWN_KEYS)}')
+    classes = cfg.get('module_classes')
+    if isinstance(classes, (str, type)):
+        classes = [classes]
+    if not classes or not all(isinstance(c, (str, type)) for c in classes):
+        raise TypeError(f'{key}.module_classes={classes!r} must be module '
+                        'class names or classes (a list of them)')
+    every = check_int(f'{key}.every', cfg.get('every', 1))
+    return dict(module_classes=list(classes), every=every)
+
+
+def merge_wrapper_key(cfg: Any, model_wrapper_cfg: Optional[dict]):
+    """``(activation checkpointing cfg, wrapper cfg without it)``: the older
+    ``model_wrapper_cfg.activation_checkpointing`` taken out of the wrapper's
+    arguments.
+
+    Raises:
+        ValueError: both spellings given.
+    """
+    if not model_wrapper_cfg or KEY not in model_wrapper_cfg:
+        return cfg, model_wrapper_cfg
+    wrapper_cfg = dict(model_wrapper_cfg)
+    legacy = wrapper_cfg.pop(KEY)
+    if cfg is not None and legacy is not None:
+        raise ValueError(
+            f'{KEY}={cfg!r} and model_wrapper_cfg.{KEY}={legacy!r} are both '
+            'set; allowed: one of them (the top-level key works for every '
+            'wrapper)')
+    return (legacy if cfg is None else cfg), wrapper_cfg
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
+    """Checkpoint every ``every``-th instance of ``module_classes`` in place.
+
+    Non-reentrant checkpointing: it composes with FSDP's and DTensor's hooks
+    and keeps the state-dict keys unchanged.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: class names that match no module of ``model``.
+    """
+    cfg = check_activation_checkpointing(cfg)
+    if cfg is None:
+        return model
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing as apply_ac,
+        checkpoint_wrapper)
+    classes = resolve_module_classes(model, cfg['module_classes'], key=KEY)
+    seen = []
+
+    def chosen(module: nn.Module) -> bool:
+        if not isinstance(module, classes):
+            return False
+        seen.append(module)
+        return (len(seen) - 1) % cfg['every'] == 0
+
+    # torch's wrapper lives in a private module; it is the one torch's FSDP
+    # and torchtitan use (no public equivalent in torch 2.13).
+    apply_ac(
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=chosen)
+    return model

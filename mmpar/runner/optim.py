@@ -1,0 +1,71 @@
+"""The Runner's optim wrappers: mmpar's, bound to the model.
+
+A config names MMEngine's ``OptimWrapper`` / ``AmpOptimWrapper`` (by name,
+``mmengine.``-scoped name or class) and gets mmpar's class of the same name
+(:mod:`mmpar.optim.optim_wrapper`), which owns the global-norm clip over
+every axis, the gradient-sync policy and the non-finite guard. Each built
+optim wrapper is bound to the model once.
+"""
+from typing import Callable
+
+from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
+from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
+from mmengine.optim import OptimWrapperDict
+from torch import nn
+
+from mmpar.failures import ConfigError
+from mmpar.optim import AmpOptimWrapper, OptimWrapper, ParallelOptimMixin
+from mmpar.wrappers.base import StepMixin
+
+# MMEngine's names and classes -> mmpar's classes.
+_OURS = {
+    'OptimWrapper': OptimWrapper,
+    'mmengine.OptimWrapper': OptimWrapper,
+    MMEngineOptimWrapper: OptimWrapper,
+    'AmpOptimWrapper': AmpOptimWrapper,
+    'mmengine.AmpOptimWrapper': AmpOptimWrapper,
+    MMEngineAmpOptimWrapper: AmpOptimWrapper,
+}
+
+
+def _ours(cfg: dict) -> dict:
+    cfg = dict(cfg)
+    given = cfg.get('type', 'OptimWrapper')
+    cfg['type'] = _OURS.get(given, given)
+    return cfg
+
+
+def mmpar_optim_wrapper_cfg(cfg: dict) -> dict:
+    """``cfg`` with MMEngine's optim wrapper types replaced by mmpar's (a
+    dict of several optim wrappers, for an ``OptimWrapperDict``, each)."""
+    if 'type' in cfg or 'optimizer' in cfg or 'constructor' in cfg:
+        return _ours(cfg)
+    return {name: _ours(sub) if isinstance(sub, dict) else sub
+            for name, sub in cfg.items()}
+
+
+def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
+    """``build(cfg)`` (MMEngine's builder) with mmpar's classes, bound to
+    ``model``.
+
+    Raises:
+        ConfigError: a wrapped model with an optim wrapper class that is
+            not mmpar's (it could not clip or sync correctly).
+    """
+    if isinstance(cfg, dict):
+        cfg = mmpar_optim_wrapper_cfg(cfg)
+    built = build(cfg)
+    wrappers = list(built.values()) if isinstance(
+        built, OptimWrapperDict) else [built]
+    for optim_wrapper in wrappers:
+        if isinstance(optim_wrapper, ParallelOptimMixin):
+            if isinstance(model, StepMixin):
+                optim_wrapper.bind(model)
+        elif isinstance(model, StepMixin):
+            raise ConfigError(
+                f'optim_wrapper.type={type(optim_wrapper).__name__!r} is not '
+                'one of mmpar\'s optim wrappers, which a parallel layout '
+                'needs (the global-norm clip over every axis, the gradient-'
+                "sync policy); allowed: 'OptimWrapper', 'AmpOptimWrapper' or "
+                'a subclass of mmpar.optim.OptimWrapper')
+    return built
