@@ -144,8 +144,10 @@ def test_mlp_splits_by_hidden_units():
 
 def test_tp_plan_names_real_modules():
     import fnmatch
+
+    from mmpar.parallelize.module_plan import STYLES
     names = [n for n, _ in _model().named_modules()]
-    allowed = {'colwise', 'rowwise', 'sequence_parallel', 'replicate'}
+    allowed = set(STYLES)
     for pattern, entry in TP_PLAN.items():
         # A style, or a dict with its layouts (the gathered output head).
         style = entry['style'] if isinstance(entry, dict) else entry
