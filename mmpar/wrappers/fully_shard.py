@@ -65,7 +65,10 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
             parameters gathered between forward and backward), HYBRID_SHARD or
             _HYBRID_SHARD_ZERO2 (2-D mesh: replicate x shard).
         reshard_after_forward: overrides the strategy's choice (bool or int,
-            as ``fully_shard``).
+            as ``fully_shard``). Unset, the units the policy picks follow
+            the strategy and the root keeps its own parameters gathered
+            from forward to backward (torch's default for a root), unless
+            it is the only unit.
         device_mesh: a ``DeviceMesh`` to use as is (1-D: shard; 2-D:
             replicate x shard).
         hybrid_shard_size: ranks per shard group for HYBRID strategies
@@ -122,9 +125,17 @@ class MMFullyShard(StepMixin, FullStateMixin, nn.Module):
         # checkpoint wrappers and its hooks run outside the recomputation.
         args.apply_activation_checkpointing(module, activation_checkpointing)
         policy = resolve_wrap_policy(fsdp_auto_wrap_policy, module)
-        if policy is not None:
-            for sub in modules_to_wrap(module, policy):
-                fully_shard(sub, **shard_kwargs)
+        units = [] if policy is None else modules_to_wrap(module, policy)
+        for sub in units:
+            fully_shard(sub, **shard_kwargs)
+        if units and reshard_after_forward is None:
+            # The root's own parameters (a language model's embedding,
+            # final norm and head) are the first that backward needs: keep
+            # them gathered between forward and backward, as torch's
+            # fully_shard does for a root by default and torchtitan does,
+            # instead of one more all-gather per step. A root that is the
+            # only unit keeps the strategy's choice.
+            shard_kwargs['reshard_after_forward'] = False
         fully_shard(module, **shard_kwargs)
         self.module = module
 
