@@ -125,6 +125,107 @@ def counting_collectives() -> Iterator[List[Tuple[str, int]]]:
             setattr(dist, name, function)
 
 
+def _nbytes(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _funcol_size(group) -> int:
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(funcol._resolve_group_name(group)).size()
+
+
+# name -> (kind, bound arguments -> the whole tensor's bytes, -> group size)
+_FUNCOL = {
+    'all_reduce': ('all_reduce', lambda a: _nbytes(a['self'])),
+    'all_gather_single': ('all_gather', None),
+    'all_gather_tensor': ('all_gather', None),
+    'reduce_scatter_single': ('reduce_scatter', lambda a: _nbytes(a['self'])),
+    'reduce_scatter_tensor': ('reduce_scatter', lambda a: _nbytes(a['self'])),
+}
+_C10D = {
+    'all_reduce': ('all_reduce', lambda a: _nbytes(a['tensor'])),
+    'all_gather_into_tensor': ('all_gather',
+                               lambda a: _nbytes(a['output_tensor'])),
+    # torch 2.13's names, which FSDP2 calls.
+    'all_gather_single': ('all_gather',
+                          lambda a: _nbytes(a['output_tensor'])),
+    'all_gather': ('all_gather', lambda a: _nbytes(a['tensor_list'])),
+    'reduce_scatter_tensor': ('reduce_scatter', lambda a: _nbytes(a['input'])),
+    'reduce_scatter_single': ('reduce_scatter', lambda a: _nbytes(a['input'])),
+    'broadcast': ('broadcast', lambda a: _nbytes(a['tensor'])),
+}
+
+
+@contextlib.contextmanager
+def counting_all_collectives() -> Iterator[List[dict]]:
+    """Record every collective, as ``dict(kind, full_bytes, group_size)``.
+
+    Wraps the functions DTensor's redistributions call
+    (``torch.distributed._functional_collectives``) and the
+    ``torch.distributed`` ones (FSDP2, mmpar's wrappers and clip), only the
+    outermost of nested calls counting. A dispatch mode would miss the
+    collectives DTensor issues inside an op it is dispatching (a clip's norm
+    of a ``Partial`` gradient, an optimizer step on one): a mode is off
+    while its own handler runs. ``full_bytes`` is the size of the whole
+    tensor (an all-gather's output, a reduce-scatter's input, an
+    all-reduce's tensor); :func:`wire_bytes` turns it into what one rank
+    sends.
+    """
+    import inspect
+
+    from torch.distributed import _functional_collectives as funcol
+    calls: List[dict] = []
+    depth = [0]
+    patched = []
+
+    def wrap(module, name, kind, whole, group_size):
+        function = getattr(module, name)
+        signature = inspect.signature(function)
+
+        def counted(*args, **kwargs):
+            if depth[0] == 0:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                n = group_size(bound.arguments.get('group'))
+                full = (whole(bound.arguments) if whole else
+                        _nbytes(bound.arguments['self']) * n)
+                calls.append(dict(kind=kind, full_bytes=full, group_size=n))
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        patched.append((module, name, function))
+        setattr(module, name, counted)
+
+    for name, (kind, whole) in _FUNCOL.items():
+        wrap(funcol, name, kind, whole, _funcol_size)
+    for name, (kind, whole) in _C10D.items():
+        if hasattr(dist, name):
+            wrap(dist, name, kind, whole, dist.get_world_size)
+    try:
+        yield calls
+    finally:
+        for module, name, function in patched:
+            setattr(module, name, function)
+
+
+def wire_bytes(call: dict) -> float:
+    """Bytes one rank sends for a :func:`counting_all_collectives` call, ring
+    algorithm: (n-1)/n of the whole tensor for an all-gather or a
+    reduce-scatter, twice that for an all-reduce (reduce-scatter then
+    all-gather), the whole tensor for anything else."""
+    n = call['group_size']
+    share = (n - 1) / n
+    factor = dict(all_gather=share, reduce_scatter=share,
+                  all_reduce=2 * share).get(call['kind'], 1.0)
+    return factor * call['full_bytes']
+
+
 def cpu_name() -> str:
     try:
         with open('/proc/cpuinfo') as f:
@@ -156,6 +257,21 @@ def run_conditions(backend: str, world_size: int, start: float,
     return dict(machine=machine_description(backend, world_size),
                 date=utc_now(), load_before=load_before,
                 load_after=os.getloadavg()[0], wall_s=time.time() - start)
+
+
+def measured_section(title: str, out, world_size: int,
+                     measure: Callable[[], list],
+                     report: Callable[[list, dict], str]) -> str:
+    """``report(measure(), conditions)`` (:func:`run_conditions` of the gloo
+    run); written as the ``title`` section of ``out``/benchmarks.md when
+    ``out`` is given; returned."""
+    start, load_before = time.time(), os.getloadavg()[0]
+    rows = measure()
+    text = report(rows, run_conditions('gloo', world_size, start,
+                                       load_before))
+    if out:
+        write_section(os.path.join(out, 'benchmarks.md'), title, text)
+    return text
 
 
 def write_section(path: str, title: str, body: str) -> None:

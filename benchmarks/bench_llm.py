@@ -28,7 +28,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (measure_on_ranks,  # noqa: E402
-                                median, run_conditions, slowest_rank,
+                                measured_section, median, slowest_rank,
                                 time_steps, write_section)
 
 SECTION = '## Language model (Llama on Tiny Shakespeare)'
@@ -108,7 +108,8 @@ class HandWrittenFSDP2:
         self.max_norm = (optim_cfg.get('clip_grad') or {}).get('max_norm')
         self.keep_grads = False
 
-    def step(self, batch: dict) -> None:
+    def step(self, batch: dict) -> torch.Tensor:
+        """One step; returns the loss (detached)."""
         loss = self.model(batch['inputs'], batch['data_samples'],
                           mode='loss')['loss']
         loss.backward()
@@ -119,6 +120,7 @@ class HandWrittenFSDP2:
         self.optimizer.step()
         if not self.keep_grads:
             self.optimizer.zero_grad()
+        return loss.detach()
 
 
 def _build(name: str, plan: dict, device):
@@ -223,15 +225,16 @@ def format_report(rows: List[dict], plan: dict, meta: dict) -> str:
 def run_cpu(quick: bool, out: Optional[str], world_size: int = 2) -> str:
     """Measure on ``world_size`` gloo ranks; rewrite the report section of
     ``out``/benchmarks.md when ``out`` is given; return the section."""
-    start, load_before = time.time(), os.getloadavg()[0]
     plan = load_plan(quick)
-    rows = measure_on_ranks(measure, world_size, plan)
-    add_ratios(rows)
-    report = format_report(rows, plan, run_conditions(
-        'gloo', world_size, start, load_before))
-    if out:
-        write_section(os.path.join(out, 'benchmarks.md'), SECTION, report)
-    return report
+
+    def measure_rows() -> List[dict]:
+        rows = measure_on_ranks(measure, world_size, plan)
+        add_ratios(rows)
+        return rows
+
+    return measured_section(SECTION, out, world_size, measure_rows,
+                            lambda rows, meta: format_report(rows, plan,
+                                                             meta))
 
 
 # -- one GPU ------------------------------------------------------------------

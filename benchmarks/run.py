@@ -92,7 +92,15 @@ def _pipeline_section(args: argparse.Namespace) -> None:
         print(bench_pipeline.run(args.quick, args.out))
 
 
-SECTIONS += [_tensor_parallel_section, _pipeline_section, _llm_section]
+def _llm_tp_section(args: argparse.Namespace) -> None:
+    # The Llama at tp=2 and FSDP2 against hand-written torch: its own file.
+    if not args.skip_llm and args.world_size == 2 and args.device == 'cpu':
+        from benchmarks import bench_llm_tp
+        print(bench_llm_tp.run(args.quick, args.out))
+
+
+SECTIONS += [_tensor_parallel_section, _pipeline_section, _llm_section,
+             _llm_tp_section]
 FORCED_SYNC_GOAL = 1.10  # forced_sync step time / single_auto_sync's
 OWN_BASELINE_GOAL = 0.98  # a wrapper's speed / its hand-written loop's
 ACCUMULATION = 4  # k micro-batches per optimizer step when counting

@@ -112,8 +112,13 @@ class SplittableViT(BaseModel):
 
 
 # The plan as plain data, for a config's parallel.tp_plan (Megatron-style:
-# q/k/v and fc1 split by columns, wo and fc2 by rows).
+# q/k/v and fc1 split by columns, wo and fc2 by rows). prepare_input lays the
+# attention's input out once for q/k/v, so that in backward their input
+# gradients are all-reduced once, not three times. (The MLP is a ModuleDict
+# the block indexes, not a module it calls: nothing to hook there, and fc1 is
+# its only column-split layer anyway.)
 TP_PLAN = {
+    'blocks.*.attn': 'prepare_input',
     'blocks.*.attn.wq': 'colwise',
     'blocks.*.attn.wk': 'colwise',
     'blocks.*.attn.wv': 'colwise',

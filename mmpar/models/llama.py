@@ -30,17 +30,23 @@ from mmpar.registry import MODELS, TP_PLANS
 
 # Module-name patterns -> tensor-parallel styles for :class:`Llama`, as plain
 # data (the tensor-parallel ``module_plan`` form). Column-split q/k/v and the
-# SwiGLU gate/up projections, row-split the output projections: one
-# all-reduce per attention and one per MLP, as Megatron-LM does. The norms
-# run sequence-parallel between the blocks.
+# SwiGLU gate/up projections, row-split the output projections, as
+# Megatron-LM does. The norms run sequence-parallel between the blocks; the
+# attention's and the MLP's input (``prepare_input``) is all-gathered once
+# and shared by q/k/v (gate/up), and in backward their input gradients add
+# up before one reduce-scatter: 2 all-gathers and 2 reduce-scatters per
+# block and pass (torchtitan's Llama plan).
 TP_PLAN: Dict[str, Union[str, dict]] = {
     'tok_embeddings': 'rowwise',
     'layers.*.attn_norm': 'sequence_parallel',
+    # Attention(x, cos, sin): x is prepared, the rotary tables left alone.
+    'layers.*.attn': 'prepare_input',
     'layers.*.attn.wq': 'colwise',
     'layers.*.attn.wk': 'colwise',
     'layers.*.attn.wv': 'colwise',
     'layers.*.attn.wo': 'rowwise',
     'layers.*.mlp_norm': 'sequence_parallel',
+    'layers.*.mlp': 'prepare_input',
     'layers.*.mlp.w1': 'colwise',
     'layers.*.mlp.w3': 'colwise',
     'layers.*.mlp.w2': 'rowwise',
@@ -53,6 +59,9 @@ TP_PLAN: Dict[str, Union[str, dict]] = {
 
 # The same split without sequence parallelism (norms replicated): the simplest
 # plan, and the one to use when the sequence length does not divide by tp.
+# ``prepare_input`` then takes a replicated input: one all-reduce of the
+# input gradient per attention and per MLP in backward, not one per
+# projection.
 TP_PLAN_NO_SP: Dict[str, Union[str, dict]] = {
     name: ('replicate' if style == 'sequence_parallel' else style)
     for name, style in TP_PLAN.items() if name != 'tok_embeddings'

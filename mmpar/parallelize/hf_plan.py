@@ -3,11 +3,14 @@
 transformers models carry their split as plain data (``model._tp_plan``:
 module-name pattern -> style name). ``tp_plan='hf'`` finds the transformers
 model inside an MMEngine model, translates its styles into ``module_plan``
-entries (prefixed with where it sits) and applies them. Nothing here imports
-transformers: without it no module carries such a plan, and the plan fails
-at start-up saying so.
+entries (prefixed with where it sits), adds a ``prepare_input`` entry for
+each module that holds a colwise -> rowwise pair (its input is then
+replicated once for all its column-split layers, and their input gradients
+all-reduced once, not once per projection) and applies them. Nothing here
+imports transformers: without it no module carries such a plan, and the plan
+fails at start-up saying so.
 """
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,8 +49,29 @@ def find_hf_plan(model: nn.Module) -> Tuple[str, Dict[str, str]]:
         "TP plan (transformers installed), or another plan")
 
 
-def translate_hf_plan(prefix: str, plan: Dict[str, str]) -> dict:
+def megatron_parents(plan: Dict[str, str]) -> List[str]:
+    """Patterns of the modules whose direct children in ``plan`` are
+    exactly ``colwise`` and ``rowwise`` layers (attention, MLP): where the
+    input may be laid out once for the whole block. Never the root (its
+    input is token ids) nor a module the plan names itself."""
+    children: Dict[str, set] = {}
+    for pattern, style in plan.items():
+        if '.' in pattern:
+            children.setdefault(pattern.rsplit('.', 1)[0], set()).add(style)
+    return [parent for parent, styles in children.items()
+            if styles == {'colwise', 'rowwise'} and parent not in plan]
+
+
+def translate_hf_plan(prefix: str, plan: Dict[str, str],
+                      prepare_inputs: bool = True) -> dict:
     """transformers' plan as ``module_plan`` data, names under ``prefix``.
+
+    Args:
+        prefix: where the transformers model sits in the MMEngine model.
+        plan: its ``_tp_plan``.
+        prepare_inputs: add ``prepare_input`` entries for the
+            :func:`megatron_parents` (one reduction of the input gradient
+            per block, not per projection).
 
     Raises:
         ValueError: a style with no ``module_plan`` equivalent, naming it.
@@ -61,11 +85,25 @@ def translate_hf_plan(prefix: str, plan: Dict[str, str]) -> dict:
                 f'{", ".join(HF_STYLES)}')
         entries[f'{prefix}.{pattern}' if prefix else pattern] = \
             HF_STYLES[style]
+    for parent in megatron_parents(plan) if prepare_inputs else ():
+        entries[f'{prefix}.{parent}' if prefix else parent] = 'prepare_input'
     return entries
 
 
 @TP_PLANS.register_module(name='hf')
-def hf(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split the transformers model inside ``model`` by its own TP plan."""
+def hf(model: nn.Module, tp_mesh: DeviceMesh,
+       prepare_inputs: bool = True) -> None:
+    """Split the transformers model inside ``model`` by its own TP plan.
+
+    Args:
+        model: the MMEngine model holding a transformers model.
+        tp_mesh: the 1-D tensor-parallel mesh.
+        prepare_inputs: see :func:`translate_hf_plan`
+            (``tp_plan=dict(type='hf', prepare_inputs=False)`` turns it off).
+    """
+    if not isinstance(prepare_inputs, bool):
+        raise ValueError(f"parallel.tp_plan.prepare_inputs={prepare_inputs!r}"
+                         " is not allowed; allowed: True or False")
     prefix, plan = find_hf_plan(model)
-    module_plan(model, tp_mesh, translate_hf_plan(prefix, plan))
+    module_plan(model, tp_mesh, translate_hf_plan(prefix, plan,
+                                                  prepare_inputs))

@@ -1,69 +1,49 @@
 """``module_plan``: a tensor-parallel plan as plain data.
 
 Module-name patterns map to styles: torch's ``ColwiseParallel`` /
-``RowwiseParallel`` / ``SequenceParallel`` and mmpar's ``replicate``; an entry
-may be a dict ``dict(style=..., input_layouts=..., output_layouts=...,
-use_local_output=...)`` with layouts written ``'replicate'``, ``'shard(N)'``
-or ``'partial'``. Everything the data can get wrong (unknown style or layout,
+``RowwiseParallel`` / ``SequenceParallel`` and mmpar's ``replicate`` and
+``prepare_input`` (a block's input laid out once for all its split layers);
+an entry may be a dict ``dict(style=..., input_layouts=..., output_layouts=...,
+desired_input_layouts=..., use_local_output=...)`` with layouts written
+``'replicate'``, ``'shard(N)'`` or ``'partial'``. Everything the data can get wrong (unknown style or layout,
 a pattern matching no module, a module the style cannot split, tp not
 dividing a split dimension) is found before the first collective. See
 docs/tensor_parallel.md.
 """
 import fnmatch
 import re
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (DTensor, Partial, Placement, Replicate,
-                                      Shard, distribute_module)
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel,
                                                ParallelStyle, RowwiseParallel,
                                                SequenceParallel,
                                                parallelize_module)
 
+from mmpar.parallelize.tp_styles import (PrepareInput, ReplicateParallel,
+                                         positional_parameters)
 from mmpar.registry import TP_PLANS
 
-STYLES = ('colwise', 'rowwise', 'sequence_parallel', 'replicate')
-ENTRY_KEYS = ('style', 'input_layouts', 'output_layouts', 'use_local_output')
+# style -> the entry keys it takes besides ``style``.
+STYLE_KEYS = {
+    'colwise': ('input_layouts', 'output_layouts', 'use_local_output'),
+    'rowwise': ('input_layouts', 'output_layouts', 'use_local_output'),
+    'sequence_parallel': ('use_local_output', ),
+    'replicate': ('use_local_output', ),
+    'prepare_input': ('input_layouts', 'desired_input_layouts',
+                      'use_local_output'),
+}
+STYLES = tuple(STYLE_KEYS)
+ENTRY_KEYS = ('style', 'input_layouts', 'output_layouts',
+              'desired_input_layouts', 'use_local_output')
 # Modules torch's Colwise/RowwiseParallel can split, and which weight
 # dimension each style splits: (colwise, rowwise).
 SPLIT_DIMS = {nn.Linear: (0, 1), nn.Embedding: (1, 0)}
 # With sequence parallelism between blocks the residual stream is sharded on
 # the sequence dimension (torchtitan's and Megatron's layout).
 SEQUENCE_DIM = 1
-
-
-class ReplicateParallel(ParallelStyle):
-    """Keep a module whole on every tp rank, as Replicate DTensors.
-
-    Inputs become Replicate DTensors (a DTensor input is redistributed,
-    e.g. all-gathered from a sequence shard), outputs are local tensors
-    unless ``use_local_output=False``. Useful for norms between split
-    layers when the plan has no sequence parallelism.
-    """
-
-    def __init__(self, *, use_local_output: bool = True):
-        super().__init__()
-        self.use_local_output = use_local_output
-
-    def _prepare_input(self, module, inputs, device_mesh):
-        placements = [Replicate()] * device_mesh.ndim
-        return tuple(
-            (x.redistribute(placements=placements) if isinstance(x, DTensor)
-             else DTensor.from_local(x, device_mesh, placements,
-                                     run_check=False))
-            if hasattr(x, 'shape') else x for x in inputs)
-
-    def _prepare_output(self, module, outputs, device_mesh):
-        if self.use_local_output and isinstance(outputs, DTensor):
-            return outputs.to_local()
-        return outputs
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, input_fn=self._prepare_input,
-            output_fn=self._prepare_output)
 
 
 def parse_layout(value, key: str) -> Placement:
@@ -87,24 +67,87 @@ def parse_layout(value, key: str) -> Placement:
                      "'replicate', 'shard(N)', 'partial' or a torch Placement")
 
 
+def _layout_tuple(value, key: str) -> Tuple[Optional[Placement], ...]:
+    """A ``prepare_input`` layout list: one layout, or a list/tuple of
+    layouts and None (arguments left alone)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(None if v is None else parse_layout(v, f'{key}[{i}]')
+                     for i, v in enumerate(value))
+    return (parse_layout(value, key), )
+
+
+def prepare_input_layouts(entry: dict, activation: Placement, where: str
+                          ) -> Tuple[tuple, tuple]:
+    """``(input_layouts, desired_input_layouts)`` of a ``prepare_input``
+    entry, per positional parameter, defaults filled in.
+
+    Default input: ``activation`` (the layout between blocks: ``Shard(1)``
+    under sequence parallelism, else ``Replicate()``) for the first
+    parameter only; default desired: ``Replicate()`` wherever an input
+    layout is given.
+
+    Raises:
+        ValueError: lists of different lengths, or a desired layout for an
+            argument left alone, naming ``where`` and the values.
+    """
+    inputs, desired = (
+        None if entry.get(name) is None else
+        _layout_tuple(entry[name], f'{where}.{name}')
+        for name in ('input_layouts', 'desired_input_layouts'))
+    if inputs is None:
+        inputs = (activation, ) if desired is None else tuple(
+            None if d is None else activation for d in desired)
+    if desired is None:
+        desired = tuple(None if i is None else Replicate() for i in inputs)
+    if len(inputs) != len(desired):
+        raise ValueError(
+            f'{where}: input_layouts={entry.get("input_layouts")!r} and '
+            f'desired_input_layouts={entry.get("desired_input_layouts")!r} '
+            'have different lengths; allowed: one layout (or None) per '
+            'positional argument in each')
+    if all(layout is None for layout in inputs):
+        raise ValueError(f'{where}: every argument is left alone (None); '
+                         'allowed: a layout for at least one argument')
+    for index, (given, wanted) in enumerate(zip(inputs, desired)):
+        if (given is None) != (wanted is None):
+            raise ValueError(
+                f'{where}: argument {index} has input layout {given!r} and '
+                f'desired layout {wanted!r}; allowed: both layouts, or both '
+                'None (the argument left alone)')
+    return inputs, desired
+
+
 def _normalize_entry(pattern: str, entry, key: str) -> dict:
     """One plan entry as ``dict(style=..., **layout options)``."""
     entry = dict(style=entry) if isinstance(entry, str) else entry
+    where = f'{key}[{pattern!r}]'
     if not isinstance(entry, dict):
-        raise ValueError(f'{key}[{pattern!r}]={entry!r} is not allowed; '
+        raise ValueError(f'{where}={entry!r} is not allowed; '
                          f'allowed: a style ({", ".join(STYLES)}) or '
                          f'dict with keys {", ".join(ENTRY_KEYS)}')
     unknown = [k for k in entry if k not in ENTRY_KEYS]
     if unknown:
-        raise ValueError(f'{key}[{pattern!r}].{unknown[0]} is not a known '
+        raise ValueError(f'{where}.{unknown[0]} is not a known '
                          f'key; allowed: {", ".join(ENTRY_KEYS)}')
     style = entry.get('style')
     if style not in STYLES:
-        raise ValueError(f'{key}[{pattern!r}] style={style!r} is not a '
+        raise ValueError(f'{where} style={style!r} is not a '
                          f'tensor-parallel style; allowed: {", ".join(STYLES)}')
+    for name, value in entry.items():
+        if name != 'style' and name not in STYLE_KEYS[style]:
+            raise ValueError(
+                f'{where}.{name}={value!r}: style {style!r} takes no {name}; '
+                f'allowed: {", ".join(STYLE_KEYS[style])}')
+    if not isinstance(entry.get('use_local_output', False), bool):
+        raise ValueError(f'{where}.use_local_output='
+                         f'{entry["use_local_output"]!r} is not allowed; '
+                         'allowed: True or False')
+    if style == 'prepare_input':
+        prepare_input_layouts(entry, Replicate(), where)
+        return dict(entry)
     for name in ('input_layouts', 'output_layouts'):
         if entry.get(name) is not None:
-            parse_layout(entry[name], f'{key}[{pattern!r}].{name}')
+            parse_layout(entry[name], f'{where}.{name}')
     return dict(entry)
 
 
@@ -159,15 +202,43 @@ def _check_split(name: str, module: nn.Module, style: str, tp_size: int,
             f'size {size}; allowed: a tp that divides {size}')
 
 
-def _style(entry: dict, sequence_parallel: bool,
-           module: nn.Module) -> ParallelStyle:
+def _check_prepare_input(name: str, module: nn.Module, inputs: tuple,
+                         key: str) -> None:
+    """The layouts point at parameters ``module.forward`` has."""
+    names, var_args = positional_parameters(module)
+    last = max(i for i, layout in enumerate(inputs) if layout is not None)
+    if last >= len(names) and not var_args:
+        raise ValueError(
+            f'{key}: {name!r} ({type(module).__name__}) prepare_input has a '
+            f'layout for positional argument {last}, but its forward takes '
+            f'{len(names)} ({", ".join(names) or "none"}); allowed: one '
+            'layout (or None) per positional parameter, in order')
+
+
+def _prepared_layout(name: str, prepared: Dict[str, Placement]
+                     ) -> Optional[Placement]:
+    """The layout the nearest ``prepare_input`` ancestor of ``name`` gives
+    its first argument, or None."""
+    while '.' in name:
+        name = name.rsplit('.', 1)[0]
+        if name in prepared:
+            return prepared[name]
+    return None
+
+
+def _style(entry: dict, sequence_parallel: bool, module: nn.Module,
+           prepared: Optional[Placement]) -> ParallelStyle:
     kwargs = {
         k: (parse_layout(v, k) if k.endswith('layouts') else v)
         for k, v in entry.items() if k != 'style' and v is not None
     }
     style = entry['style']
     if style == 'colwise':
-        if sequence_parallel:
+        if prepared is not None:
+            # Inside a prepare_input module: the input was laid out (e.g.
+            # gathered) once for every split layer there.
+            kwargs.setdefault('input_layouts', prepared)
+        elif sequence_parallel:
             kwargs.setdefault('input_layouts', Shard(SEQUENCE_DIM))
         return ColwiseParallel(**kwargs)
     if style == 'rowwise':
@@ -179,10 +250,6 @@ def _style(entry: dict, sequence_parallel: bool,
             kwargs.setdefault('output_layouts', Shard(SEQUENCE_DIM))
         return RowwiseParallel(**kwargs)
     if style == 'sequence_parallel':
-        extra = [k for k in kwargs if k != 'use_local_output']
-        if extra:
-            raise ValueError(f'sequence_parallel takes no {extra[0]}; '
-                             'allowed: use_local_output')
         return SequenceParallel(sequence_dim=SEQUENCE_DIM, **kwargs)
     return ReplicateParallel(**kwargs)
 
@@ -196,20 +263,25 @@ def module_plan_styles(model: nn.Module, plan: dict, tp_size: int,
     colwise takes a replicated input and rowwise gives a replicated output;
     with them, the activations between blocks are sharded on the sequence
     dimension (colwise's input and rowwise's output default to
-    ``Shard(1)``). An entry's own layouts override either default.
+    ``Shard(1)``). A ``prepare_input`` module's first argument defaults to
+    that layout between blocks, made ``Replicate()`` once; the colwise
+    layers inside it then default to a replicated input. An entry's own
+    layouts override any default.
 
     Raises:
         ValueError: a bad style or layout, a pattern that matches no module
             (listing the model's module names), a module matched twice, a
-            module the style cannot split, or tp not dividing a split
-            dimension (naming the module and sizes).
+            module the style cannot split, tp not dividing a split
+            dimension (naming the module and sizes), or a ``prepare_input``
+            layout for a parameter the module's forward does not have.
     """
     check_module_plan_data(plan, key)
     entries = {p: _normalize_entry(p, e, key) for p, e in plan.items()}
     sequence_parallel = any(
         e['style'] == 'sequence_parallel' for e in entries.values())
+    activation = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     modules = dict(model.named_modules())
-    styles: Dict[str, ParallelStyle] = {}
+    assigned: Dict[str, dict] = {}
     for pattern, entry in entries.items():
         names = match_modules(model, pattern)
         if not names:
@@ -218,11 +290,27 @@ def module_plan_styles(model: nn.Module, plan: dict, tp_size: int,
                              f'of {type(model).__name__}; its modules: '
                              f'{listed}')
         for name in names:
-            if name in styles:
+            if name in assigned:
                 raise ValueError(f'{key}: {name!r} is matched by more than '
                                  f'one pattern (the last is {pattern!r})')
             _check_split(name, modules[name], entry['style'], tp_size, key)
-            styles[name] = _style(entry, sequence_parallel, modules[name])
+            assigned[name] = dict(entry, pattern=pattern)
+    styles: Dict[str, ParallelStyle] = {}
+    prepared: Dict[str, Placement] = {}
+    for name, entry in assigned.items():
+        if entry['style'] == 'prepare_input':
+            inputs, desired = prepare_input_layouts(
+                entry, activation, f'{key}[{entry["pattern"]!r}]')
+            _check_prepare_input(name, modules[name], inputs, key)
+            prepared[name] = desired[0]
+            styles[name] = PrepareInput(
+                input_layouts=inputs, desired_input_layouts=desired,
+                use_local_output=entry.get('use_local_output', False))
+    for name, entry in assigned.items():
+        if entry['style'] != 'prepare_input':
+            entry = {k: v for k, v in entry.items() if k != 'pattern'}
+            styles[name] = _style(entry, sequence_parallel, modules[name],
+                                  _prepared_layout(name, prepared))
     return styles
 
 

@@ -58,7 +58,10 @@ class MMFullyShard(StepMixin, nn.Module):
             parameters gathered between forward and backward), HYBRID_SHARD or
             _HYBRID_SHARD_ZERO2 (2-D mesh: replicate x shard).
         reshard_after_forward: overrides the strategy's choice (bool or int,
-            as ``fully_shard``).
+            as ``fully_shard``). Unset, the units the policy picks follow
+            the strategy and the root keeps its own parameters gathered
+            from forward to backward (torch's default for a root), unless
+            it is the only unit.
         device_mesh: the data axis (1-D: shard; 2-D: replicate x shard,
             HSDP, whatever the strategy). The Runner passes the layout's.
             None: the whole world, for HYBRID strategies split into shard
@@ -120,9 +123,17 @@ class MMFullyShard(StepMixin, nn.Module):
             shard_kwargs['offload_policy'] = offload
         shard_kwargs = {k: v for k, v in shard_kwargs.items() if v is not None}
         policy = resolve_wrap_policy(fsdp_auto_wrap_policy, module)
-        if policy is not None:
-            for sub in modules_to_wrap(module, policy):
-                fully_shard(sub, **shard_kwargs)
+        units = [] if policy is None else modules_to_wrap(module, policy)
+        for sub in units:
+            fully_shard(sub, **shard_kwargs)
+        if units and reshard_after_forward is None:
+            # The root's own parameters (a language model's embedding,
+            # final norm and head) are the first that backward needs: keep
+            # them gathered between forward and backward, as torch's
+            # fully_shard does for a root by default and torchtitan does,
+            # instead of one more all-gather per step. A root that is the
+            # only unit keeps the strategy's choice.
+            shard_kwargs['reshard_after_forward'] = False
         fully_shard(module, **shard_kwargs)
         self.module = module
 

@@ -144,8 +144,10 @@ def test_mlp_splits_by_hidden_units():
 
 def test_tp_plan_names_real_modules():
     import fnmatch
+
+    from mmpar.parallelize.module_plan import STYLES
     names = [n for n, _ in _model().named_modules()]
-    allowed = {'colwise', 'rowwise', 'sequence_parallel', 'replicate'}
+    allowed = set(STYLES)
     for pattern, entry in TP_PLAN.items():
         # A style, or a dict with its layouts (the gathered output head).
         style = entry['style'] if isinstance(entry, dict) else entry
@@ -202,3 +204,16 @@ def test_meta_device_build_then_initialise():
     assert torch.isfinite(logits).all()
     assert model.rope_cos.device.type == 'cpu'
     torch.testing.assert_close(model.rope_cos, _model().rope_cos)
+
+
+def test_documented_tp_plan_is_the_shipped_one():
+    """docs/tensor_parallel.md shows TP_PLAN as the example of
+    prepare_input: it must stay the plan that ships."""
+    import re
+    from pathlib import Path
+    page = Path(__file__).resolve().parents[2] / 'docs' / 'tensor_parallel.md'
+    block = re.search(r'```python\n(TP_PLAN = \{.*?\n\})\n```',
+                      page.read_text(), re.S).group(1)
+    shown = {}
+    exec(block, {}, shown)
+    assert shown['TP_PLAN'] == TP_PLAN

@@ -56,5 +56,12 @@ def test_llama_tp2_parity(run_dist, plan):
     assert run_dist(_llama_parity, plan) == [0, 1]
 
 
+def test_llama_tp2_explicit_prepare_input_parity(run_dist):
+    """prepare_input written out: per-argument layouts with None for the
+    rotary tables, and an MLP handed plain tensors (use_local_output)."""
+    plan = tp_cases.explicit_llama_plan()
+    assert run_dist(_llama_parity, plan) == [0, 1]
+
+
 def test_llama_tp2_x_ddp_dp2_parity(run_dist):
     assert run_dist(_llama_parity, 'llama', world_size=4) == [0, 1, 2, 3]

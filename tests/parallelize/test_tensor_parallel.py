@@ -62,6 +62,77 @@ def test_style_on_unsplittable_module():
                            2)
 
 
+@pytest.mark.parametrize('entry,named', [
+    # A key another style takes.
+    (dict(style='colwise', desired_input_layouts='replicate'),
+     r"desired_input_layouts='replicate': style 'colwise' takes no "
+     r"desired_input_layouts; allowed: input_layouts, output_layouts"),
+    (dict(style='prepare_input', output_layouts='replicate'),
+     r"style 'prepare_input' takes no output_layouts; allowed: input_layouts,"
+     r" desired_input_layouts, use_local_output"),
+    (dict(style='sequence_parallel', input_layouts='shard(1)'),
+     r"style 'sequence_parallel' takes no input_layouts; allowed: "
+     r"use_local_output"),
+    (dict(style='prepare_input', input_layouts=['shard(1)', 'shard(x)']),
+     r"\['a'\].input_layouts\[1\]='shard\(x\)' is not a layout"),
+    (dict(style='prepare_input', input_layouts=['shard(1)', None],
+          desired_input_layouts=['replicate']),
+     r"input_layouts=\['shard\(1\)', None\] and desired_input_layouts="
+     r"\['replicate'\] have different lengths"),
+    (dict(style='prepare_input', input_layouts=['shard(1)', None],
+          desired_input_layouts=['replicate', 'replicate']),
+     r"argument 1 has input layout None and desired layout Replicate\(\); "
+     r"allowed: both layouts, or both None"),
+    (dict(style='prepare_input', input_layouts=[None]),
+     r"every argument is left alone \(None\); allowed: a layout"),
+    (dict(style='prepare_input', use_local_output='yes'),
+     r"use_local_output='yes' is not allowed; allowed: True or False"),
+])
+def test_bad_entry_named_with_allowed_values(entry, named):
+    with pytest.raises(ValueError, match=named):
+        check_tp_plan(dict(type='module_plan', plan={'a': entry}))
+
+
+def test_prepare_input_layout_past_forward_parameters():
+    """A layout for an argument forward does not take fails at start-up
+    (the ViT's attention takes x only)."""
+    from examples.my_pkg.tp_vit import TP_PLAN
+    plan = dict(TP_PLAN, **{'blocks.*.attn': dict(
+        style='prepare_input', input_layouts=['replicate', 'replicate'])})
+    with pytest.raises(ValueError,
+                       match=r"'blocks.0.attn' \(SplittableAttention\) "
+                       r"prepare_input has a layout for positional argument "
+                       r"1, but its forward takes 1 \(x\)"):
+        module_plan_styles(tp_cases.make_splittable_vit(), plan, 2)
+
+
+def test_prepare_input_refuses_a_non_tensor_argument(tp_mesh_1):
+    from torch import nn
+    from torch.distributed.tensor import Replicate
+
+    from mmpar.parallelize.tp_styles import PrepareInput
+
+    class TakesScale(nn.Module):
+
+        def forward(self, x, scale):
+            return x * scale
+
+    module = PrepareInput(input_layouts=(Replicate(), Replicate()),
+                          desired_input_layouts=(Replicate(), Replicate())
+                          )._apply(TakesScale(), tp_mesh_1)
+    with pytest.raises(ValueError, match=r"TakesScale argument 'scale' is a "
+                       r"float, not a tensor; give it the layout None"):
+        module(torch.ones(2), scale=2.0)
+
+
+@pytest.fixture
+def tp_mesh_1():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=1)
+    return init_device_mesh('cpu', (1, ))
+
+
 def test_patterns_match_per_part():
     model = tp_cases.make_vit()
     assert match_modules(model, 'blocks.*.mlp.0') == [

@@ -123,3 +123,25 @@ def world_mesh(tp: int):
     from torch.distributed.device_mesh import init_device_mesh
     dp = dist.get_world_size() // tp
     return init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))
+
+
+def llama_plan_without_prepare() -> dict:
+    """mmpar's Llama plan less its prepare_input entries: each column-split
+    projection lays out (gathers) the block input itself."""
+    from mmpar.models.llama import TP_PLAN
+    return {k: v for k, v in TP_PLAN.items() if v != 'prepare_input'}
+
+
+def explicit_llama_plan() -> dict:
+    """The Llama plan with prepare_input written out: the attention's
+    ``(x, cos, sin)`` with a layout for ``x`` only, and the MLP handed plain
+    tensors (``use_local_output=True``)."""
+    return dict(type='module_plan', plan={
+        **llama_plan_without_prepare(),
+        'layers.*.attn': dict(style='prepare_input',
+                              input_layouts=('shard(1)', None, None),
+                              desired_input_layouts=['replicate', None,
+                                                     None]),
+        'layers.*.mlp': dict(style='prepare_input', input_layouts='shard(1)',
+                             use_local_output=True),
+    })
