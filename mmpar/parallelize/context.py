@@ -241,6 +241,8 @@ def gather_sequence(x: torch.Tensor, cp: ContextParallel,
                     dim: int) -> torch.Tensor:
     """The whole sequence along ``dim``, in sequence order, from every cp
     rank's part (differentiable: gradients go back to the owning rank)."""
+    if cp.size == 1:
+        return x
     gathered = _GatherSequence.apply(x, dim, cp.group)
     return unshard_sequence(gathered.chunk(cp.size, dim), dim)
 

@@ -1,7 +1,9 @@
-"""Llama under context parallelism (cp=2 on 2 gloo ranks): each rank's
-logits are the one-process logits at its positions, and the cp-summed
-gradients of the token-sum loss over the global token count are the
-one-process gradients, masked tokens included."""
+"""Llama and HFCausalLM under context parallelism (cp=2 on 2 gloo ranks):
+each rank's logits are the one-process logits at its positions, and the
+cp-summed gradients of the token-sum loss over the global token count are
+the one-process gradients, masked tokens included."""
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +14,13 @@ from mmpar.parallelize.context import (ContextParallel,
                                        unshard_sequence)
 
 IGNORE = -100
+HF_TINY = dict(model_type='llama', vocab_size=64, hidden_size=32,
+               intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=16)
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec('transformers') is None,
+    reason='transformers is not installed (pip install -e .[hf])')
 
 
 def _llama():
@@ -19,6 +28,15 @@ def _llama():
     torch.manual_seed(0)
     return Llama(vocab_size=64, dim=32, num_layers=2, num_heads=4,
                  num_kv_heads=2, max_seq_len=16)
+
+
+def _hf(config=HF_TINY):
+    from mmpar.models.hf import HFCausalLM
+    torch.manual_seed(0)
+    return HFCausalLM(config)
+
+
+BUILDERS = dict(llama=_llama, hf=_hf)
 
 
 def _batch(masked: bool):
@@ -41,13 +59,13 @@ def _loss(model, inputs, targets, group=None):
     return normalise_loss(loss_sum, num_tokens)
 
 
-def _cp_parity(masked: bool):
+def _cp_parity(kind: str, masked: bool):
     inputs, targets = _batch(masked)
-    reference = _llama()
+    reference = BUILDERS[kind]()
     expected_logits = reference(inputs)
     _loss(reference, inputs, targets).backward()
 
-    model = _llama()
+    model = BUILDERS[kind]()
     setting = apply_context_parallel(model, dist.group.WORLD)
     data = shard_batch(model, dict(inputs=inputs, data_samples=targets))
     logits = model(data['inputs'])
@@ -75,7 +93,38 @@ def _cp_parity(masked: bool):
 @pytest.mark.parametrize('masked', [False, True],
                          ids=['all_tokens', 'ignore_index'])
 def test_llama_cp2_matches_one_process(run_dist, masked):
-    assert run_dist(_cp_parity, masked) == [0, 1]
+    assert run_dist(_cp_parity, 'llama', masked) == [0, 1]
+
+
+@needs_transformers
+def test_hf_cp2_matches_one_process(run_dist):
+    # Through Hugging Face's attention interface and position_ids.
+    assert run_dist(_cp_parity, 'hf', True) == [0, 1]
+
+
+@needs_transformers
+def test_hf_cp_switches_attention_and_back():
+    model = _hf()
+    inputs = _batch(False)[0]
+    expected = model(inputs)
+    apply_context_parallel(model, ContextParallel(group=None, rank=0,
+                                                  size=1))
+    assert model.hf_config._attn_implementation == 'mmpar_context_parallel'
+    assert model.hf_model.model.layers[1].self_attn.context_parallel \
+        is model.context_parallel
+    torch.testing.assert_close(model(inputs), expected)
+    apply_context_parallel(model, None)
+    assert model.hf_config._attn_implementation == 'sdpa'
+
+
+@needs_transformers
+def test_hf_model_without_layers_self_attn_is_refused():
+    model = _hf(dict(model_type='gpt2', vocab_size=64, n_embd=32, n_layer=1,
+                     n_head=2, n_positions=16))
+    with pytest.raises(ValueError, match=r"HFCausalLM.context_parallel_"
+                       r"modules=\('hf_model.transformer.layers.\*.self_"
+                       r"attn',\) matches no module"):
+        apply_context_parallel(model, None)
 
 
 def test_llama_declares_every_block_attention():
