@@ -1,6 +1,8 @@
 """Context-parallel attention (mmpar/parallelize/context.py): the sequence
 layout, the load balance, and outputs and gradients on cp=2 and cp=4 gloo
 ranks equal to one-process causal attention at each rank's positions."""
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -130,6 +132,31 @@ def test_attention_matches_one_process(run_dist, world_size, heads):
     ranks = run_dist(_attention_parity, *heads, seq_len=4 * world_size,
                      world_size=world_size)
     assert ranks == list(range(world_size))
+
+
+def _measured_attention_work(seq_len):
+    # What the attention really computes on this rank: the score entries of
+    # each scaled_dot_product_attention call, and the unmasked ones.
+    cp = ContextParallel.of(dist.group.WORLD)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counting(q, k, v, attn_mask=None, **kwargs):
+        calls.append((q.shape[2] * k.shape[2], int(attn_mask.sum())))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    q = torch.randn(1, 2, seq_len // cp.size, 4)
+    with mock.patch.object(F, 'scaled_dot_product_attention', counting):
+        context_parallel_attention(q, q, q, cp)
+    return [sum(c[0] for c in calls), sum(c[1] for c in calls)]
+
+
+def test_measured_attention_work_is_balanced_on_cp4_ranks(run_dist):
+    work = run_dist(_measured_attention_work, 32, world_size=4)
+    for index in (0, 1):
+        counts = [w[index] for w in work]
+        assert max(counts) <= 1.1 * min(counts), (index, counts)
+    assert work == [list(attention_work(32, r, 4)) for r in range(4)]
 
 
 def _odd_local_length():
