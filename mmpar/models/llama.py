@@ -25,6 +25,8 @@ from mmengine.model import BaseModel
 from torch import nn
 
 from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
+from mmpar.parallelize.context import (ContextParallel, causal_attention,
+                                       context_parallel_attention)
 from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import MODELS, TP_PLANS
 
@@ -164,12 +166,17 @@ class Attention(nn.Module):
         num_heads: query heads.
         num_kv_heads: key/value heads; must divide ``num_heads``.
         head_dim: width of one head.
+
+    ``context_parallel`` (set by
+    :func:`~mmpar.parallelize.context.apply_context_parallel`): ``x`` holds
+    this rank's chunks of the sequence and attention spans the cp group.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
                  head_dim: int):
         super().__init__()
         self.head_dim = head_dim
+        self.context_parallel: Optional[ContextParallel] = None
         self.wq = nn.Linear(dim, num_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
@@ -185,11 +192,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.context_parallel is not None:
+            out = context_parallel_attention(q, k, v, self.context_parallel)
+        else:
+            out = causal_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -303,6 +309,7 @@ class Llama(BaseModel):
         # Derived, not learnt: kept out of the state dict.
         self.register_buffer('rope_cos', torch.empty(0), persistent=False)
         self.register_buffer('rope_sin', torch.empty(0), persistent=False)
+        self.context_parallel: Optional[ContextParallel] = None
         self.reset_parameters()
         # Counted now: a sharding wrapper (FSDP1 flat parameters) hides the
         # real sizes later, and FLOPs are those of the whole model.
@@ -339,7 +346,7 @@ class Llama(BaseModel):
     def pipeline_layer(self, layer: nn.Module,
                        hidden: torch.Tensor) -> torch.Tensor:
         # Blocks take the rotary tables, which every stage keeps (buffers).
-        return layer(hidden, self.rope_cos, self.rope_sin)
+        return layer(hidden, *self.rotary(hidden.shape[1]))
 
     def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(hidden))
@@ -361,11 +368,9 @@ class Llama(BaseModel):
         h = tokens
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
-        if h.shape[1] > self.rope_cos.shape[0]:
-            raise ValueError(f'sequence length {h.shape[1]} exceeds '
-                             f'model.max_seq_len={self.max_seq_len}')
+        cos, sin = self.rotary(h.shape[1])
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -377,6 +382,30 @@ class Llama(BaseModel):
                 data_samples: Optional[torch.Tensor] = None,
                 mode: str = 'tensor') -> Union[Dict, List, torch.Tensor]:
         return lm_outputs(self.logits(inputs), data_samples, mode)
+
+    # -- the context-parallel protocol (mmpar/parallelize/context.py) -------
+    context_parallel_modules = ('layers.*.attn', )
+    context_parallel_sharded = ('inputs', 'data_samples')
+
+    def rotary(self, seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables for ``seq_len`` tokens: positions ``0 ..
+        seq_len-1``, or under context parallelism this rank's positions
+        (``seq_len`` is then its part; the whole sequence is ``cp`` times
+        longer).
+
+        Raises:
+            ValueError: the whole sequence is longer than ``max_seq_len``,
+                or (cp) not a multiple of ``2 * cp``.
+        """
+        cp = self.context_parallel
+        whole_len = seq_len if cp is None else seq_len * cp.size
+        if whole_len > self.rope_cos.shape[0]:
+            raise ValueError(f'sequence length {whole_len} exceeds '
+                             f'model.max_seq_len={self.max_seq_len}')
+        if cp is None:
+            return self.rope_cos, self.rope_sin
+        positions = cp.positions(seq_len, device=self.rope_cos.device)
+        return self.rope_cos[positions], self.rope_sin[positions]
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameters counted once (tied weights once); by default without

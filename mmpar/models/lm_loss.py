@@ -3,7 +3,7 @@
 Shared by :class:`mmpar.models.Llama` and :class:`mmpar.models.HFCausalLM`
 so both feed :class:`mmpar.evaluation.LanguageModelMetric` the same way.
 """
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,43 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(),
         reduction='none').view_as(targets)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
+                   ignore_index: int = -100
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the counted tokens, and their number.
+
+    The building block for a loss over tokens split between ranks (context
+    parallelism, and data parallelism with uneven padding): each rank sums
+    its own tokens, and the sum is divided by the count over all of them
+    (:func:`normalise_loss`), so the gradient is the one-process gradient of
+    the mean over counted tokens.
+
+    Args:
+        logits: ``(B, T, V)``.
+        targets: ``(B, T)`` token ids; ``ignore_index`` marks a token that
+            is not counted (padding, a masked prompt).
+        ignore_index: the target id of an uncounted token.
+
+    Returns:
+        ``(loss_sum, num_tokens)``: a scalar fp32 tensor with a gradient,
+        and the number of counted tokens as a scalar int64 tensor (ready to
+        all-reduce).
+    """
+    losses = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(),
+        ignore_index=ignore_index, reduction='sum')
+    return losses, (targets != ignore_index).sum()
+
+
+def normalise_loss(loss_sum: torch.Tensor,
+                   num_tokens: Union[torch.Tensor, int]) -> torch.Tensor:
+    """``loss_sum`` divided by the global count of counted tokens (at least
+    1: a batch with no counted token gives a zero loss, not NaN)."""
+    if isinstance(num_tokens, torch.Tensor):
+        return loss_sum / num_tokens.clamp(min=1).to(loss_sum.dtype)
+    return loss_sum / max(int(num_tokens), 1)
 
 
 def lm_outputs(logits: torch.Tensor, targets: Optional[torch.Tensor],

@@ -1,0 +1,373 @@
+"""Context parallelism: one sequence split over ranks, attention across them.
+
+The all-gather scheme of the Llama 3 paper (section 3.3.2): each rank of the
+context-parallel (cp) group holds a part of every sequence, runs everything
+but attention on its own tokens, and for attention all-gathers the keys and
+values of the whole sequence; its queries attend to them under the causal
+mask of their true positions. In backward the gradient of the gathered keys/
+values is reduce-scattered back to the ranks that own them.
+
+Load balance: the sequence is cut into ``2 * cp`` chunks and cp rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r`` (an early and a late one). Under a
+causal mask a chunk's queries attend to every earlier chunk, so with plain
+contiguous halves the last rank would do ``2 * cp - 1`` times the first
+rank's work; paired this way every rank attends to the same number of keys
+(:func:`attention_work`). Each query chunk attends only to the keys up to
+its own end, so the saving is real compute, not just masked-out scores.
+
+torch's own ``context_parallel`` (ring attention) has no CPU kernel
+(``_scaled_dot_product_flash_attention_for_cpu`` has no sharding strategy in
+torch 2.13); this path is plain ``scaled_dot_product_attention`` with an
+explicit mask plus two collectives, so it runs on every backend, gloo
+included.
+
+The model protocol (how a model opts in)::
+
+    class MyModel(BaseModel):
+        # module-name patterns (per dot-separated part, as tensor-parallel
+        # plans) of the attention modules; each has an attribute
+        # `context_parallel` (None by default) and, when it is set, calls
+        # context_parallel_attention(q, k, v, self.context_parallel).
+        context_parallel_modules = ('layers.*.attn', )
+        # forward arguments that are cut along the sequence (dim 1).
+        context_parallel_sharded = ('inputs', 'data_samples')
+
+        def __init__(self):
+            ...
+            self.context_parallel = None  # this rank's positions come from
+                                          # it (rotary embeddings)
+
+:func:`apply_context_parallel` sets ``context_parallel`` on the model and on
+each attention module; :func:`shard_batch` cuts a batch's sequence-sharded
+tensors for this rank. Positions are not a batch tensor: the model derives
+them from its setting (:meth:`ContextParallel.positions`).
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from mmpar.parallelize.module_plan import match_modules
+
+ATTENTION_ATTR = 'context_parallel_modules'
+SHARDED_ATTR = 'context_parallel_sharded'
+SETTING_ATTR = 'context_parallel'
+
+# torch 2.13 renamed these (the old names warn); mmpar supports torch >= 2.4,
+# where gloo has both under the old names.
+_all_gather_single = getattr(dist, 'all_gather_single', None) or \
+    dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or \
+    dist.reduce_scatter_tensor
+
+
+# -- the sequence layout ----------------------------------------------------
+def check_seq_len(seq_len: int, cp: int) -> int:
+    """The chunk length of a sequence of ``seq_len`` tokens at ``cp``.
+
+    Raises:
+        ValueError: ``cp < 1``, or ``seq_len`` not a multiple of ``2 * cp``.
+    """
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f'context parallel size cp={cp!r} must be an int '
+                         '>= 1')
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f'sequence length {seq_len} must be a multiple of 2 x cp = '
+            f'{2 * cp}: context parallelism cuts each sequence into 2 x cp '
+            'equal chunks, two per rank')
+    return seq_len // (2 * cp)
+
+
+def chunk_ids(rank: int, cp: int) -> Tuple[int, int]:
+    """The two chunks cp rank ``rank`` holds, in the order it holds them."""
+    return rank, 2 * cp - 1 - rank
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int,
+                   dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s part of ``x`` along ``dim``: its two chunks, joined.
+
+    Raises:
+        ValueError: ``x.shape[dim]`` not a multiple of ``2 * cp``.
+    """
+    chunks = x.split(check_seq_len(x.shape[dim], cp), dim)
+    return torch.cat([chunks[c] for c in chunk_ids(rank, cp)], dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor],
+                     dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's :func:`shard_sequence` part, in
+    rank order (the inverse of sharding for ranks ``0 .. len(shards)-1``)."""
+    cp = len(shards)
+    chunks = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        check_seq_len(shard.shape[dim] * cp, cp)
+        for chunk, part in zip(chunk_ids(rank, cp), shard.chunk(2, dim)):
+            chunks[chunk] = part
+    return torch.cat(chunks, dim)
+
+
+def sequence_positions(seq_len: int, rank: int, cp: int,
+                       device=None) -> torch.Tensor:
+    """Positions (in the whole sequence of ``seq_len``) of rank ``rank``'s
+    tokens, in the order it holds them: ``(seq_len // cp, )`` int64."""
+    return shard_sequence(
+        torch.arange(seq_len, device=device), rank, cp, dim=0)
+
+
+def causal_chunk_mask(chunk: int, chunk_len: int,
+                      device=None) -> torch.Tensor:
+    """Which keys the queries of chunk ``chunk`` see: ``(chunk_len, (chunk +
+    1) * chunk_len)`` bool, True where the key's position is not after the
+    query's (keys past the chunk's end are not computed at all)."""
+    end = (chunk + 1) * chunk_len
+    ones = torch.ones(chunk_len, end, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=chunk * chunk_len)
+
+
+def attention_work(seq_len: int, rank: int, cp: int) -> Tuple[int, int]:
+    """Attention work of one rank per (batch, head): ``(scores computed,
+    (query, key) pairs unmasked)``, from the masks
+    :func:`context_parallel_attention` uses. Equal on every rank."""
+    chunk_len = check_seq_len(seq_len, cp)
+    masks = [causal_chunk_mask(c, chunk_len) for c in chunk_ids(rank, cp)]
+    return (sum(m.numel() for m in masks), sum(int(m.sum()) for m in masks))
+
+
+# -- the setting a model holds ----------------------------------------------
+@dataclass(frozen=True)
+class ContextParallel:
+    """The cp group a model's attention spans, and this rank's place in it.
+
+    Args:
+        group: the context-parallel process group.
+        rank: this process's rank in ``group``.
+        size: the group's size (cp).
+    """
+    group: ProcessGroup
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, cp: Union['ContextParallel', ProcessGroup,
+                          DeviceMesh]) -> 'ContextParallel':
+        """From a process group or a 1-D device mesh (the cp sub-mesh)."""
+        if isinstance(cp, ContextParallel):
+            return cp
+        if isinstance(cp, DeviceMesh):
+            if cp.ndim != 1:
+                raise ValueError(f'context parallel mesh {cp} must be 1-D '
+                                 '(the cp sub-mesh)')
+            cp = cp.get_group()
+        if not isinstance(cp, ProcessGroup):
+            raise ValueError(f'context parallel group {cp!r} must be a '
+                             'ProcessGroup or a 1-D DeviceMesh')
+        return cls(cp, dist.get_rank(cp), dist.get_world_size(cp))
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """Positions of this rank's ``local_len`` tokens in the whole
+        sequence (of ``local_len * size`` tokens).
+
+        Raises:
+            ValueError: the whole length not a multiple of ``2 * size``.
+        """
+        return sequence_positions(local_len * self.size, self.rank,
+                                  self.size, device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a whole-sequence tensor."""
+        return shard_sequence(x, self.rank, self.size, dim)
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied, and a copy of the model (a
+        # pipeline stage is one) spans the same group.
+        return self
+
+
+# -- attention --------------------------------------------------------------
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` in rank order; backward reduce-scatters.
+
+    Every rank's attention read every rank's keys/values, so the gradient
+    of one rank's keys/values is the sum over ranks of the gradient of its
+    gathered copy: a reduce-scatter (an all-gather's adjoint).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int,
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        local = x.movedim(dim, 0).contiguous()
+        size = dist.get_world_size(group)
+        out = local.new_empty((size * local.shape[0], ) + local.shape[1:])
+        _all_gather_single(out, local, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        whole = grad.movedim(ctx.dim, 0).contiguous()
+        size = dist.get_world_size(ctx.group)
+        out = whole.new_empty((whole.shape[0] // size, ) + whole.shape[1:])
+        _reduce_scatter_single(out, whole, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor,
+                    num_heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query keys/values ``(B, H_kv, T, D)`` repeated to
+    ``num_heads`` heads (each shared by ``num_heads // H_kv`` query heads)."""
+    groups = num_heads // k.shape[1]
+    if groups == 1:
+        return k, v
+    return (k.repeat_interleave(groups, dim=1),
+            v.repeat_interleave(groups, dim=1))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+    """One-process causal attention, ``q`` ``(B, H, T, D)``, ``k``/``v``
+    ``(B, H_kv, T, D)``: what :func:`context_parallel_attention` replaces."""
+    k, v = repeat_kv_heads(k, v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def gather_sequence(x: torch.Tensor, cp: ContextParallel,
+                    dim: int) -> torch.Tensor:
+    """The whole sequence along ``dim``, in sequence order, from every cp
+    rank's part (differentiable: gradients go back to the owning rank)."""
+    if cp.size == 1:
+        return x
+    gathered = _GatherSequence.apply(x, dim, cp.group)
+    return unshard_sequence(gathered.chunk(cp.size, dim), dim)
+
+
+def context_parallel_attention(q: torch.Tensor,
+                               k: torch.Tensor,
+                               v: torch.Tensor,
+                               cp: ContextParallel,
+                               scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence.
+
+    Args:
+        q: ``(B, H, t, D)`` queries of this rank's ``t`` tokens (its two
+            chunks, in :func:`shard_sequence` order), rotary embeddings
+            applied at their true positions.
+        k: ``(B, H_kv, t, D)`` keys of the same tokens; ``H_kv`` divides
+            ``H`` (grouped-query attention: gathered before the heads are
+            repeated, so only ``H_kv`` heads travel).
+        v: ``(B, H_kv, t, D)`` values.
+        cp: the context-parallel setting.
+        scale: the score scale (``None``: ``1 / sqrt(D)``).
+
+    Returns:
+        ``(B, H, t, D)``: what one-process causal attention over the whole
+        sequence gives at this rank's positions.
+
+    Raises:
+        ValueError: ``t`` odd (the whole sequence not cut in 2 x cp chunks).
+    """
+    local_len = q.shape[2]
+    chunk_len = check_seq_len(local_len * cp.size, cp.size)
+    # One collective for keys and values together.
+    k, v = gather_sequence(torch.stack((k, v)), cp, dim=3).unbind(0)
+    k, v = repeat_kv_heads(k, v, q.shape[1])
+    outs = []
+    for q_chunk, chunk in zip(q.split(chunk_len, dim=2),
+                              chunk_ids(cp.rank, cp.size)):
+        mask = causal_chunk_mask(chunk, chunk_len, q.device)
+        end = mask.shape[1]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                scale=scale))
+    return torch.cat(outs, dim=2)
+
+
+# -- switching a model ------------------------------------------------------
+def attention_modules(model: nn.Module) -> List[nn.Module]:
+    """The modules ``model`` declares as attention (its
+    ``context_parallel_attention`` patterns).
+
+    Raises:
+        ValueError: the model, or a matched module, lacks the protocol, or
+            the patterns match nothing.
+    """
+    name = type(model).__name__
+    missing = [a for a in (ATTENTION_ATTR, SHARDED_ATTR, SETTING_ATTR)
+               if not hasattr(model, a)]
+    if missing:
+        raise ValueError(
+            f'{name} cannot run context parallel (cp > 1): it has no '
+            f'{", ".join(missing)}; see mmpar/parallelize/context.py for '
+            'the protocol (attention modules that call '
+            'context_parallel_attention, the sequence-sharded inputs, and '
+            'a context_parallel setting for positions)')
+    patterns = getattr(model, ATTENTION_ATTR)
+    if isinstance(patterns, str):
+        patterns = (patterns, )
+    modules = []
+    for pattern in patterns:
+        for module_name in match_modules(model, pattern):
+            module = model.get_submodule(module_name)
+            if not hasattr(module, SETTING_ATTR):
+                raise ValueError(
+                    f'{name}.{ATTENTION_ATTR} matches {module_name!r}, a '
+                    f'{type(module).__name__} with no {SETTING_ATTR} '
+                    'attribute: it cannot switch to context-parallel '
+                    'attention')
+            modules.append(module)
+    if not modules:
+        raise ValueError(f'{name}.{ATTENTION_ATTR}={patterns!r} matches no '
+                         'module')
+    return modules
+
+
+def apply_context_parallel(
+    model: nn.Module, cp: Union[ContextParallel, ProcessGroup, DeviceMesh,
+                                None]
+) -> Optional[ContextParallel]:
+    """Switch ``model`` into context-parallel mode over ``cp`` (``None``:
+    back to ordinary attention). Parameters do not change: cp ranks hold the
+    same weights, and their gradients are summed over the cp group like
+    data-parallel ones.
+
+    Args:
+        model: a model with the protocol (see the module docstring).
+        cp: the cp process group, a 1-D cp device mesh, or ``None``.
+
+    Returns:
+        The setting now on the model and its attention modules.
+
+    Raises:
+        ValueError: the model lacks the protocol, or ``cp`` is neither.
+    """
+    modules = attention_modules(model)
+    setting = None if cp is None else ContextParallel.of(cp)
+    for module in [model] + modules:
+        setattr(module, SETTING_ATTR, setting)
+    return setting
+
+
+def shard_batch(model: nn.Module, data: Dict[str, object]) -> dict:
+    """A copy of ``data`` (a model's forward arguments) with the tensors the
+    model names in ``context_parallel_sharded`` cut to this rank's part along
+    dim 1; unchanged when the model is not in context-parallel mode.
+
+    Raises:
+        ValueError: a sequence length not a multiple of ``2 * cp``.
+    """
+    setting = getattr(model, SETTING_ATTR, None)
+    if setting is None:
+        return dict(data)
+    keys = getattr(model, SHARDED_ATTR)
+    return {
+        key: setting.shard(value) if key in keys and
+        isinstance(value, torch.Tensor) else value
+        for key, value in data.items()
+    }
