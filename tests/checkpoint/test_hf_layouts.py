@@ -134,9 +134,11 @@ def _check(results, hf_dir, out_dir):
     inputs = _batches()[0]['inputs']
     before, after = hf_logits(hf_dir, inputs), hf_logits(out_dir, inputs)
     assert not torch.allclose(before, after, atol=1e-3)  # it trained
-    for loaded, trained in results:
-        assert (loaded - before).abs().max() <= ATOL
-        assert (trained - after).abs().max() <= ATOL
+    for rank, (loaded, trained) in enumerate(results):
+        loaded_diff = (loaded - before).abs().max().item()
+        trained_diff = (trained - after).abs().max().item()
+        assert loaded_diff <= ATOL, f'rank {rank}: loaded {loaded_diff}'
+        assert trained_diff <= ATOL, f'rank {rank}: exported {trained_diff}'
 
 
 @pytest.mark.parametrize('name', ['HFCausalLM', 'Llama'])
