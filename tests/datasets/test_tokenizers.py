@@ -67,3 +67,25 @@ def test_bits_per_byte_divides_by_bytes_of_text():
     assert out['lm/bits_per_byte'] == pytest.approx(
         nats / math.log(2) / len(text.encode('utf-8')))
     assert len(text.encode('utf-8')) > 96  # more than one byte per token
+
+
+def test_generate_and_export_use_the_configs_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from mmpar.convert import export_hf
+    from mmpar.generation import (generate_text, load_model,
+                                  tokenizer_from_config)
+    config = 'configs/llama_shakespeare/llama_shakespeare.py'
+    opts = {'model.vocab_size': 512, 'model.dim': 32, 'model.num_layers': 1,
+            'model.num_heads': 2,
+            'train_dataloader.dataset.tokenizer': BPE}
+    tokenizer = tokenizer_from_config(config, opts)
+    assert tokenizer.vocab_size == 512
+    model = load_model(config, None, opts)
+    text = generate_text(model, 'ROMEO:', 5, tokenizer=tokenizer, seed=0)
+    assert text.startswith('ROMEO:') and len(tokenizer.encode(text)) >= 7
+    checkpoint = str(tmp_path / 'ckpt.pth')
+    torch.save(dict(state_dict=model.state_dict()), checkpoint)
+    export_hf(checkpoint, config, str(tmp_path / 'hf'), opts)
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / 'hf'))
+    assert exported.encode('ROMEO:') == tokenizer.encode('ROMEO:')
