@@ -184,7 +184,9 @@ def read_hf_state_dict(path: str, model: nn.Module) -> Dict[str, torch.Tensor]:
                              f'{type(owner).__name__} needs it)')
         sources[key] = source
     tensors = {}
-    for key, filename, tensor in iter_hf_tensors(files, set(sources.values())):
+    # In model order (a set would make the first error reported random).
+    for key, filename, tensor in iter_hf_tensors(
+            files, dict.fromkeys(sources.values())):
         want = expected[key]
         if tensor.shape != want.shape:
             raise ValueError(
