@@ -1,9 +1,10 @@
 """Text from a trained language model: what ``tools/generate.py`` runs.
 
 The model is built from the config *unwrapped*, in one process, and takes the
-weights of a full checkpoint file or a sharded (DCP) checkpoint directory,
-whatever layout wrote it. Sampling draws from a seeded generator, so the same
-seed prints the same text.
+weights of a full checkpoint file, a sharded (DCP) checkpoint directory
+(whatever layout wrote them) or Hugging Face weights. Text is encoded and
+decoded with the tokenizer the config's training data use. Sampling draws
+from a seeded generator, so the same seed prints the same text.
 """
 import argparse
 import os.path as osp
@@ -15,7 +16,7 @@ from mmengine.registry import init_default_scope
 from torch import nn
 
 from mmpar.cli import CfgOptionsAction
-from mmpar.datasets.tokenizer import ByteTokenizer
+from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
 
 
 def load_state_dict(checkpoint: str) -> dict:
@@ -30,28 +31,45 @@ def load_state_dict(checkpoint: str) -> dict:
     return state.get('state_dict', state)
 
 
-def load_model(config: str, checkpoint: Optional[str] = None,
-               cfg_options: Optional[dict] = None) -> nn.Module:
-    """Build ``config``'s model (no wrapper) and load ``checkpoint`` into it
-    with ``strict=True``; in eval mode.
-
-    Raises:
-        FileNotFoundError: the config or checkpoint does not exist.
-    """
+def _config(config: str, cfg_options: Optional[dict]) -> Config:
     if not osp.isfile(config):
         raise FileNotFoundError(f'config file {config!r} does not exist')
     cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     init_default_scope(cfg.get('default_scope', 'mmpar'))
+    return cfg
+
+
+def load_model(config: str, checkpoint: Optional[str] = None,
+               cfg_options: Optional[dict] = None) -> nn.Module:
+    """Build ``config``'s model (no wrapper) and load ``checkpoint`` (an
+    mmpar checkpoint or Hugging Face weights) into it with ``strict=True``;
+    in eval mode.
+
+    Raises:
+        FileNotFoundError: the config or checkpoint does not exist.
+    """
+    from mmpar.checkpoint import is_hf_checkpoint, read_hf_state_dict
     from mmpar.registry import MODELS
-    model = MODELS.build(cfg.model)
+    model = MODELS.build(_config(config, cfg_options).model)
     if checkpoint is not None:
         if not osp.exists(checkpoint):
             raise FileNotFoundError(
                 f'checkpoint {checkpoint!r} does not exist')
-        model.load_state_dict(load_state_dict(checkpoint), strict=True)
+        state = read_hf_state_dict(checkpoint, model) if is_hf_checkpoint(
+            checkpoint) else load_state_dict(checkpoint)
+        model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def tokenizer_from_config(config: str,
+                          cfg_options: Optional[dict] = None) -> Tokenizer:
+    """The tokenizer of ``config``'s training data (bytes when it names
+    none)."""
+    cfg = _config(config, cfg_options)
+    dataset = (cfg.get('train_dataloader') or {}).get('dataset') or {}
+    return build_tokenizer(dataset.get('tokenizer'))
 
 
 def _next_token(logits: torch.Tensor, temperature: float,
@@ -103,10 +121,11 @@ def generate(model: nn.Module,
 
 
 def generate_text(model: nn.Module, prompt: str, max_new_tokens: int,
-                  **kwargs) -> str:
-    """The prompt followed by ``max_new_tokens`` sampled bytes, as text
-    (keyword arguments as :func:`generate`)."""
-    tokenizer = ByteTokenizer()
+                  tokenizer: Optional[Tokenizer] = None, **kwargs) -> str:
+    """The prompt followed by ``max_new_tokens`` sampled tokens, as text
+    (``tokenizer``: bytes by default; keyword arguments as
+    :func:`generate`)."""
+    tokenizer = tokenizer or build_tokenizer(None)
     ids = tokenizer.encode(prompt)
     return tokenizer.decode(ids + generate(model, ids, max_new_tokens,
                                            **kwargs))
@@ -119,7 +138,8 @@ def parse_generate_args(
         description='Print text sampled from a trained language model')
     parser.add_argument('config', help='config file')
     parser.add_argument(
-        'checkpoint', help='checkpoint file or sharded checkpoint directory')
+        'checkpoint', help='checkpoint file, sharded checkpoint directory '
+        'or Hugging Face weights (save_pretrained directory, .safetensors)')
     parser.add_argument('--prompt', default='ROMEO:', help='text to continue')
     parser.add_argument('--max-new-tokens', type=int, default=200)
     parser.add_argument(
@@ -149,4 +169,5 @@ def main(argv: Optional[List[str]] = None) -> str:
     model = load_model(args.config, args.checkpoint, args.cfg_options)
     return generate_text(
         model, args.prompt, args.max_new_tokens,
+        tokenizer=tokenizer_from_config(args.config, args.cfg_options),
         temperature=args.temperature, top_k=args.top_k, seed=args.seed)

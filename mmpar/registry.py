@@ -87,6 +87,11 @@ TP_PLANS = Registry(
         'mmpar.models'
     ])
 
+# Text tokenizers by name (mmpar/datasets/tokenizer.py): ByteTokenizer,
+# HFTokenizer(path) and the shipped ShakespeareBPE.
+TOKENIZERS = Registry(
+    'tokenizer', scope=SCOPE, locations=['mmpar.datasets.tokenizer'])
+
 
 def registered_names(registry: Registry) -> list:
     """The names ``registry`` holds, after importing its locations."""

@@ -10,7 +10,8 @@ Functions of (model, optim wrapper, extras), not of the Runner:
 - :mod:`~mmpar.checkpoint.full` and :mod:`~mmpar.checkpoint.sharded`: the
   two formats; :mod:`~mmpar.checkpoint.format`: the config value;
 - :mod:`~mmpar.checkpoint.latest`: which checkpoint to resume from;
-- :mod:`~mmpar.checkpoint.rng`: every rank's generator states.
+- :mod:`~mmpar.checkpoint.rng`: every rank's generator states;
+- :mod:`~mmpar.checkpoint.hf`: Hugging Face weights in and out.
 
 The Runner's glue (what it adds, the plain-data hook) is
 ``mmpar/runner/checkpoint.py``.
@@ -19,6 +20,7 @@ from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     from_plain, load_checkpoint_file,
                                     to_cpu, to_plain)
 from mmpar.checkpoint.full import collect_checkpoint
+from mmpar.checkpoint.hf import is_hf_checkpoint, read_hf_state_dict
 from mmpar.checkpoint.latest import (find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
 from mmpar.checkpoint.rng import (all_rng_states, restore_rng_states,
@@ -32,8 +34,9 @@ from mmpar.checkpoint.state import (load_model_state,
 __all__ = [
     'CheckpointLoadError', 'all_rng_states', 'atomic_save',
     'collect_checkpoint', 'find_latest_complete_checkpoint', 'from_plain',
-    'is_complete_checkpoint', 'is_sharded_checkpoint', 'load_checkpoint_file',
-    'load_model_state', 'load_sharded', 'localize_optim_state',
-    'model_state', 'optimizer_state', 'restore_rng_states', 'rng_state',
-    'save_sharded', 'set_rng_state', 'sharded_to_full', 'to_cpu', 'to_plain'
+    'is_complete_checkpoint', 'is_hf_checkpoint', 'is_sharded_checkpoint',
+    'load_checkpoint_file', 'load_model_state', 'load_sharded',
+    'localize_optim_state', 'model_state', 'optimizer_state',
+    'read_hf_state_dict', 'restore_rng_states', 'rng_state', 'save_sharded',
+    'set_rng_state', 'sharded_to_full', 'to_cpu', 'to_plain'
 ]

@@ -2,12 +2,12 @@
 import functools
 import lzma
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
 
-from mmpar.datasets.tokenizer import ByteTokenizer
+from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
 from mmpar.registry import DATASETS
 
 DATA_FILE = Path(__file__).parent / 'data' / 'tinyshakespeare.txt.xz'
@@ -24,6 +24,24 @@ def load_text(data_file: str = str(DATA_FILE)) -> str:
     return raw.decode('utf-8')
 
 
+_TOKEN_CACHE: Dict[tuple, torch.Tensor] = {}
+
+
+def text_tokens(data_file: str, tokenizer: Tokenizer) -> torch.Tensor:
+    """The corpus as token ids (uint8 for bytes), encoded once per process
+    and tokenizer."""
+    key = (data_file, tokenizer.name)
+    if key not in _TOKEN_CACHE:
+        text = load_text(data_file)
+        if tokenizer.vocab_size <= 256:
+            ids = bytearray(tokenizer.encode(text))
+            tokens = torch.frombuffer(ids, dtype=torch.uint8)
+        else:
+            tokens = torch.tensor(tokenizer.encode(text), dtype=torch.int32)
+        _TOKEN_CACHE[key] = tokens
+    return _TOKEN_CACHE[key]
+
+
 def split_tokens(tokens: torch.Tensor, split: str) -> torch.Tensor:
     """The first 90% of the tokens are ``'train'``, the rest ``'val'``."""
     if split not in SPLITS:
@@ -35,8 +53,8 @@ def split_tokens(tokens: torch.Tensor, split: str) -> torch.Tensor:
 
 @DATASETS.register_module()
 class ShakespeareDataset(Dataset):
-    """Fixed-length windows of byte tokens; the target is the input shifted
-    by one.
+    """Fixed-length windows of tokens; the target is the input shifted by
+    one.
 
     Window ``i`` always starts at the same place, so the order of batches is
     decided by the sampler's seed alone and an iteration-based resume
@@ -54,6 +72,14 @@ class ShakespeareDataset(Dataset):
             ``num_windows`` asks for more than fit).
         seed: seed of the random starts.
         data_file: the corpus (``.xz`` or plain UTF-8 text).
+        tokenizer: a :data:`~mmpar.registry.TOKENIZERS` config:
+            ``dict(type='ByteTokenizer')`` (default, ``None``),
+            ``dict(type='ShakespeareBPE')`` (shipped) or
+            ``dict(type='HFTokenizer', path=DIR)``. The split is made on the
+            token ids (first 90% train).
+
+    ``metainfo`` holds ``vocab_size``, ``context_length`` and
+    ``token_bytes`` (bytes of text per token id, for bits per byte).
 
     Each item is ``dict(inputs=int64 (context_length,),
     data_samples=int64 (context_length,))``, ready for ``default_collate``.
@@ -65,12 +91,11 @@ class ShakespeareDataset(Dataset):
                  num_windows: Optional[int] = None,
                  random_starts: bool = False,
                  seed: int = 0,
-                 data_file: str = str(DATA_FILE)):
-        self.tokenizer = ByteTokenizer()
-        text = load_text(data_file)
-        tokens = torch.frombuffer(
-            bytearray(text.encode('utf-8')), dtype=torch.uint8)
-        self.tokens = split_tokens(tokens, split)
+                 data_file: str = str(DATA_FILE),
+                 tokenizer: Union[dict, Tokenizer, None] = None):
+        self.tokenizer = build_tokenizer(tokenizer)
+        self.tokens = split_tokens(text_tokens(data_file, self.tokenizer),
+                                   split)
         # One window needs context_length + 1 tokens (input and target).
         last_start = len(self.tokens) - context_length - 1
         if context_length < 1 or last_start < 0:
@@ -95,7 +120,8 @@ class ShakespeareDataset(Dataset):
     @property
     def metainfo(self) -> dict:
         return dict(vocab_size=self.tokenizer.vocab_size,
-                    context_length=self.context_length)
+                    context_length=self.context_length,
+                    token_bytes=self.tokenizer.token_bytes())
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -1,14 +1,34 @@
-"""A byte-level tokenizer: every UTF-8 byte is one token (vocabulary 256).
+"""Tokenizers for the text datasets, chosen in the config.
 
-Nothing to download or train, and bits per byte equal bits per token.
+- :class:`ByteTokenizer` (the default): every UTF-8 byte is one token
+  (vocabulary 256); nothing to download or train.
+- :class:`HFTokenizer`: a Hugging Face tokenizer from a local directory
+  (``AutoTokenizer.from_pretrained``, no download).
+- ``ShakespeareBPE``: the byte-level BPE tokenizer (vocabulary 512) shipped
+  in ``mmpar/datasets/data/shakespeare_bpe``, trained on the shipped Tiny
+  Shakespeare text by :func:`train_shakespeare_bpe` (deterministic; a test
+  retrains it and compares).
+
+Every tokenizer gives ``token_bytes()``: the UTF-8 bytes of text each token
+id stands for, so the metric reports bits per *byte* whatever the tokenizer
+(:class:`mmpar.evaluation.LanguageModelMetric`).
 """
-from typing import Iterable, List
+import os.path as osp
+from pathlib import Path
+from typing import Iterable, List, Optional, Union
+
+from mmpar.registry import TOKENIZERS
+
+SHAKESPEARE_BPE_DIR = Path(__file__).parent / 'data' / 'shakespeare_bpe'
+SHAKESPEARE_BPE_VOCAB = 512
 
 
+@TOKENIZERS.register_module()
 class ByteTokenizer:
     """Text <-> UTF-8 byte ids."""
 
     vocab_size = 256
+    name = 'bytes'
 
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text``."""
@@ -18,3 +38,105 @@ class ByteTokenizer:
         """Text of token ids; byte runs that are not valid UTF-8 (a model can
         emit them) become U+FFFD instead of raising."""
         return bytes(int(i) for i in ids).decode('utf-8', errors='replace')
+
+    def token_bytes(self) -> List[int]:
+        """Bytes of text per token id: one each."""
+        return [1] * self.vocab_size
+
+
+@TOKENIZERS.register_module()
+class HFTokenizer:
+    """A Hugging Face tokenizer from a local directory.
+
+    Args:
+        path: a directory ``save_pretrained`` wrote (``tokenizer.json`` and
+            ``tokenizer_config.json``, or a slow tokenizer's files).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory (nothing is
+            downloaded).
+    """
+
+    def __init__(self, path: str):
+        from mmpar.models.hf import import_transformers
+        if not osp.isdir(path):
+            raise FileNotFoundError(
+                f'HFTokenizer path={path!r} is not a directory; allowed: a '
+                'local directory with tokenizer.json (save_pretrained); '
+                'nothing is downloaded')
+        self.path = str(path)
+        self.name = osp.abspath(path)
+        self.tokenizer = import_transformers().AutoTokenizer.from_pretrained(
+            self.path, local_files_only=True)
+        self.vocab_size = len(self.tokenizer)
+
+    def encode(self, text: str) -> List[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def token_bytes(self) -> List[int]:
+        """Bytes of text per token id: exact for byte-level BPE (each
+        character of a token's string is one byte), otherwise the UTF-8
+        length of the id decoded alone; special tokens are 0."""
+        special = set(self.tokenizer.all_special_ids)
+        backend = getattr(self.tokenizer, 'backend_tokenizer', None)
+        byte_level = backend is not None and \
+            type(backend.decoder).__name__ == 'ByteLevel'
+        tokens = self.tokenizer.convert_ids_to_tokens(
+            list(range(self.vocab_size)))
+        return [
+            0 if i in special else len(token) if byte_level else len(
+                self.decode([i]).encode('utf-8'))
+            for i, token in enumerate(tokens)
+        ]
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write the tokenizer files into ``out_dir``."""
+        self.tokenizer.save_pretrained(out_dir)
+
+
+@TOKENIZERS.register_module(name='ShakespeareBPE')
+def shakespeare_bpe() -> HFTokenizer:
+    """The shipped byte-level BPE tokenizer of Tiny Shakespeare (512 ids)."""
+    return HFTokenizer(str(SHAKESPEARE_BPE_DIR))
+
+
+def train_shakespeare_bpe(text: str,
+                          vocab_size: int = SHAKESPEARE_BPE_VOCAB):
+    """How the shipped ``ShakespeareBPE`` was made: byte-level BPE (GPT-2's
+    pre-tokenizer, every byte in the base alphabet, so any text encodes)
+    trained on ``text``; deterministic. Returns a transformers fast
+    tokenizer (``save_pretrained`` writes the shipped files)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    from mmpar.models.hf import import_transformers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer=trainer)
+    return import_transformers().PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer)
+
+
+Tokenizer = Union[ByteTokenizer, HFTokenizer]
+
+
+def build_tokenizer(cfg: Optional[Union[dict, Tokenizer]]) -> Tokenizer:
+    """A tokenizer from its config (``None``: bytes); an object is kept.
+
+    Raises:
+        KeyError: an unknown ``type`` (MMEngine's registry names it).
+    """
+    if cfg is None:
+        return ByteTokenizer()
+    if isinstance(cfg, dict):
+        return TOKENIZERS.build(cfg)
+    return cfg

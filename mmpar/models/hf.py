@@ -1,14 +1,20 @@
-"""Any Hugging Face causal LM, built from a config dict, as an MMEngine model.
+"""Any Hugging Face causal LM, from a config dict or a local
+``save_pretrained`` directory, as an MMEngine model.
 
-``transformers`` is an optional dependency (``pip install -e .[hf]``); it is
-imported when the model is built, so importing mmpar never needs it.
+``transformers`` is imported when the model is built, so importing mmpar never
+needs it (CI installs it from ``requirements-test.txt``; users with
+``pip install -e '.[hf]'``). Nothing is downloaded: ``pretrained`` is a local
+directory.
 """
+import os.path as osp
 from typing import Dict, List, Optional, Union
 
 import torch
 from mmengine.model import BaseModel
+from torch import nn
 
-from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
+from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
+                                   transformer_flops_per_token)
 from mmpar.parallelize.context import (ContextParallel,
                                        context_parallel_attention)
 from mmpar.parallelize.module_plan import match_modules
@@ -30,16 +36,46 @@ def import_transformers():
     return transformers
 
 
+def _hf_config(transformers, config: dict):
+    if not isinstance(config, dict) or 'model_type' not in config:
+        raise ValueError(
+            f'HFCausalLM config={config!r} must be a dict with '
+            "'model_type' (e.g. 'llama') and that model's config keys")
+    kwargs = dict(config)
+    model_type = kwargs.pop('model_type')
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as err:
+        raise ValueError(f'HFCausalLM config.model_type={model_type!r}: '
+                         f'{err}') from None
+
+
+def _from_pretrained(transformers, path: str) -> nn.Module:
+    # A path that is not a directory would be taken for a Hub repository
+    # id and downloaded: refuse it before transformers sees it.
+    if not osp.isdir(path):
+        raise FileNotFoundError(
+            f'HFCausalLM pretrained={path!r} is not a directory; allowed: a '
+            'local directory written by save_pretrained (config.json and '
+            'model.safetensors or its index); nothing is downloaded')
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32)
+
+
 @MODELS.register_module()
-class HFCausalLM(BaseModel):
-    """``AutoModelForCausalLM.from_config`` (random weights, no download) with
-    mmpar's language-model interface.
+class HFCausalLM(LMPipelineOutputs, BaseModel):
+    """A transformers causal LM with mmpar's language-model interface: random
+    weights from a config (``AutoModelForCausalLM.from_config``) or trained
+    ones from a local directory (``from_pretrained``).
 
     Args:
         config: the Hugging Face config as a dict with ``model_type``, e.g.
             ``dict(model_type='llama', vocab_size=256, hidden_size=128,
             intermediate_size=352, num_hidden_layers=4,
             num_attention_heads=4, max_position_embeddings=128)``.
+        pretrained: a local directory ``save_pretrained`` wrote (config.json
+            and safetensors, single or sharded); the weights are loaded in
+            fp32. Give ``config`` or ``pretrained``, not both.
         data_preprocessor: MMEngine data preprocessor config.
 
     Same batches and outputs as :class:`mmpar.models.Llama`:
@@ -47,38 +83,46 @@ class HFCausalLM(BaseModel):
     ``'loss'``, ``'predict'`` and ``'tensor'`` as there. The Hugging Face
     model is ``self.hf_model``; its decoder layer class
     (:attr:`decoder_layer_class`, e.g. ``'LlamaDecoderLayer'``) is the FSDP
-    ``module_class`` unit.
+    ``module_class`` unit. Decoder-only models laid out as Llama (``layers``,
+    ``embed_tokens``, ``norm``, ``rotary_emb``, ``lm_head``) also meet the
+    pipeline protocol (``parallel.pp``).
+
+    Raises:
+        ValueError: neither or both of ``config`` and ``pretrained``, or a
+            bad ``config``.
+        FileNotFoundError: ``pretrained`` is not a directory.
     """
 
-    def __init__(self, config: dict,
+    def __init__(self,
+                 config: Optional[dict] = None,
+                 pretrained: Optional[str] = None,
                  data_preprocessor: Optional[dict] = None):
         super().__init__(data_preprocessor=data_preprocessor)
         transformers = import_transformers()
-        if not isinstance(config, dict) or 'model_type' not in config:
+        if (config is None) == (pretrained is None):
             raise ValueError(
-                f'HFCausalLM config={config!r} must be a dict with '
-                "'model_type' (e.g. 'llama') and that model's config keys")
-        kwargs = dict(config)
-        model_type = kwargs.pop('model_type')
-        try:
-            hf_config = transformers.AutoConfig.for_model(model_type, **kwargs)
-        except ValueError as err:
-            raise ValueError(f'HFCausalLM config.model_type={model_type!r}: '
-                             f'{err}') from None
-        self.hf_config = hf_config
-        self.hf_model = transformers.AutoModelForCausalLM.from_config(
-            hf_config)
+                'HFCausalLM needs exactly one of config (a dict with '
+                "'model_type': random weights) and pretrained (a local "
+                f'save_pretrained directory); got config={config!r}, '
+                f'pretrained={pretrained!r}')
+        if pretrained is not None:
+            self.hf_model = _from_pretrained(transformers, pretrained)
+        else:
+            self.hf_model = transformers.AutoModelForCausalLM.from_config(
+                _hf_config(transformers, config))
+        self.hf_config = self.hf_model.config
         self._matmul_params = sum(
             p.numel() for n, p in self.hf_model.named_parameters()
             if p is not self.hf_model.get_input_embeddings().weight or
-            hf_config.tie_word_embeddings)
+            self.hf_config.tie_word_embeddings)
+        self._declare_pipeline_parts()
         self._init_context_parallel()
 
     @property
     def decoder_layer_class(self) -> str:
         """Class name of the repeated decoder layer."""
         layers = self.hf_model.base_model.layers
-        return type(layers[0]).__name__
+        return type(next(iter(layers))).__name__
 
     @property
     def max_seq_len(self) -> int:
@@ -98,6 +142,46 @@ class HFCausalLM(BaseModel):
             input_ids=inputs, use_cache=False,
             position_ids=self._cp_position_ids(inputs)).logits
         return lm_outputs(logits, data_samples, mode)
+
+    # -- Hugging Face weights (mmpar/checkpoint/hf.py) ----------------------
+    @staticmethod
+    def hf_to_plain_name(hf_name: str) -> str:
+        """This model's key of a Hugging Face key (under ``hf_model``)."""
+        return f'hf_model.{hf_name}'
+
+    # -- the pipeline protocol (docs/pipeline_parallel.md) ------------------
+    def _declare_pipeline_parts(self) -> None:
+        # Declared only for the Llama-like layout this code runs; any other
+        # model is refused at start-up by the protocol check, naming what it
+        # lacks.
+        base = self.hf_model.base_model
+        prefix = f'hf_model.{self.hf_model.base_model_prefix}'
+        if all(hasattr(base, a)
+               for a in ('layers', 'embed_tokens', 'norm', 'rotary_emb')) \
+                and hasattr(self.hf_model, 'lm_head'):
+            self.pipeline_layers = f'{prefix}.layers'
+            self.pipeline_pre = (f'{prefix}.embed_tokens', )
+            self.pipeline_post = (f'{prefix}.norm', 'hf_model.lm_head')
+
+    def pipeline_embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf_model.base_model.embed_tokens(tokens)
+
+    def pipeline_layer(self, layer: nn.Module,
+                       hidden: torch.Tensor) -> torch.Tensor:
+        # What the base model's forward hands each decoder layer: rotary
+        # tables for positions 0..T-1 and the causal mask (None for sdpa,
+        # which is then causal by itself).
+        from transformers.masking_utils import create_causal_mask
+        base = self.hf_model.base_model
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        mask = create_causal_mask(
+            config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
+            past_key_values=None, position_ids=positions)
+        return layer(hidden, attention_mask=mask, position_ids=positions,
+                     position_embeddings=base.rotary_emb(hidden, positions))
+
+    def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf_model.lm_head(self.hf_model.base_model.norm(hidden))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (6 N plus attention)."""

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from mmengine.model import BaseModel
 from torch import nn
 
-from mmpar.models.lm_loss import lm_outputs, transformer_flops_per_token
+from mmpar.models import llama_hf
+from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
+                                   transformer_flops_per_token)
 from mmpar.parallelize.context import (ContextParallel, causal_attention,
                                        context_parallel_attention)
 from mmpar.parallelize.module_plan import module_plan
@@ -245,7 +247,7 @@ def _check_sizes(dim: int, num_heads: int, num_kv_heads: int) -> None:
 
 
 @MODELS.register_module()
-class Llama(BaseModel):
+class Llama(LMPipelineOutputs, BaseModel):
     """Llama-style causal LM over token ids.
 
     Args:
@@ -292,6 +294,13 @@ class Llama(BaseModel):
         _check_sizes(dim, num_heads, num_kv_heads)
         if hidden_dim is None:
             hidden_dim = multiple_of * math.ceil(8 * dim / 3 / multiple_of)
+        # The architecture, resolved (a pipeline stage keeps it whole).
+        self.arch = dict(
+            vocab_size=vocab_size, dim=dim, num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=num_kv_heads,
+            hidden_dim=hidden_dim, max_seq_len=max_seq_len,
+            rope_theta=rope_theta, norm_eps=norm_eps,
+            tie_embeddings=tie_embeddings)
         self.num_layers, self.num_heads = num_layers, num_heads
         self.head_dim = dim // num_heads
         self.max_seq_len, self.rope_theta = max_seq_len, rope_theta
@@ -350,14 +359,6 @@ class Llama(BaseModel):
 
     def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(hidden))
-
-    def pipeline_loss(self, logits: torch.Tensor,
-                      data_samples: torch.Tensor) -> dict:
-        return lm_outputs(logits, data_samples, 'loss')
-
-    def pipeline_predict(self, logits: torch.Tensor,
-                         data_samples: torch.Tensor) -> list:
-        return lm_outputs(logits, data_samples, 'predict')
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` to logits ``(B, T, V)``.
@@ -418,6 +419,18 @@ class Llama(BaseModel):
                 # Tied: the head is a matmul and still counts.
                 params[id(self.output.weight)] = self.output.weight.numel()
         return sum(params.values())
+
+    # -- Hugging Face weights (mmpar/checkpoint/hf.py) ----------------------
+    @property
+    def hf_config(self):
+        """The ``LlamaConfig`` of the same model (``LlamaForCausalLM``
+        computes the same logits from the same weights)."""
+        return llama_hf.hf_config(self.arch)
+
+    @staticmethod
+    def hf_to_plain_name(hf_name: str) -> str:
+        """This model's key of a ``LlamaForCausalLM`` key."""
+        return llama_hf.plain_name(hf_name)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (see

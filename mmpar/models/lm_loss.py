@@ -77,6 +77,19 @@ def lm_outputs(logits: torch.Tensor, targets: Optional[torch.Tensor],
                      'loss, predict')
 
 
+class LMPipelineOutputs:
+    """The pipeline protocol's last-stage methods of a causal LM: the
+    ``'loss'`` and ``'predict'`` outputs of :func:`lm_outputs`."""
+
+    def pipeline_loss(self, logits: torch.Tensor,
+                      data_samples: torch.Tensor) -> dict:
+        return lm_outputs(logits, data_samples, 'loss')
+
+    def pipeline_predict(self, logits: torch.Tensor,
+                         data_samples: torch.Tensor) -> list:
+        return lm_outputs(logits, data_samples, 'predict')
+
+
 def transformer_flops_per_token(num_matmul_params: int, num_layers: int,
                                 num_heads: int, head_dim: int,
                                 seq_len: int) -> float:

@@ -183,16 +183,23 @@ class Runner(MMEngineRunner):
         Local files go through :func:`mmpar.checkpoint.load_checkpoint_file`
         (clear errors on missing or corrupt files); URLs and other schemes
         through MMEngine; a directory is a sharded checkpoint, loaded by
-        every rank.
+        every rank; Hugging Face weights (``save_pretrained`` directory or
+        ``.safetensors`` file) load as a full checkpoint of the plain model.
         """
-        if ckpt.is_sharded_checkpoint(filename):
+        if ckpt.is_hf_checkpoint(filename):
+            # Hugging Face weights (a save_pretrained directory or a
+            # .safetensors file) become this model's plain state dict, then
+            # take the full-checkpoint path below (every layout).
+            checkpoint = dict(
+                state_dict=ckpt.read_hf_state_dict(filename, self.model))
+        elif ckpt.is_sharded_checkpoint(filename):
             checkpoint = ckpt.load_sharded(
                 self.model, self.optim_wrapper, filename, strict,
                 after_read=self._after_load_hooks)
             self._has_loaded = True
             self.logger.info(f'Load sharded checkpoint from {filename}')
             return checkpoint
-        if '://' in filename:
+        elif '://' in filename:
             checkpoint = _load_checkpoint(filename, map_location=map_location)
         else:
             checkpoint = ckpt.load_checkpoint_file(filename, map_location)

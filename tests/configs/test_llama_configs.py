@@ -85,8 +85,6 @@ def _train(config, work_dir, name, max_iters=4, **extra):
 def test_llama_config_trains(run_dist, config, tmp_path):
     from mmengine.config import Config
     stem = Path(config).stem
-    if '_hf' in stem:
-        pytest.importorskip('transformers')
     world_size = WORLD_SIZES.get(stem, 2)
     results = run_dist(_train, config, tmp_path, f'{stem}_{tmp_path.name}',
                        world_size=world_size)

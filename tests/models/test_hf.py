@@ -1,6 +1,6 @@
 """HFCausalLM: a transformers causal LM from a config dict, offline; FSDP2 on
-its decoder layers matches one-process training. Skips without
-transformers (an optional extra)."""
+its decoder layers matches one-process training. transformers is in
+requirements-test.txt: nothing here skips."""
 import sys
 
 import pytest
@@ -17,10 +17,6 @@ TINY = dict(model_type='llama', vocab_size=64, hidden_size=32,
             intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=16)
 OPTIM = dict(accumulative_counts=2, clip=0.05)
-needs_transformers = pytest.mark.skipif(
-    'transformers' not in sys.modules and
-    __import__('importlib').util.find_spec('transformers') is None,
-    reason='transformers is not installed (pip install -e .[hf])')
 
 
 def _model():
@@ -34,7 +30,6 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
         MODELS.build(dict(type='HFCausalLM', config=TINY))
 
 
-@needs_transformers
 def test_builds_offline_and_speaks_mmpars_interface():
     model = _model()
     assert type(model.hf_model).__name__ == 'LlamaForCausalLM'
@@ -59,7 +54,6 @@ def test_builds_offline_and_speaks_mmpars_interface():
     assert model.flops_per_token(16) == 6 * n + 12 * 2 * 4 * 8 * 16
 
 
-@needs_transformers
 def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="model_type='nope'"):
         MODELS.build(dict(type='HFCausalLM',
@@ -82,7 +76,6 @@ def _train_fsdp2(batches):
     return units, wrapper.full_state_dict()
 
 
-@needs_transformers
 def test_fsdp2_matches_one_process(run_dist):
     batches = make_token_batches()
     expected = train_reference(_model(), batches, **OPTIM)

@@ -1,6 +1,6 @@
-"""``tp_plan='hf'``: a transformers model's own TP plan (skipped without
-transformers). A tiny Llama (GQA: 4 query, 2 key/value heads) inside an
-MMEngine model splits over tp=2 and trains like one process."""
+"""``tp_plan='hf'``: a transformers model's own TP plan. A tiny Llama (GQA:
+4 query, 2 key/value heads) inside an MMEngine model splits over tp=2 and
+trains like one process."""
 import copy
 
 import pytest
@@ -70,5 +70,4 @@ def _hf_parity():
 
 
 def test_hf_llama_tp2_trains_like_one_process(run_dist):
-    pytest.importorskip('transformers')
     run_dist(_hf_parity)

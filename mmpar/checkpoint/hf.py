@@ -1,0 +1,227 @@
+"""Hugging Face weights in and out: ``save_pretrained`` directories and
+``.safetensors`` files, read one tensor at a time.
+
+A model that can take such weights says so with two attributes (the
+*Hugging Face weights protocol*; :class:`mmpar.models.Llama` and
+:class:`mmpar.models.HFCausalLM` meet it):
+
+- ``hf_config``: the ``transformers`` config of the equivalent Hugging Face
+  model (its names, shapes and tied weights come from a meta-device build of
+  it, so nothing is allocated);
+- ``hf_to_plain_name(hf_name)``: the plain model's state-dict key of a
+  Hugging Face key.
+
+Reading never holds more than one tensor per call of
+:func:`iter_hf_tensors` (``safetensors.safe_open``), and names come back as
+the plain model's: the same function serves a loader that copies each tensor
+straight into its shard. Nothing is downloaded: every path is local.
+"""
+import json
+import os.path as osp
+from typing import Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+
+WEIGHTS_NAME = 'model.safetensors'
+INDEX_NAME = 'model.safetensors.index.json'
+CONFIG_NAME = 'config.json'
+# Config keys that change what the weights compute without changing any
+# shape: a mismatch would load silently and give other logits.
+ARCHITECTURE_KEYS = ('model_type', 'hidden_act', 'rms_norm_eps',
+                     'rope_parameters', 'rope_scaling', 'attention_bias',
+                     'mlp_bias', 'tie_word_embeddings')
+
+
+def is_hf_checkpoint(path: str) -> bool:
+    """A ``.safetensors`` file, or a directory holding ``model.safetensors``
+    or its sharded index (what ``save_pretrained`` writes)."""
+    if path.endswith('.safetensors'):
+        return True
+    return osp.isdir(path) and (osp.isfile(osp.join(path, WEIGHTS_NAME)) or
+                                osp.isfile(osp.join(path, INDEX_NAME)))
+
+
+def hf_weight_files(path: str) -> Dict[str, str]:
+    """Hugging Face key -> the file that holds it.
+
+    Args:
+        path: a ``.safetensors`` file or a ``save_pretrained`` directory
+            (single file, or sharded with ``model.safetensors.index.json``).
+
+    Raises:
+        FileNotFoundError: ``path``, or a file the index names, is missing.
+    """
+    from safetensors import safe_open
+    if not osp.exists(path):
+        raise FileNotFoundError(f'Hugging Face weights {path!r} do not exist')
+    if osp.isdir(path) and osp.isfile(osp.join(path, INDEX_NAME)):
+        index_file = osp.join(path, INDEX_NAME)
+        with open(index_file) as file:
+            weight_map = json.load(file)['weight_map']
+        files = {k: osp.join(path, f) for k, f in weight_map.items()}
+        for name in sorted(set(files.values())):
+            if not osp.isfile(name):
+                raise FileNotFoundError(
+                    f'{index_file} names {osp.basename(name)!r}, which does '
+                    'not exist')
+        return files
+    if osp.isdir(path):
+        path = osp.join(path, WEIGHTS_NAME)
+    if not osp.isfile(path):
+        raise FileNotFoundError(
+            f'Hugging Face weights {path!r} do not exist (allowed: a '
+            f'.safetensors file, or a directory with {WEIGHTS_NAME} or '
+            f'{INDEX_NAME})')
+    with safe_open(path, framework='pt') as file:
+        return {key: path for key in file.keys()}
+
+
+def iter_hf_tensors(
+        files: Dict[str, str],
+        names: Optional[Iterable[str]] = None
+) -> Iterator[Tuple[str, str, torch.Tensor]]:
+    """``(hf_name, file, tensor)`` for ``names`` (default: every key of
+    ``files``, as :func:`hf_weight_files` gives them), one tensor at a time;
+    each file is opened once."""
+    from safetensors import safe_open
+    wanted = list(files) if names is None else list(names)
+    by_file: Dict[str, list] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    for filename, keys in by_file.items():
+        with safe_open(filename, framework='pt') as file:
+            for key in keys:
+                yield key, filename, file.get_tensor(key)
+
+
+def hf_owner(model: nn.Module) -> nn.Module:
+    """The plain model inside ``model`` (any wrapper, pipeline stages) that
+    meets the Hugging Face weights protocol.
+
+    Raises:
+        ValueError: no module of ``model`` declares ``hf_to_plain_name``.
+    """
+    for module in model.modules():
+        if hasattr(type(module), 'hf_to_plain_name'):
+            return module
+    raise ValueError(
+        f'{type(model).__name__} cannot take Hugging Face weights; allowed: '
+        'a model with hf_config and hf_to_plain_name (Llama, HFCausalLM)')
+
+
+def meta_hf_model(hf_config) -> nn.Module:
+    """The Hugging Face model of ``hf_config`` on the meta device (names,
+    shapes and tied weights; no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device('meta'):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def tied_sources(hf_model: nn.Module) -> Dict[str, str]:
+    """Each tied key -> the first key of the same parameter (a tied copy
+    that ``save_pretrained`` leaves out of the file)."""
+    first: Dict[int, str] = {}
+    tied = {}
+    for name, param in hf_model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _check_architecture(path: str, hf_config) -> None:
+    config_file = osp.join(path if osp.isdir(path) else osp.dirname(path),
+                           CONFIG_NAME)
+    if not osp.isfile(config_file):
+        return
+    with open(config_file) as file:
+        saved = json.load(file)
+    ours = hf_config.to_dict()
+    for key in ARCHITECTURE_KEYS:
+        if key in saved and key in ours and saved[key] != ours[key]:
+            raise ValueError(
+                f'{config_file}: {key}={saved[key]!r}, but the model is '
+                f'configured with {key}={ours[key]!r}; set the model config '
+                'to match the checkpoint')
+
+
+def read_hf_state_dict(path: str, model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Hugging Face weights as the plain state dict of ``model``.
+
+    Args:
+        path: a ``.safetensors`` file or a ``save_pretrained`` directory.
+        model: the model to load into, plain or wrapped (its plain model
+            meets the Hugging Face weights protocol).
+
+    Returns:
+        Every key of the plain model's state dict (tied copies included),
+        each tensor in the dtype the model's parameters have.
+
+    Raises:
+        FileNotFoundError: ``path`` or a file its index names is missing.
+        ValueError: a key the model needs is missing, a key is unknown, a
+            shape differs, or ``config.json`` gives another architecture;
+            the message names the file and the key.
+    """
+    owner = hf_owner(model)
+    files = hf_weight_files(path)
+    _check_architecture(path, owner.hf_config)
+    reference = meta_hf_model(owner.hf_config)
+    expected = reference.state_dict()
+    tied = tied_sources(reference)
+    unknown = sorted(set(files) - set(expected))
+    if unknown:
+        raise ValueError(
+            f'{path}: keys {unknown[:5]} are not weights of a '
+            f'{type(reference).__name__} with this config')
+    sources = {}
+    for key in expected:
+        source = key if key in files else tied.get(key)
+        if source not in files:
+            raise ValueError(f'{path}: key {key!r} is missing (the model '
+                             f'{type(owner).__name__} needs it)')
+        sources[key] = source
+    tensors = {}
+    # In model order (a set would make the first error reported random).
+    for key, filename, tensor in iter_hf_tensors(
+            files, dict.fromkeys(sources.values())):
+        want = expected[key]
+        if tensor.shape != want.shape:
+            raise ValueError(
+                f'{filename}: key {key!r} has shape {tuple(tensor.shape)}, '
+                f'the model needs {tuple(want.shape)}')
+        tensors[key] = tensor.to(want.dtype)
+    return {owner.hf_to_plain_name(key): tensors[source]
+            for key, source in sources.items()}
+
+
+def save_hf_checkpoint(model: nn.Module, state: Dict[str, torch.Tensor],
+                       out_dir: str) -> None:
+    """Write ``state`` (the plain model's full state dict) as the Hugging
+    Face model of ``model``'s ``hf_config``: ``out_dir`` gets config.json,
+    generation_config.json and ``model.safetensors`` (sharded with an index
+    past 50 GB), as ``save_pretrained`` writes them.
+
+    Raises:
+        ValueError: ``state`` lacks a key the Hugging Face model needs.
+    """
+    owner = hf_owner(model)
+    hf_model = meta_hf_model(owner.hf_config)
+    tied = tied_sources(hf_model)
+    weights = {}
+    for key in hf_model.state_dict():
+        if key in tied:
+            continue
+        plain = owner.hf_to_plain_name(key)
+        if plain not in state:
+            raise ValueError(f'checkpoint has no {plain!r} (Hugging Face '
+                             f'{key!r}) for {type(owner).__name__}')
+        weights[key] = state[plain].detach().cpu().contiguous()
+    # The meta model takes the tensors themselves (no copy); buffers that
+    # are not saved (rotary tables) stay on the meta device, and
+    # from_pretrained rebuilds them.
+    hf_model.load_state_dict(weights, strict=False, assign=True)
+    hf_model.tie_weights()
+    hf_model.save_pretrained(out_dir)
