@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mmengine.model import BaseModel
-from mmengine.optim import OptimWrapper
+from mmpar.optim import OptimWrapper
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (measure_on_ranks,  # noqa: E402
                                 measured_section, median, slowest_rank,
-                                time_steps, write_section)
+                                time_steps)
 
 SECTION = '## Language model (Llama on Tiny Shakespeare)'
 CONFIG_DIR = os.path.join(ROOT, 'configs', 'llama_shakespeare')
@@ -124,7 +124,7 @@ class HandWrittenFSDP2:
 
 
 def _build(name: str, plan: dict, device):
-    from benchmarks import run as dp_bench
+    from benchmarks import _steps as dp_bench
     if name == HAND_FSDP2:
         return HandWrittenFSDP2(dp_bench.build_model(plan['model'], device),
                                 plan['optim_wrapper'], device)
@@ -136,7 +136,7 @@ def measure(plan: dict) -> List[dict]:
     """Memory pass (each layout built and warmed up in turn), then a timing
     pass (layouts take turns step by step); on every rank."""
     import mmpar.wrappers  # noqa: F401  (registers the wrappers)
-    from benchmarks import run as dp_bench
+    from benchmarks import _steps as dp_bench
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device('cpu')
     batches = token_batches(rank, world_size, plan['batch_size'],

@@ -76,10 +76,13 @@ class MMTrainee:
 
     def __init__(self, wrapper, optim_cfg: dict):
         from mmengine.optim import build_optim_wrapper
+
+        from mmpar.runner.optim import mmpar_optim_wrapper_cfg
         self.wrapper, self.model = wrapper, wrapper.module
         # After wrapping: FSDP2 replaces the parameters with sharded ones.
-        self.optim_wrapper = build_optim_wrapper(wrapper,
-                                                 copy.deepcopy(optim_cfg))
+        # mmpar's optim wrapper, as the Runner builds it.
+        self.optim_wrapper = build_optim_wrapper(
+            wrapper, mmpar_optim_wrapper_cfg(copy.deepcopy(optim_cfg)))
 
     def step(self, batch: dict) -> torch.Tensor:
         return self.wrapper.train_step(batch, self.optim_wrapper)['loss']
@@ -96,7 +99,7 @@ class HandTrainee:
 
 
 def _model(plan: dict):
-    from benchmarks.run import build_model
+    from benchmarks._steps import build_model
     return build_model(plan['model'], torch.device('cpu'))
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mmengine.model import BaseModel
-from mmengine.optim import OptimWrapper
+from mmpar.optim import OptimWrapper
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -76,7 +76,7 @@ class CountFunctionalCollectives(TorchDispatchMode):
 
 
 def _build(model_kwargs: dict, tp: int, wrapper: str):
-    from mmengine.optim import OptimWrapper
+    from mmpar.optim import OptimWrapper
 
     from examples.my_pkg.tp_vit import TP_PLAN, SplittableViT
     from mmpar.dist import uses_cuda
@@ -116,7 +116,7 @@ def _split_bytes(model) -> Dict[str, int]:
 
 def measure_layout(name: str, model_kwargs: dict, steps: int) -> dict:
     """One layout on the current process group; collective."""
-    from benchmarks.run import model_state_bytes
+    from benchmarks._steps import model_state_bytes
     _, tp, wrapper = LAYOUTS[name]
     wrapped, optim_wrapper, mesh = _build(model_kwargs, tp, wrapper)
     dp, dp_rank = mesh['dp'].size(), mesh['dp'].get_local_rank()

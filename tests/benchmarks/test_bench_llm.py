@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from benchmarks import bench_llm
+from benchmarks._common import write_section
 from tests.dist_harness import DistPool
 
 
@@ -42,7 +43,7 @@ def test_report_section_is_written(quick, tmp_path):
     (tmp_path / 'benchmarks.md').write_text('# Benchmarks\n\n## Other\n\nkeep\n')
     meta = dict(machine='m', date='d', load_before=0.0, load_after=0.0)
     report = bench_llm.format_report(rows, plan, meta)
-    bench_llm.write_section(str(tmp_path / 'benchmarks.md'),
+    write_section(str(tmp_path / 'benchmarks.md'),
                             bench_llm.SECTION, report)
     text = (tmp_path / 'benchmarks.md').read_text()
     assert 'keep' in text and bench_llm.SECTION in text
