@@ -215,6 +215,7 @@ def collective_timeout() -> Optional[datetime.timedelta]:
         return None
     device = torch.device('cuda' if uses_cuda() else 'cpu')
     try:
+        # No public getter of a group's timeout in torch 2.13.
         return dist.group.WORLD._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None  # a backend without options: torch's default applies

@@ -55,6 +55,8 @@ def _rank() -> int:
 def _log_error(text: str) -> None:
     """Log through the run's MMLogger if one exists, else to stderr."""
     from mmengine.logging import MMLogger
+    # Whether any run logger exists (private; get_current_instance would
+    # create one).
     if MMLogger._instance_dict:
         MMLogger.get_current_instance().error(text)
     else:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from torch import nn
+# What FSDP1 runs to pick its units (private; no public equivalent).
 from torch.distributed.fsdp.wrap import _recursive_wrap
 
 # Where a wrapper config names its wrap policy: mmpar's FSDP wrappers, then

@@ -68,6 +68,7 @@ class Plan:
 
 
 def _fake_world(world_size: int, rank: int):
+    # The fake process group's store: no public one in torch 2.13.
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise PlanError('a process group already exists in this process; '

@@ -23,6 +23,8 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from mmpar.wrappers.base import describe
+
 WEIGHTS_NAME = 'model.safetensors'
 INDEX_NAME = 'model.safetensors.index.json'
 CONFIG_NAME = 'config.json'
@@ -96,15 +98,15 @@ def iter_hf_tensors(
 
 
 def hf_owner(model: nn.Module) -> nn.Module:
-    """The plain model inside ``model`` (any wrapper, pipeline stages) that
-    meets the Hugging Face weights protocol.
+    """The user's model inside ``model`` (any wrapper; for a pipeline this
+    rank's stage copy), if it meets the Hugging Face weights protocol.
 
     Raises:
-        ValueError: no module of ``model`` declares ``hf_to_plain_name``.
+        ValueError: the model does not declare ``hf_to_plain_name``.
     """
-    for module in model.modules():
-        if hasattr(type(module), 'hf_to_plain_name'):
-            return module
+    plain = describe(model).model
+    if callable(getattr(plain, 'hf_to_plain_name', None)):
+        return plain
     raise ValueError(
         f'{type(model).__name__} cannot take Hugging Face weights; allowed: '
         'a model with hf_config and hf_to_plain_name (Llama, HFCausalLM)')

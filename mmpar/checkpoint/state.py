@@ -14,6 +14,8 @@ import re
 from collections import OrderedDict
 
 from mmengine.optim import OptimWrapper
+# MMEngine's load into a module (key revision, strictness report);
+# private, the one its Runner uses.
 from mmengine.runner.checkpoint import _load_checkpoint_to_model
 from torch import nn
 

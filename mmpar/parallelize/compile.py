@@ -58,10 +58,10 @@ def check_compile_cfg(cfg: Any, key: str = 'model_compile') -> Optional[dict]:
                          'of class names or None')
     backend = cfg.get('backend', 'inductor')
     if isinstance(backend, str) and backend not in \
-            torch._dynamo.list_backends(exclude_tags=()):
+            torch.compiler.list_backends(exclude_tags=()):
         raise ValueError(
             f'{key}.backend={backend!r} is not a torch.compile backend; '
-            f'allowed: {", ".join(torch._dynamo.list_backends())}')
+            f'allowed: {", ".join(torch.compiler.list_backends())}')
     return cfg
 
 

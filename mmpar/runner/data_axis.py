@@ -18,6 +18,7 @@ from typing import Optional
 import torch.distributed as dist
 from mmengine.dataset import DefaultSampler, InfiniteSampler
 from mmengine.evaluator import BaseMetric, Evaluator
+# MMEngine's own move of metric results (data elements too); private.
 from mmengine.evaluator.metric import _to_cpu
 from torch.utils.data import DataLoader
 
@@ -50,6 +51,7 @@ def shard_sampler(sampler, rank: int, size: int) -> None:
     if isinstance(sampler, InfiniteSampler):
         sampler.rank, sampler.world_size = rank, size
         # Built once in __init__ from rank and world size.
+        # Built once in __init__ (private; no public way to rebuild it).
         sampler.indices = sampler._indices_of_rank()
         return
     raise ConfigError(

@@ -14,6 +14,7 @@ import torch
 from mmengine.dataset import InfiniteSampler as MMEngineInfiniteSampler
 from mmengine.logging import print_log
 from mmengine.runner import IterBasedTrainLoop as MMEngineIterBasedTrainLoop
+# The iterator MMEngine's loop uses (private; no public equivalent).
 from mmengine.runner.loops import _InfiniteDataloaderIterator
 
 from mmpar.registry import DATA_SAMPLERS, LOOPS

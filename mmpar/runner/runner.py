@@ -15,6 +15,8 @@ from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
 from mmengine.runner import Runner as MMEngineRunner
+# MMEngine's loader of URLs and other schemes (private; no public one
+# returns the checkpoint without loading it into a model).
 from mmengine.runner.checkpoint import _load_checkpoint
 from torch import nn
 
@@ -112,6 +114,8 @@ class Runner(MMEngineRunner):
         return build_parallel_optim_wrapper(
             super().build_optim_wrapper, optim_wrapper, self.model)
 
+    # MMEngine's private step (no public hook): its post-wrap broadcast
+    # would abort on sharded parameters.
     def _init_model_weights(self) -> None:
         if describe(self.model).holds_shards:
             # Done in parallelize, before the parameters were sharded, split

@@ -86,7 +86,8 @@ class _Bucket:
         ]
         self.used = [False] * len(params)  # slice holds gradient data
         # For the other parameters: the `.grad` copy we last wrote and its
-        # version counter, to tell whether the user changed it since.
+        # version counter (Tensor._version: autograd's in-place counter, no
+        # public name), to tell whether the user changed it since.
         self.written = [None] * len(params)
         self.versions = [0] * len(params)
         self.num_pending = len(params)

@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 BUFFER_SYNC = ('broadcast', 'average', None)
 
@@ -53,12 +52,12 @@ def sync_buffers(module: nn.Module, mode: Optional[str],
     size = dist.get_world_size(group)
     with torch.no_grad():
         for dtype, buffers in by_dtype.items():
-            flat = _flatten_dense_tensors(buffers)
+            flat = torch.cat([b.reshape(-1) for b in buffers])
             if mode == 'average' and dtype.is_floating_point:
                 dist.all_reduce(flat, group=group)
                 flat.div_(size)
             else:
                 dist.broadcast(flat, src=src, group=group)
-            for buffer, synced in zip(
-                    buffers, _unflatten_dense_tensors(flat, buffers)):
-                buffer.copy_(synced)
+            synced = flat.split([b.numel() for b in buffers])
+            for buffer, values in zip(buffers, synced):
+                buffer.copy_(values.view_as(buffer))

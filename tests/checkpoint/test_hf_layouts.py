@@ -72,7 +72,8 @@ def _logits_rows(logits, data_samples):
 
 
 def _logits(model, inputs) -> torch.Tensor:
-    if hasattr(model, 'pipeline_stages'):
+    from mmpar.wrappers import describe
+    if describe(model).pipeline is not None:
         # Every pp rank gets the last stage's predictions (here: logits).
         rows = model.val_step(dict(inputs=inputs, data_samples=inputs))
         return torch.stack(rows)

@@ -10,8 +10,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 # The language-model configs report a validation loss, not an accuracy:
-# tests/configs/test_llama_configs.py trains each of them.
-OWN_TESTS = ('_base_', 'llama_shakespeare')
+# tests/configs/test_llama_configs.py trains each of them; the fine-tuning
+# configs start from an exported Hugging Face directory, which
+# tests/tools/test_hf_finetune.py makes first and trains them from.
+OWN_TESTS = ('_base_', 'llama_shakespeare', 'hf_finetune')
 CONFIGS = sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / 'configs').rglob('*.py')
     if not set(OWN_TESTS) & set(p.parts))

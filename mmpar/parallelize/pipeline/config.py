@@ -15,17 +15,13 @@ the model is split (:mod:`mmpar.parallelize.pipeline.split`).
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Tuple
 
+from mmpar.checks import check_int
 from mmpar.parallelize.pipeline.schedules import is_multi_stage
 
 
 def _fail(key: str, value, allowed: str) -> None:
     raise ValueError(f'parallel.pipeline.{key}={value!r} is not allowed; '
                      f'allowed: {allowed}')
-
-
-def _is_int(value, minimum: int = 1) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) \
-        and value >= minimum
 
 
 @dataclass(frozen=True)
@@ -82,10 +78,8 @@ class PipelineConfig:
     def check(self, pp: Optional[int], batch_size: Optional[int]) -> None:
         """Checks that need no model; see :meth:`from_cfg`."""
         multi = is_multi_stage(self.schedule)  # unknown names raise here
-        if not _is_int(self.num_microbatches):
-            _fail('num_microbatches', self.num_microbatches, 'an int >= 1')
-        if not _is_int(self.stages_per_rank):
-            _fail('stages_per_rank', self.stages_per_rank, 'an int >= 1')
+        for key in ('num_microbatches', 'stages_per_rank'):
+            check_int(f'parallel.pipeline.{key}', getattr(self, key))
         if multi and self.stages_per_rank < 2:
             _fail('stages_per_rank', self.stages_per_rank,
                   f'an int >= 2 with schedule={self.schedule!r} (a '

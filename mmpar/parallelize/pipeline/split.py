@@ -70,7 +70,7 @@ def layer_names(model: nn.Module) -> List[str]:
     """Full names of the layers, in order (the split-point candidates)."""
     prefix = getattr(model, LAYERS_ATTR)
     return [f'{prefix}.{key}'
-            for key in model.get_submodule(prefix)._modules]
+            for key, _ in model.get_submodule(prefix).named_children()]
 
 
 def stage_starts(model: nn.Module, split_points: Optional[Sequence[str]],
@@ -113,12 +113,12 @@ def _drop(model: nn.Module, name: str) -> None:
     # of the layers kept stay the original ones.
     parent_name, _, attr = name.rpartition('.')
     parent = model.get_submodule(parent_name) if parent_name else model
-    if attr in parent._modules:
-        parent._modules[attr] = None
-    elif attr in parent._parameters:
-        parent._parameters[attr] = None
-    elif attr in parent._buffers:
-        parent._buffers[attr] = None
+    if attr in dict(parent.named_children()):
+        parent.register_module(attr, None)
+    elif attr in dict(parent.named_parameters(recurse=False)):
+        parent.register_parameter(attr, None)
+    elif attr in dict(parent.named_buffers(recurse=False)):
+        parent.register_buffer(attr, None)
     else:
         raise ValueError(f'{type(model).__name__}: {name!r} in pipeline_pre/'
                          'pipeline_post names no module, parameter or buffer')
@@ -129,9 +129,9 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
     if info['first']:
         x = self.pipeline_embed(x)
     run_layer = getattr(self, 'pipeline_layer', None)
-    for layer in self.get_submodule(self.pipeline_layers)._modules.values():
-        if layer is not None:
-            x = layer(x) if run_layer is None else run_layer(layer, x)
+    # named_children skips the layers other stages own (set to None).
+    for _, layer in self.get_submodule(self.pipeline_layers).named_children():
+        x = layer(x) if run_layer is None else run_layer(layer, x)
     if info['last']:
         x = self.pipeline_head(x)
     return x
