@@ -449,6 +449,10 @@ def check_config(cfg: Any, world_size: Optional[int] = None
         checkpoint_format(cfg)
     layout = check_layout(cfg, world_size)
     check_checkpoint_paths(cfg)
+    if not isinstance(cfg.get('meta_init', True), bool):
+        _fail('meta_init', cfg.get('meta_init'),
+              'allowed: True (build a model the layout shards or splits on '
+              'the meta device) or False (build it whole on every rank)')
     log_level = cfg.get('log_level', 'INFO')
     if isinstance(log_level, str) and log_level.upper() not in LOG_LEVELS:
         _fail('log_level', log_level, f'allowed: {", ".join(LOG_LEVELS)}')

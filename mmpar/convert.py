@@ -15,7 +15,7 @@ import os.path as osp
 from typing import List, Optional
 
 from mmpar.checkpoint import atomic_save, sharded_to_full
-from mmpar.checkpoint.hf import save_hf_checkpoint
+from mmpar.models.hf_weights import save_hf_checkpoint
 from mmpar.cli import CfgOptionsAction
 from mmpar.generation import load_model, tokenizer_from_config
 

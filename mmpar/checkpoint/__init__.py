@@ -11,7 +11,8 @@ Functions of (model, optim wrapper, extras), not of the Runner:
   two formats; :mod:`~mmpar.checkpoint.format`: the config value;
 - :mod:`~mmpar.checkpoint.latest`: which checkpoint to resume from;
 - :mod:`~mmpar.checkpoint.rng`: every rank's generator states;
-- :mod:`~mmpar.checkpoint.hf`: Hugging Face weights in and out.
+- Hugging Face weights in and out: :mod:`mmpar.models.hf_weights` (its
+  readers are re-exported here).
 
 The Runner's glue (what it adds, the plain-data hook) is
 ``mmpar/runner/checkpoint.py``.
@@ -20,7 +21,7 @@ from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     from_plain, load_checkpoint_file,
                                     to_cpu, to_plain)
 from mmpar.checkpoint.full import collect_checkpoint
-from mmpar.checkpoint.hf import is_hf_checkpoint, read_hf_state_dict
+from mmpar.models.hf_weights import is_hf_checkpoint, read_hf_state_dict
 from mmpar.checkpoint.latest import (find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
 from mmpar.checkpoint.rng import (all_rng_states, restore_rng_states,

@@ -71,6 +71,10 @@ def load_checkpoint_file(filename: str,
                                              None] = 'cpu') -> dict:
     """``torch.load(filename, weights_only=True)`` with errors a person reads.
 
+    Tensors are memory-mapped (on the CPU): nothing is read until used, so a
+    rank that takes only its shard of each tensor (FSDP, tensor
+    parallelism) reads only those pages, never the whole checkpoint.
+
     Raises:
         FileNotFoundError: the file does not exist.
         CheckpointLoadError: the file is truncated, corrupt or holds objects
@@ -80,8 +84,9 @@ def load_checkpoint_file(filename: str,
     if not os.path.isfile(filename):
         raise FileNotFoundError(f'checkpoint {filename!r} does not exist')
     try:
-        return torch.load(
-            filename, map_location=map_location, weights_only=True)
+        mmap = map_location in ('cpu', torch.device('cpu'))
+        return torch.load(filename, map_location=map_location,
+                          weights_only=True, mmap=mmap)
     except (RuntimeError, pickle.UnpicklingError, EOFError,
             zipfile.BadZipFile, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err) else ''

@@ -50,7 +50,7 @@ def _hf_config(transformers, config: dict):
                          f'{err}') from None
 
 
-def _from_pretrained(transformers, path: str) -> nn.Module:
+def _pretrained_config(transformers, path: str):
     # A path that is not a directory would be taken for a Hub repository
     # id and downloaded: refuse it before transformers sees it.
     if not osp.isdir(path):
@@ -58,8 +58,8 @@ def _from_pretrained(transformers, path: str) -> nn.Module:
             f'HFCausalLM pretrained={path!r} is not a directory; allowed: a '
             'local directory written by save_pretrained (config.json and '
             'model.safetensors or its index); nothing is downloaded')
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32)
+    return transformers.AutoConfig.from_pretrained(path,
+                                                   local_files_only=True)
 
 
 @MODELS.register_module()
@@ -105,12 +105,17 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
                 "'model_type': random weights) and pretrained (a local "
                 f'save_pretrained directory); got config={config!r}, '
                 f'pretrained={pretrained!r}')
-        if pretrained is not None:
-            self.hf_model = _from_pretrained(transformers, pretrained)
-        else:
-            self.hf_model = transformers.AutoModelForCausalLM.from_config(
-                _hf_config(transformers, config))
+        hf_config = _pretrained_config(transformers, pretrained) \
+            if pretrained is not None else _hf_config(transformers, config)
+        self.hf_model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, dtype=torch.float32)
         self.hf_config = self.hf_model.config
+        if pretrained is not None:
+            # Copied into the parameters from memory-mapped files: built on
+            # the meta device, each rank later reads only its shards.
+            from mmpar.models.hf_weights import read_hf_state_dict
+            with torch.no_grad():
+                self.load_state_dict(read_hf_state_dict(pretrained, self))
         self._matmul_params = sum(
             p.numel() for n, p in self.hf_model.named_parameters()
             if p is not self.hf_model.get_input_embeddings().weight or
@@ -143,7 +148,7 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
             position_ids=self._cp_position_ids(inputs)).logits
         return lm_outputs(logits, data_samples, mode)
 
-    # -- Hugging Face weights (mmpar/checkpoint/hf.py) ----------------------
+    # -- Hugging Face weights (mmpar/models/hf_weights.py) ----------------------
     @staticmethod
     def hf_to_plain_name(hf_name: str) -> str:
         """This model's key of a Hugging Face key (under ``hf_model``)."""

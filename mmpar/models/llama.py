@@ -420,7 +420,7 @@ class Llama(LMPipelineOutputs, BaseModel):
                 params[id(self.output.weight)] = self.output.weight.numel()
         return sum(params.values())
 
-    # -- Hugging Face weights (mmpar/checkpoint/hf.py) ----------------------
+    # -- Hugging Face weights (mmpar/models/hf_weights.py) ----------------------
     @property
     def hf_config(self):
         """The ``LlamaConfig`` of the same model (``LlamaForCausalLM``

@@ -4,7 +4,16 @@ Config (top level)::
 
     activation_checkpointing = dict(
         module_classes=['LlamaBlock'],  # which modules to checkpoint
-        every=1)                        # every k-th of them (1: all)
+        every=1,                        # every k-th of them (1: all)
+        mode='full')                    # or 'selective'
+
+``mode='full'`` keeps only each checkpointed module's inputs and recomputes
+its whole forward in backward. ``mode='selective'`` (torchtitan's per-op
+selective checkpointing) keeps the outputs of the expensive ops inside the
+module (matrix multiplications and attention, :data:`SAVE_OPS`; more by
+name with ``save_ops=['aten.max.default', ...]``) and recomputes the cheap
+rest (norms, activations, element-wise ops): less memory than none, less
+recomputation than full.
 
 or just the class names (``activation_checkpointing = 'LlamaBlock'`` or a
 list). The older spelling inside an FSDP wrapper's config,
@@ -21,13 +30,22 @@ recomputation.
 import functools
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from mmpar.checks import check_int
 from mmpar.wrappers.policies import resolve_module_classes
 
 KEY = 'activation_checkpointing'
-OWN_KEYS = ('module_classes', 'every')
+OWN_KEYS = ('module_classes', 'every', 'mode', 'save_ops')
+MODES = ('full', 'selective')
+# Ops whose outputs selective checkpointing keeps (the rest is recomputed).
+SAVE_OPS = ('aten.mm.default', 'aten.addmm.default', 'aten.bmm.default',
+            'aten.baddbmm.default',
+            'aten._scaled_dot_product_flash_attention.default',
+            'aten._scaled_dot_product_efficient_attention.default',
+            'aten._scaled_dot_product_cudnn_attention.default',
+            'aten._scaled_dot_product_flash_attention_for_cpu.default')
 
 
 def check_activation_checkpointing(cfg: Any, key: str = KEY) -> Optional[dict]:
@@ -58,7 +76,51 @@ def check_activation_checkpointing(cfg: Any, key: str = KEY) -> Optional[dict]:
         raise TypeError(f'{key}.module_classes={classes!r} must be module '
                         'class names or classes (a list of them)')
     every = check_int(f'{key}.every', cfg.get('every', 1))
-    return dict(module_classes=list(classes), every=every)
+    mode = cfg.get('mode', 'full')
+    if mode not in MODES:
+        raise ValueError(f'{key}.mode={mode!r} is not allowed; allowed: '
+                         f'{", ".join(MODES)}')
+    save_ops = cfg.get('save_ops') or []
+    if mode != 'selective' and save_ops:
+        raise ValueError(f'{key}.save_ops={save_ops!r} needs '
+                         "mode='selective'")
+    ops = [_op(name, f'{key}.save_ops') for name in save_ops]
+    return dict(module_classes=list(classes), every=every, mode=mode,
+                save_ops=[str(op) for op in ops])
+
+
+def _op(name: str, key: str):
+    """``'aten.mm.default'`` -> the op; raises ValueError naming it."""
+    if not isinstance(name, str):
+        raise ValueError(f'{key}: {name!r} is not an op name such as '
+                         "'aten.mm.default'")
+    namespace, _, rest = name.partition('.')
+    packet, _, overload = rest.partition('.')
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet),
+                       overload or 'default')
+    except (AttributeError, RuntimeError):
+        raise ValueError(f'{key}: {name!r} is not an op; allowed: names such '
+                         "as 'aten.mm.default'") from None
+
+
+def _selective_context(save_ops: list):
+    """A ``context_fn`` for torch's checkpoint that keeps the outputs of
+    :data:`SAVE_OPS` (and ``save_ops``) and recomputes everything else."""
+    from torch.utils.checkpoint import (CheckpointPolicy,
+                                        create_selective_checkpoint_contexts)
+    keep = set()
+    for name in SAVE_OPS + tuple(save_ops):
+        try:
+            keep.add(_op(name, KEY))
+        except ValueError:
+            pass  # an attention kernel this build of torch does not have
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in keep \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def merge_wrapper_key(cfg: Any, model_wrapper_cfg: Optional[dict]):
@@ -110,9 +172,13 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
 
     # torch's wrapper lives in a private module; it is the one torch's FSDP
     # and torchtitan use (no public equivalent in torch 2.13).
+    wrapper_kwargs = dict(checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if cfg['mode'] == 'selective':
+        # (passed on to torch.utils.checkpoint.checkpoint)
+        wrapper_kwargs['context_fn'] = _selective_context(cfg['save_ops'])
     apply_ac(
         model,
-        checkpoint_wrapper_fn=functools.partial(
-            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                **wrapper_kwargs),
         check_fn=chosen)
     return model

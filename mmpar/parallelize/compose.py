@@ -11,7 +11,11 @@ topology it is handed:
 3. activation checkpointing (:mod:`.activation`),
 4. ``torch.compile`` (:mod:`.compile`),
 5. the data-parallel wrapper, given the data axis as its class declares it
-   takes it (a group, or the 1-D / replicate x shard mesh).
+   takes it (a group, or the 1-D / replicate x shard mesh),
+6. for a model built on the meta device (:mod:`.meta`), materialising this
+   rank's share (its local shards, its stages), filled as one process would
+   initialise them: before the wrapper, after it (FSDP2: only local shards
+   are allocated) or inside it (FSDP1), as the wrapper class declares.
 
 With ``tp > 1`` the data-parallel wrapper is the one its class names for
 tensor parallelism (:mod:`.tp_wrapper`). :func:`check_composition` is the
@@ -20,6 +24,7 @@ get wrong; the config check and the plan tool call it too.
 """
 from typing import Any, Optional
 
+import torch
 from mmengine.dist import broadcast
 from torch import nn
 
@@ -31,8 +36,10 @@ from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import (apply_activation_checkpointing,
                                           merge_wrapper_key)
 from mmpar.parallelize.compile import apply_compile
+from mmpar.parallelize.meta import MetaInit
 from mmpar.parallelize.tensor import apply_tp
 from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
+from mmpar.wrappers.base import describe
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
                                     declared)
 
@@ -109,19 +116,41 @@ def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
     return dict(device_mesh=topology.data_mesh())
 
 
+def builds_on_meta(dims: ParallelDims, wrapper_cfg: Optional[dict]) -> bool:
+    """Whether the layout shards or splits the model, so that no rank needs
+    it whole: tensor or pipeline parallelism, or a sharding wrapper."""
+    cls = declared((wrapper_cfg or {}).get('type', DEFAULT_WRAPPER))
+    return dims.world_size > 1 and (dims.tp_enabled or dims.pp_enabled or
+                                    cls.shards_parameters)
+
+
 def _finish(model: nn.Module, topology: ParallelTopology, wrapper_cfg: dict,
-            ac_cfg: Any, compile_cfg: Any) -> nn.Module:
-    """Steps 3-5 on a model or one pipeline stage."""
+            ac_cfg: Any, compile_cfg: Any,
+            meta: Optional[tuple] = None) -> nn.Module:
+    """Steps 3-6 on a model or one pipeline stage; ``meta`` is
+    ``(MetaInit, device)`` for a model built on the meta device."""
     model = apply_activation_checkpointing(model, ac_cfg)
     model = apply_compile(model, compile_cfg)
     dims = topology.dims
-    if dims.pp_enabled and not (dims.dp_enabled or dims.tp_enabled):
-        # A stage with no data axis needs no wrapper (with tp it gets one,
-        # which replicates over one rank, so TP models are wrapped alike).
+    wrapped = not dims.pp_enabled or dims.dp_enabled or dims.tp_enabled
+    # (A stage with no data axis needs no wrapper; with tp it gets one,
+    # which replicates over one rank, so TP models are wrapped alike.)
+    cls = declared(wrapper_cfg.get('type', DEFAULT_WRAPPER)) if wrapped \
+        else None
+    when = cls.meta_materialize if cls is not None else 'before'
+    default_args = data_axis_args(wrapper_cfg, topology) if wrapped else {}
+    if meta is not None:
+        meta_init, device = meta
+        if when == 'before':
+            meta_init.materialize(model, device)
+        elif when != 'after':
+            default_args[when] = meta_init.module_initializer(model, device)
+    if not wrapped:
         return model
-    return build_model_wrapper(wrapper_cfg, model,
-                               default_args=data_axis_args(wrapper_cfg,
-                                                           topology))
+    model = build_model_wrapper(wrapper_cfg, model, default_args=default_args)
+    if meta is not None and when == 'after':
+        meta[0].materialize(describe(model).state_module, meta[1])
+    return model
 
 
 def parallelize(model: nn.Module,
@@ -129,7 +158,9 @@ def parallelize(model: nn.Module,
                 parallel_cfg,
                 model_wrapper_cfg: Optional[dict],
                 compile_cfg=None,
-                activation_checkpointing=None) -> nn.Module:
+                activation_checkpointing=None,
+                meta_init: Optional[MetaInit] = None,
+                device: Optional[torch.device] = None) -> nn.Module:
     """Lay ``model`` out over the ranks in compose's fixed order.
 
     Args:
@@ -142,6 +173,9 @@ def parallelize(model: nn.Module,
             Its ``activation_checkpointing`` key, if any, is step 3's.
         compile_cfg: ``model_compile`` (per-block ``torch.compile``).
         activation_checkpointing: the top-level config key (step 3).
+        meta_init: what :func:`~mmpar.parallelize.meta.build_on_meta`
+            recorded, for a model built on the meta device (step 6).
+        device: where a meta-built model's parameters go.
 
     Returns:
         The wrapped model.
@@ -158,9 +192,10 @@ def parallelize(model: nn.Module,
     dims = topology.dims
     wrapper_cfg = check_composition(parallel, dims, model_wrapper_cfg,
                                     compile_cfg)
-    if dims.tp_enabled or dims.pp_enabled or \
-            declared(wrapper_cfg.get('type', DEFAULT_WRAPPER)) \
-            .shards_parameters:
+    meta = None
+    if meta_init is not None:
+        meta = (meta_init, device or torch.device('cpu'))
+    elif builds_on_meta(dims, wrapper_cfg):
         # (pp: before the split, while every rank holds the whole model.)
         init_weights_before_sharding(model)
     if dims.tp_enabled:
@@ -169,7 +204,11 @@ def parallelize(model: nn.Module,
         from mmpar.parallelize.pipeline import (pipeline_parallelize,
                                                 stage_wrapper_cfg)
         stage_cfg = stage_wrapper_cfg(wrapper_cfg)
-        return pipeline_parallelize(
+        model = pipeline_parallelize(
             model, topology, parallel,
-            lambda stage: _finish(stage, topology, stage_cfg, ac_cfg, None))
-    return _finish(model, topology, wrapper_cfg, ac_cfg, compile_cfg)
+            lambda stage: _finish(stage, topology, stage_cfg, ac_cfg, None,
+                                  meta))
+    else:
+        model = _finish(model, topology, wrapper_cfg, ac_cfg, compile_cfg,
+                        meta)
+    return model

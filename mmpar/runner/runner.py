@@ -27,7 +27,8 @@ from mmpar.dist import (check_launcher, init_dist, local_rank,
                         usable_backend, uses_cuda)
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.seed import setup_parallelism
-from mmpar.parallelize.compose import parallelize
+from mmpar.parallelize.compose import builds_on_meta, parallelize
+from mmpar.parallelize.meta import MetaInit, build_on_meta
 from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
@@ -58,6 +59,10 @@ class Runner(MMEngineRunner):
             self.parallel_cfg, self._dims = check_config(cfg)
         # 'full' or 'sharded' (mmpar/checkpoint/format.py; checked above).
         self.checkpoint_format = cfg.get('checkpoint_format', 'full')
+        # What build_model recorded, for a model built on the meta device;
+        # the run's one topology (setup_env builds it).
+        self.meta_init: Optional[MetaInit] = None
+        self.topology = None
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -86,11 +91,25 @@ class Runner(MMEngineRunner):
             cfg['find_unused_parameters'] = True
         return cfg
 
+    def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
+        """MMEngine's; a model the layout shards or splits is built on the
+        meta device (``meta_init``, default True): parameters cost nothing
+        until compose materialises this rank's share."""
+        topology = self.topology
+        if not isinstance(model, dict) or topology is None or \
+                not self.cfg.get('meta_init', True) or \
+                not builds_on_meta(topology.dims, self._model_wrapper_cfg()):
+            return super().build_model(model)
+        built, self.meta_init = build_on_meta(
+            lambda: super(Runner, self).build_model(model))
+        return built
+
     def wrap_model(self, model_wrapper_cfg: Optional[dict],
                    model: nn.Module) -> nn.Module:
         if is_model_wrapper(model):
             return super().wrap_model(model_wrapper_cfg, model)
-        model = model.to(self._device())
+        if self.meta_init is None:
+            model = model.to(self._device())
         steps = dict(compile_cfg=self.cfg.get('model_compile'),
                      activation_checkpointing=self.cfg.get(
                          'activation_checkpointing'))
@@ -101,10 +120,11 @@ class Runner(MMEngineRunner):
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
-        # TP, PP, activation checkpointing, compile, then the data-parallel
-        # wrapper, in that order.
+        # TP, PP, activation checkpointing, compile, the data-parallel
+        # wrapper, then (meta-built) this rank's parameters, in that order.
         return parallelize(model, self.topology, self.parallel_cfg,
-                           self._model_wrapper_cfg(), **steps)
+                           self._model_wrapper_cfg(), meta_init=self.meta_init,
+                           device=self._device(), **steps)
 
     def build_optim_wrapper(self, optim_wrapper):
         """MMEngine's, building mmpar's optim wrappers (for MMEngine's names
@@ -134,13 +154,13 @@ class Runner(MMEngineRunner):
         and size (tensor/pipeline peers read the same batches)."""
         loader = super().build_dataloader(dataloader, seed, diff_rank_seed)
         return data_axis.shard_loader_by_data_rank(
-            loader, getattr(self, 'topology', None))
+            loader, self.topology)
 
     def build_evaluator(self, evaluator):
         """MMEngine's, with results collected over the data axis only."""
         return data_axis.evaluate_metrics_on_data_axis(
             super().build_evaluator(evaluator),
-            getattr(self, 'topology', None))
+            self.topology)
 
     def scale_lr(self, optim_wrapper, auto_scale_lr=None) -> None:
         """MMEngine's, counting the global batch over the data axis only.
@@ -150,7 +170,7 @@ class Runner(MMEngineRunner):
         ``dp_size * batch_size``. Rescaling ``base_batch_size`` by
         ``world_size / dp_size`` gives MMEngine's formula that ratio.
         """
-        topology = getattr(self, 'topology', None)
+        topology = self.topology
         if auto_scale_lr and auto_scale_lr.get('enable') and \
                 topology is not None and topology.dp_size != self.world_size:
             auto_scale_lr = dict(auto_scale_lr)

@@ -59,6 +59,12 @@ class StepMixin:
     tensor_parallel_refusal: ClassVar[str] = ''
     #: None: cannot wrap a pipeline stage; else the arguments a stage needs.
     pipeline_stage_args: ClassVar[Optional[dict]] = None
+    #: When a model built on the meta device gets real parameters:
+    #: ``'before'`` the wrapper is built (it needs them: buckets,
+    #: broadcasts), ``'after'`` (FSDP2 shards meta parameters, then only the
+    #: local shards are allocated), or through the named constructor
+    #: argument, unit by unit as it wraps (FSDP1's ``'param_init_fn'``).
+    meta_materialize: ClassVar[str] = 'before'
 
     module: nn.Module
     # The data-parallel group gradients are reduced over (None: the world).

@@ -66,6 +66,7 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     shards_parameters = True
     holds_shards = True
     data_axis_arg = 'device_mesh'
+    meta_materialize = 'param_init_fn'
     tensor_parallel_refusal = (
         'torch FSDP1 does not compose with tensor parallelism reliably; '
         "allowed: type='MMFullyShard' (FSDP2 over the data axis) or "
@@ -104,7 +105,8 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         if device_id is None:
             device_id = (torch.device('cuda', torch.cuda.current_device())
                          if uses_cuda() else torch.device('cpu'))
-        if sync_module_states and not uses_cuda():
+        if sync_module_states and not uses_cuda() and \
+                kwargs.get('param_init_fn') is None:
             # torch's FSDP1 refuses sync_module_states for CPU modules
             # ("requires them to be on GPU", even with device_id=cpu). The
             # broadcast it would do is this one: rank 0's state to every rank.

@@ -87,6 +87,7 @@ class MMFullyShard(StepMixin, nn.Module):
     holds_shards = True
     data_axis_arg = 'device_mesh'
     tensor_parallel_wrapper = 'MMFullyShard'
+    meta_materialize = 'after'
     # The schedule interleaves micro-batches' forward and backward:
     # parameters stay gathered between them.
     pipeline_stage_args = dict(reshard_after_forward=False)

@@ -96,7 +96,7 @@ def round_trip(model_cfg: dict, parallel, wrapper_cfg, hf_dir: str,
     """Load ``hf_dir`` in this layout, logits; train 3 steps, logits,
     export to ``out_dir`` (rank 0). Returns both logits."""
     from mmpar.checkpoint import model_state
-    from mmpar.checkpoint.hf import save_hf_checkpoint
+    from mmpar.models.hf_weights import save_hf_checkpoint
     from mmpar.parallel import setup_parallelism
     from mmpar.parallelize.compose import parallelize
     from mmpar.registry import MODELS

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmpar.checkpoint.hf import (hf_weight_files, is_hf_checkpoint,
+from mmpar.models.hf_weights import (hf_weight_files, is_hf_checkpoint,
                                  read_hf_state_dict, save_hf_checkpoint)
 from mmpar.models import HFCausalLM, Llama
 from mmpar.models.llama_hf import NAMES, plain_name

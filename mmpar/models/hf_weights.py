@@ -79,22 +79,54 @@ def hf_weight_files(path: str) -> Dict[str, str]:
         return {key: path for key in file.keys()}
 
 
+SAFETENSORS_DTYPES = {
+    'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16,
+    'BF16': torch.bfloat16, 'I64': torch.int64, 'I32': torch.int32,
+    'I16': torch.int16, 'I8': torch.int8, 'U8': torch.uint8,
+    'BOOL': torch.bool,
+}
+
+
+def mapped_tensors(filename: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a ``.safetensors`` file, memory-mapped: nothing is
+    read until used, and a rank that takes only its shard of a tensor reads
+    only those pages (copy-on-write: the file is never changed)."""
+    import mmap
+    with open(filename, 'rb') as file:
+        size = int.from_bytes(file.read(8), 'little')
+        header = json.loads(file.read(size))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + size
+    tensors = {}
+    for key, info in header.items():
+        if key == '__metadata__':
+            continue
+        dtype = SAFETENSORS_DTYPES[info['dtype']]
+        begin, end = info['data_offsets']
+        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count,
+                                offset=start + begin) if count else \
+            torch.empty(0, dtype=dtype)
+        tensors[key] = flat.reshape(info['shape'])
+    return tensors
+
+
 def iter_hf_tensors(
         files: Dict[str, str],
         names: Optional[Iterable[str]] = None
 ) -> Iterator[Tuple[str, str, torch.Tensor]]:
     """``(hf_name, file, tensor)`` for ``names`` (default: every key of
-    ``files``, as :func:`hf_weight_files` gives them), one tensor at a time;
-    each file is opened once."""
-    from safetensors import safe_open
+    ``files``, as :func:`hf_weight_files` gives them), memory-mapped
+    (:func:`mapped_tensors`): each file is mapped once, no tensor is read
+    until used."""
     wanted = list(files) if names is None else list(names)
     by_file: Dict[str, list] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     for filename, keys in by_file.items():
-        with safe_open(filename, framework='pt') as file:
-            for key in keys:
-                yield key, filename, file.get_tensor(key)
+        mapped = mapped_tensors(filename)
+        for key in keys:
+            yield key, filename, mapped[key]
 
 
 def hf_owner(model: nn.Module) -> nn.Module:

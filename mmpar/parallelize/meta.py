@@ -1,0 +1,459 @@
+"""Build a model without materialising it, then fill only this rank's share.
+
+Layouts that shard or split a model (FSDP1/FSDP2/HSDP, tensor and pipeline
+parallelism) need not hold it whole on any rank. The Runner builds such a
+model with :func:`build_on_meta`: its constructor (and ``init_weights``)
+runs as usual, but every *parameter* lives on the meta device (no memory)
+while buffers stay real (they are small and often computed, e.g. rotary
+tables). Each initialisation op on a parameter is recorded: which op, on
+which parameter (or part of it), with which arguments, and for a random op
+the CPU generator's state just before it. The op also runs on a throw-away
+tensor of the parameter's shape, so the generator advances exactly as in a
+one-process build and everything drawn later (data order, dropout) agrees.
+
+The meta model is then parallelised as usual (TP, PP split, activation
+checkpointing, compile, FSDP): meta parameters cost nothing to split or
+copy. :meth:`MetaInit.materialize` allocates only this rank's local shards
+(``to_empty``) and fills each parameter in turn: it replays that parameter's
+ops on a whole tensor of its shape, from its last complete overwrite (an op
+such as ``normal_`` or ``fill_`` that does not read the old value),
+restoring the generator state each random op had, and keeps this rank's
+part (``distribute_tensor(..., src_data_rank=None)``: no communication).
+So the weights equal a one-process build from the same seed, bit for bit,
+while a rank holds its shards plus one whole parameter at a time.
+
+What a model must do to be built this way: initialise parameters with
+in-place ops on them (``torch.nn.init``, MMEngine's ``init_cfg`` and weight
+initialisers, ``param.data.normal_()``, ``param.copy_(real tensor)``, a
+tensor given to ``nn.Parameter``), not by computing from other parameters'
+values. A model that does anything else is refused with an error naming the
+parameter and the switch ``meta_init=False`` (build whole on every rank).
+"""
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mmpar.failures import ConfigError
+
+KEY = 'meta_init'
+aten = torch.ops.aten
+# In-place ops that draw from a generator; each overwrites its target.
+RANDOM_OPS = {
+    aten.uniform_, aten.normal_, aten.bernoulli_, aten.random_,
+    aten.exponential_, aten.geometric_, aten.cauchy_, aten.log_normal_
+}
+# Other in-place ops that overwrite their target without reading it.
+OVERWRITE_OPS = {aten.fill_, aten.zero_, aten.copy_}
+# Ops that make a new tensor from shapes or from a real one: while a model
+# is built they run on the CPU even when asked for the meta device (a
+# parameter's device), so buffers and temporaries keep real values and
+# random draws happen as in a one-process build.
+FACTORY_NAMES = ('empty', 'empty_strided', 'zeros', 'ones', 'full', 'rand',
+                 'randn', 'randint', 'randperm', 'arange', 'linspace',
+                 'logspace', 'eye', 'scalar_tensor', 'normal', '_to_copy')
+CPU = torch.device('cpu')
+
+
+def _is_factory(func) -> bool:
+    name = func.overloadpacket.__name__
+    return (name in FACTORY_NAMES or name.startswith('new_') or
+            name.endswith('_like'))
+
+
+def _stop(name: str, why: str) -> ConfigError:
+    return ConfigError(
+        f'parameter {name!r} cannot be built on the meta device: {why}; '
+        f'allowed: set {KEY}=False in the config to build the model whole '
+        'on every rank (it is then initialised before sharding)')
+
+
+# torch.nn.init functions that return at once for a meta tensor (no op
+# reaches the recorder, no random draw is made) and, for trunc_normal_,
+# draw a data-dependent number of times (rejection sampling): they are
+# recorded whole, as one call, while a model is built.
+WHOLE_INIT_FUNCTIONS = ('_no_grad_trunc_normal_', 'orthogonal_', 'dirac_',
+                        'sparse_')
+
+
+@dataclass
+class _Op:
+    func: Any  # an aten OpOverload, or one of WHOLE_INIT_FUNCTIONS
+    args: tuple  # the target replaced by None; other tensors real
+    kwargs: dict
+    view: Optional[Tuple[tuple, tuple, int]]  # size, stride, offset; None: whole
+    rng_state: Optional[torch.Tensor]  # CPU generator before a random op
+
+    def overwrites(self) -> bool:
+        if self.view is not None:
+            return False
+        packet = getattr(self.func, 'overloadpacket', None)
+        return packet is None or packet in RANDOM_OPS or \
+            packet in OVERWRITE_OPS
+
+
+@dataclass
+class _Record:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    initial: Optional[torch.Tensor]  # the tensor nn.Parameter was given
+    ops: List[_Op] = field(default_factory=list)
+    unsupported: Optional[str] = None
+
+
+class _Recorder(TorchDispatchMode):
+    """Records in-place ops on meta parameters (by storage); runs random
+    ones on a real tensor too, so the generator advances as it would."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: Dict[int, _Record] = {}  # meta storage -> record
+        self.passthrough = False  # while a parameter moves to meta
+
+    def track(self, param: torch.Tensor, initial: torch.Tensor) -> None:
+        self.records[param.untyped_storage()._cdata] = _Record(
+            tuple(param.shape), param.dtype, initial)
+
+    def _record_of(self, value) -> Optional[_Record]:
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            return self.records.get(value.untyped_storage()._cdata)
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.passthrough:
+            return func(*args, **kwargs)
+        if _is_factory(func):
+            return self._on_cpu(func, args, kwargs)
+        target = args[0] if args else None
+        record = self._record_of(target)
+        mutates = record is not None and func._schema.is_mutable and \
+            func._schema.arguments[0].alias_info is not None and \
+            func._schema.arguments[0].alias_info.is_write
+        if mutates:
+            self._record(func, target, record, args, kwargs)
+        else:
+            # Another tensor computed from a parameter's (unknown) value,
+            # then written into a parameter, cannot be replayed: mark it.
+            for value in list(args[1:]) + list(kwargs.values()):
+                source = self._record_of(value)
+                if source is not None and record is not None:
+                    record.unsupported = f'{func} reads another parameter'
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _on_cpu(func, args, kwargs):
+        # A factory asked for the meta device, or a *_like / new_* of a meta
+        # tensor (which would inherit its device): on the CPU instead.
+        kwargs = dict(kwargs)
+        if func.overloadpacket is aten._to_copy and args[0].is_meta:
+            # A parameter's value read out (MMEngine's init_weights logs
+            # means): unknown here, so NaN; a parameter computed from it is
+            # refused when materialised (MetaInit.value).
+            meta = args[0]
+            dtype = kwargs.get('dtype') or meta.dtype
+            out = torch.empty(meta.shape, dtype=dtype)
+            return out.fill_(float('nan')) if out.is_floating_point() \
+                else out.zero_()
+        device = kwargs.get('device')
+        inherits = args and isinstance(args[0], torch.Tensor) and \
+            args[0].is_meta and func.overloadpacket.__name__ != '_to_copy'
+        if (device is not None and torch.device(device).type == 'meta') or \
+                (device is None and inherits):
+            kwargs['device'] = CPU
+        if inherits:
+            # Only the shape, dtype and layout of a meta input are read.
+            meta = args[0]
+            if func.overloadpacket.__name__.startswith('new_'):
+                args = (torch.empty(0, dtype=meta.dtype), ) + tuple(args[1:])
+            else:
+                args = (torch.empty_strided(meta.shape, meta.stride(),
+                                            dtype=meta.dtype), ) + \
+                    tuple(args[1:])
+        return func(*args, **kwargs)
+
+    def record_call(self, function: Callable, target: torch.Tensor,
+                    args: tuple, kwargs: dict) -> bool:
+        """Record a whole init function applied to a meta parameter (and
+        run it on a real tensor of its shape, for the generator). False: the
+        target is no meta parameter."""
+        record = self._record_of(target)
+        if record is None:
+            return False
+        state = torch.get_rng_state()
+        self.passthrough = True
+        try:
+            function(torch.empty(target.shape, dtype=target.dtype), *args,
+                     **kwargs)
+        finally:
+            self.passthrough = False
+        view = None if tuple(target.shape) == record.shape else (
+            tuple(target.shape), target.stride(), target.storage_offset())
+        op = _Op(function, (None, ) + tuple(args), dict(kwargs), view, state)
+        if op.overwrites():
+            record.ops.clear()
+            record.initial = None
+        record.ops.append(op)
+        return True
+
+    def _record(self, func, target, record, args, kwargs) -> None:
+        others = [a for a in list(args[1:]) + list(kwargs.values())
+                  if isinstance(a, torch.Tensor)]
+        if any(a.is_meta for a in others):
+            record.unsupported = (f'{func} reads a meta tensor (a value '
+                                  'computed from parameters)')
+            return
+        whole = (tuple(target.shape) == record.shape and
+                 target.storage_offset() == 0 and target.is_contiguous())
+        view = None if whole else (tuple(target.shape), target.stride(),
+                                   target.storage_offset())
+        random = func.overloadpacket in RANDOM_OPS
+        state = None
+        if random:
+            generator = kwargs.get('generator')
+            if generator is not None:
+                record.unsupported = f'{func} with its own generator'
+                return
+            state = torch.get_rng_state()
+            # The draw a one-process build makes: the same op on a real
+            # tensor of the same shape (then dropped).
+            real = torch.empty(target.shape, dtype=target.dtype)
+            func(real, *args[1:], **kwargs)
+            del real
+        op = _Op(func, (None, ) + tuple(args[1:]), dict(kwargs), view, state)
+        if op.overwrites():
+            # Earlier ops (and the tensor nn.Parameter was given) no longer
+            # matter: keep only from here.
+            record.ops.clear()
+            record.initial = None
+        record.ops.append(op)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(recorder: _Recorder) -> Iterator[None]:
+    """Every parameter registered in the block lives on the meta device
+    (buffers do not); the tensor it was given is kept until an op
+    overwrites it (a zeros token that nothing re-initialises keeps it)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            initial = param.detach()
+            recorder.passthrough = True
+            try:
+                param = nn.Parameter(param.to('meta'),
+                                     requires_grad=param.requires_grad)
+            finally:
+                recorder.passthrough = False
+            recorder.track(param, initial)
+        register(module, name, param)
+
+    def whole(function):
+
+        def call(tensor, *args, **kwargs):
+            if recorder.record_call(function, tensor, args, kwargs):
+                return tensor
+            return function(tensor, *args, **kwargs)
+
+        return call
+
+    init = torch.nn.init
+    saved = {name: getattr(init, name) for name in WHOLE_INIT_FUNCTIONS}
+    # Scoped, as Accelerate's init_empty_weights does: the one way to see
+    # every parameter as it is registered (no public hook in torch 2.13),
+    # and init functions that skip meta tensors.
+    nn.Module.register_parameter = register_on_meta
+    for name, function in saved.items():
+        setattr(init, name, whole(function))
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        for name, function in saved.items():
+            setattr(init, name, function)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+@contextlib.contextmanager
+def _temporaries_returned() -> Iterator[None]:
+    """Big tensors freed in the block go back to the system at once.
+
+    glibc raises its mmap threshold to the largest block freed so far (up to
+    32 MiB); larger allocations then come from the heap, whose freed space
+    fragments and is not returned. Measured: building a 100 M-parameter
+    Llama one temporary parameter at a time reached 565 MB of RSS that way,
+    49 MB with the threshold fixed. So the build and the materialisation
+    run with a 1 MiB threshold; afterwards it stays fixed at 32 MiB (what
+    glibc's own adjustment tends to in training) and free heap is trimmed.
+    A no-op where the C library is not glibc.
+    """
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.malloc_trim(0)
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library('c'))
+        libc.mallopt, libc.malloc_trim  # glibc has both
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+@dataclass
+class MetaInit:
+    """What :func:`build_on_meta` recorded: each parameter's initialisation,
+    by its name in the plain model."""
+    records: Dict[str, _Record]
+
+    def value(self, name: str) -> torch.Tensor:
+        """Parameter ``name``'s whole initial value (CPU), as a one-process
+        build gives it; the generator is left as it was.
+
+        Raises:
+            ConfigError: its initialisation cannot be replayed.
+        """
+        record = self.records.get(name)
+        if record is None:
+            raise _stop(name, 'it was not registered while the model was '
+                        'built (made after construction?)')
+        if record.unsupported:
+            raise _stop(name, record.unsupported)
+        full = (record.initial.clone() if record.initial is not None else
+                torch.empty(record.shape, dtype=record.dtype))
+        saved = torch.get_rng_state()
+        try:
+            for op in record.ops:
+                target = full if op.view is None else full.as_strided(
+                    *op.view)
+                if op.rng_state is not None:
+                    torch.set_rng_state(op.rng_state)
+                op.func(target, *op.args[1:], **op.kwargs)
+        finally:
+            torch.set_rng_state(saved)
+        if full.is_floating_point() and torch.isnan(full).any():
+            raise _stop(name, 'its initialisation read parameter values, '
+                        'which are unknown on the meta device')
+        return full
+
+    def fill(self, named_params: Iterator[Tuple[str, nn.Parameter]]) -> None:
+        """Give each (materialised, possibly sharded) parameter its value:
+        this rank's part of the whole one (no communication)."""
+        with torch.no_grad():
+            for name, param in named_params:
+                full = self.value(name)
+                if isinstance(param, DTensor):
+                    local = distribute_tensor(
+                        full, param.device_mesh, param.placements,
+                        src_data_rank=None).to_local()
+                    param.to_local().copy_(local)
+                else:
+                    param.copy_(full)
+                del full
+
+    def materialize(self, module: nn.Module,
+                    device: torch.device) -> nn.Module:
+        """Allocate ``module``'s meta parameters on ``device`` (only local
+        shards) and fill them; buffers keep their values."""
+        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+        with _temporaries_returned():
+            module.to_empty(device=device)
+            with torch.no_grad():
+                for name, buffer in module.named_buffers():
+                    buffer.copy_(buffers[name])
+            self.fill(module.named_parameters())
+        return module
+
+    def module_initializer(self, root: nn.Module,
+                           device: torch.device) -> Callable:
+        """``param_init_fn`` for FSDP1, which materialises one module at a
+        time before flattening (names are looked up in ``root``, the plain
+        model)."""
+        names = {id(m): n for n, m in root.named_modules()}
+
+        def init(module: nn.Module) -> None:
+            prefix = names[id(module)]
+            own = [(f'{prefix}.{n}' if prefix else n, p)
+                   for n, p in module.named_parameters(recurse=False)]
+            buffers = {n: b.detach().clone()
+                       for n, b in module.named_buffers(recurse=False)}
+            with _temporaries_returned():
+                module.to_empty(device=device, recurse=False)
+                with torch.no_grad():
+                    for name, buffer in module.named_buffers(recurse=False):
+                        buffer.copy_(buffers[name])
+                self.fill((n, module.get_parameter(n.rpartition('.')[2]))
+                          for n, _ in own)
+
+        return init
+
+
+def build_on_meta(build: Callable[[], nn.Module],
+                  init_weights: bool = True) -> Tuple[nn.Module, MetaInit]:
+    """``build()`` with parameters on the meta device, recording how each is
+    initialised (then ``init_weights()``, as MMEngine's Runner runs it).
+
+    Every rank records; the generator states are rank 0's (broadcast), so
+    ranks seeded differently still agree, as the broadcast after a whole
+    build made them.
+
+    Raises:
+        ConfigError: the constructor fails on the meta device, naming the
+            switch ``meta_init=False``.
+    """
+    recorder = _Recorder()
+    try:
+        with _temporaries_returned(), _parameters_on_meta(recorder), recorder:
+            model = build()
+            if init_weights and hasattr(model, 'init_weights'):
+                model.init_weights()
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: B902 - any failure on meta
+        raise ConfigError(
+            f'the model cannot be built on the meta device '
+            f'({type(err).__name__}: {err}); allowed: set {KEY}=False in the '
+            'config to build it whole on every rank') from err
+    meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta_buffers:
+        raise ConfigError(
+            f'buffer {meta_buffers[0]!r} was made on the meta device while '
+            f'the model was built; allowed: set {KEY}=False in the config to '
+            'build the model whole on every rank')
+    by_storage = recorder.records
+    records = {
+        name: by_storage[param.untyped_storage()._cdata]
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if param.is_meta and param.untyped_storage()._cdata in by_storage
+    }
+    if dist.is_available() and dist.is_initialized() and \
+            dist.get_world_size() > 1:
+        _use_rank0_states(records)
+    return model, MetaInit(records)
+
+
+def _use_rank0_states(records: Dict[str, _Record]) -> None:
+    names = sorted(records)
+    states = [[op.rng_state for op in records[n].ops] for n in names]
+    box = [states if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    for name, ops_states in zip(names, box[0]):
+        for op, state in zip(records[name].ops, ops_states):
+            op.rng_state = state

@@ -1,0 +1,211 @@
+"""Building on the meta device: the weights equal a one-process build from
+the same seed, bit for bit, in every sharding layout, and a rank allocates
+only its share."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from mmengine.model import BaseModule
+from torch import nn
+
+from mmpar.failures import ConfigError
+from mmpar.parallelize.meta import build_on_meta
+from mmpar.registry import MODELS
+
+LLAMA = dict(type='Llama', vocab_size=64, dim=32, num_layers=4, num_heads=4,
+             max_seq_len=16)
+HF = dict(type='HFCausalLM', config=dict(
+    model_type='llama', vocab_size=64, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=16))
+
+
+class InitCfgNet(BaseModule):
+    """MMEngine's init_cfg initialisers, a padding row, trunc_normal_ and
+    orthogonal_ (which skip meta tensors in torch), a zeros token nothing
+    re-initialises and a buffer."""
+
+    def __init__(self):
+        super().__init__(init_cfg=[
+            dict(type='Kaiming', layer='Conv2d'),
+            dict(type='Normal', layer='Linear', std=0.1, bias=0.5)])
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4, 5)
+        self.embed = nn.Embedding(10, 4, padding_idx=2)
+        self.token = nn.Parameter(torch.zeros(1, 4))
+        self.pos = nn.Parameter(torch.empty(3, 4))
+        nn.init.trunc_normal_(self.pos, std=0.02)
+        self.norm = nn.BatchNorm1d(4)
+        self.rotate = nn.Linear(4, 4, bias=False)
+        nn.init.orthogonal_(self.rotate.weight)  # QR of a normal draw
+        self.register_buffer('table', torch.arange(6.).reshape(2, 3))
+
+
+class ReadsParameters(nn.Module):
+    """Initialises one parameter from another's value: not replayable."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight * 2)
+
+
+def _one_process(build, seed=3):
+    torch.manual_seed(seed)
+    model = build()
+    if hasattr(model, 'init_weights'):
+        model.init_weights()
+    return model, torch.rand(4)  # where the generator stands after
+
+
+def _on_meta(build, seed=3):
+    torch.manual_seed(seed)
+    model, init = build_on_meta(build)
+    after = torch.rand(4)
+    assert all(p.is_meta for p in model.parameters())
+    init.materialize(model, torch.device('cpu'))
+    return model, after
+
+
+@pytest.mark.parametrize('build', [
+    lambda: MODELS.build(copy.deepcopy(LLAMA)),
+    lambda: MODELS.build(dict(LLAMA, tie_embeddings=True)),
+    lambda: MODELS.build(dict(type='DigitsViT')),
+    lambda: MODELS.build(copy.deepcopy(HF)),
+    InitCfgNet,
+], ids=['llama', 'llama_tied', 'vit', 'hf', 'init_cfg'])
+def test_meta_build_equals_one_process_bit_for_bit(build):
+    expected, after_expected = _one_process(build)
+    model, after = _on_meta(build)
+    # The generator advanced exactly as a whole build advances it.
+    assert torch.equal(after, after_expected)
+    want, got = expected.state_dict(), model.state_dict()
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def test_meta_build_differs_for_another_seed():
+    # (So the equality above is not equal-by-default.)
+    build = lambda: MODELS.build(copy.deepcopy(LLAMA))  # noqa: E731
+    expected, _ = _one_process(build, seed=3)
+    model, _ = _on_meta(build, seed=4)
+    assert not torch.equal(expected.state_dict()['output.weight'],
+                           model.state_dict()['output.weight'])
+
+
+def test_a_model_that_reads_parameters_is_refused_naming_the_switch():
+    model, init = build_on_meta(ReadsParameters)
+    with pytest.raises(ConfigError, match=r"'b.weight'.*meta_init=False"):
+        init.materialize(model, torch.device('cpu'))
+
+
+def test_a_constructor_that_fails_on_meta_is_refused_naming_the_switch():
+
+    class NeedsValues(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            if self.w.sum().item() != 3:  # a value read on the meta device
+                raise AssertionError
+
+    with pytest.raises(ConfigError, match='meta_init=False'):
+        build_on_meta(NeedsValues)
+
+
+# -- every sharding layout, through compose ----------------------------------
+LAYOUTS = {
+    'fsdp2': (2, None, dict(type='MMFullyShard')),
+    'fsdp1': (2, None, dict(type='MMFullyShardedDataParallel',
+                            fsdp_auto_wrap_policy=dict(
+                                type='module_class',
+                                module_classes=['LlamaBlock']))),
+    'tp2': (2, dict(tp=2, tp_plan='llama'), None),
+    'tp2_fsdp2': (4, dict(tp=2, tp_plan='llama'), dict(type='MMFullyShard')),
+    'pp2': (2, dict(pp=2, pipeline=dict(schedule='1F1B',
+                                        num_microbatches=2)), None),
+    'pp2_fsdp2': (4, dict(pp=2, pipeline=dict(schedule='1F1B',
+                                              num_microbatches=2)),
+                  dict(type='MMFullyShard')),
+}
+
+
+def _meta_composed(parallel, wrapper_cfg):
+    """The Runner's path: build on meta, compose, materialise; returns the
+    gathered plain state and the bytes this rank's parameters hold."""
+    from mmpar.checkpoint import model_state
+    from mmpar.parallel import setup_parallelism
+    from mmpar.parallel.dtensor import local_tensor
+    from mmpar.parallelize.compose import parallelize
+    topology = setup_parallelism(parallel, wrapper_cfg)  # reset by harness
+    torch.manual_seed(3)
+    model, init = build_on_meta(lambda: MODELS.build(copy.deepcopy(LLAMA)))
+    model = parallelize(model, topology, parallel, wrapper_cfg,
+                        meta_init=init, device=torch.device('cpu'))
+    held = sum(local_tensor(p).numel() for p in model.parameters())
+    state = {k: v.clone() for k, v in model_state(model).items()}
+    return state, held, dist.get_rank()
+
+
+@pytest.mark.parametrize('layout', list(LAYOUTS))
+def test_every_sharding_layout_materialises_the_one_process_weights(
+        run_dist, layout):
+    world_size, parallel, wrapper_cfg = LAYOUTS[layout]
+    expected, _ = _one_process(lambda: MODELS.build(copy.deepcopy(LLAMA)))
+    want = expected.state_dict()
+    total = sum(p.numel() for p in expected.parameters())
+    for state, held, rank in run_dist(_meta_composed, parallel, wrapper_cfg,
+                                      world_size=world_size):
+        persistent = {k: v for k, v in want.items() if k in state}
+        assert state.keys() == persistent.keys(), rank
+        for key, value in persistent.items():
+            assert torch.equal(state[key], value), (rank, key)
+        # Each rank holds a share, never the whole model.
+        assert held < total, (rank, held, total)
+
+
+# -- memory: a rank never holds the whole model --------------------------------
+LLAMA_100M = dict(type='Llama', vocab_size=256, dim=1024, num_layers=8,
+                  num_heads=8, max_seq_len=256)
+
+
+def _build_peak(meta: bool):
+    """Peak RSS (VmHWM) this rank reached while building and sharding the
+    ~100 M-parameter Llama under FSDP2, above its RSS before the build."""
+    from benchmarks._steps import peak_rss_since, reset_peak_rss
+    from mmpar.parallel import setup_parallelism
+    from mmpar.parallelize.compose import parallelize
+    wrapper_cfg = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
+        type='module_class', module_classes=['LlamaBlock']))
+    topology = setup_parallelism(None, wrapper_cfg)  # reset by harness
+    before = reset_peak_rss()
+    torch.manual_seed(0)
+    build = lambda: MODELS.build(dict(LLAMA_100M))  # noqa: E731
+    if meta:
+        model, init = build_on_meta(build)
+        model = parallelize(model, topology, None, wrapper_cfg,
+                            meta_init=init, device=torch.device('cpu'))
+    else:
+        model = parallelize(build(), topology, None, wrapper_cfg)
+    peak = peak_rss_since(before)
+    del model
+    return peak
+
+
+def test_meta_build_peak_is_a_share_plus_one_block(run_dist):
+    """4 ranks, FSDP2: the build peak stays within this rank's share of the
+    model plus one block (+15 %); built whole, it does not."""
+    model = MODELS.build(dict(LLAMA_100M))
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = sum(p.numel() * p.element_size()
+                for p in model.layers['0'].parameters())
+    del model
+    bound = 1.15 * (full / 4 + block)
+    meta_peaks = run_dist(_build_peak, True, world_size=4)
+    assert max(meta_peaks) <= bound, (meta_peaks, bound, full)
+    whole_peaks = run_dist(_build_peak, False, world_size=4)
+    assert min(whole_peaks) > bound, (whole_peaks, bound, full)
