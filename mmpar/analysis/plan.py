@@ -29,10 +29,11 @@ from mmpar.parallel.dtensor import local_tensor
 from mmpar.parallel.layout import ParallelLayout
 from mmpar.parallel.topology import ParallelTopology, build_topology
 from mmpar.parallelize.compose import data_axis_args, wrapper_cfg_for
+from mmpar.parallelize.meta import build_on_meta
 from mmpar.registry import MODELS, SCOPE
 from mmpar.wrappers.base import describe
-from mmpar.wrappers.builder import (build_model_wrapper, declared,
-                                    default_wrapper_cfg)
+from mmpar.wrappers.builder import (build_model_wrapper, check_wrapper_cfg,
+                                    declared, default_wrapper_cfg)
 
 # Optimizer state per parameter element, in parameter-sized tensors.
 OPTIMIZER_STATE_FACTORS = dict(
@@ -65,6 +66,7 @@ class Plan:
     memory: List[Tuple[str, int, int]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     pp_stages: List[int] = field(default_factory=list)
+    estimate: Optional[object] = None  # analysis.memory.MemoryEstimate
 
 
 def _fake_world(world_size: int, rank: int):
@@ -78,11 +80,22 @@ def _fake_world(world_size: int, rank: int):
 
 
 def build_model(cfg: Config) -> nn.Module:
+    """The config's model on the meta device: shapes only, no memory (a
+    model of any size plans in seconds)."""
     if 'model' not in cfg:
         raise PlanError('the config has no `model` section to plan for')
-    with DefaultScope.overwrite_default_scope(cfg.get('default_scope',
-                                                      SCOPE)):
-        return MODELS.build(cfg.model)
+
+    def build():
+        with DefaultScope.overwrite_default_scope(
+                cfg.get('default_scope', SCOPE)):
+            return MODELS.build(cfg.model)
+
+    try:
+        model, _ = build_on_meta(build, init_weights=False,
+                                 rank0_states=False)
+    except ConfigError:
+        model = build()  # a model that cannot be built on meta: whole
+    return model
 
 
 def optimizer_state_factor(cfg: Config) -> Tuple[Optional[int], str]:
@@ -263,16 +276,33 @@ def wrapper_axes(wrapper: nn.Module, topology: ParallelTopology
 
 def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module,
                    topology: ParallelTopology):
+    """The real wrapper on the fake group around the meta model, given the
+    data axis as compose gives it: it rejects what it would reject in
+    training, and nothing is sent or allocated. A wrapper that needs real
+    parameters (``meta_materialize='before'``: the replicating ones, which
+    hold everything) is checked, not built; its axis is its data group."""
+    cls = declared(wrapper_cfg['type'])
+    axis = data_axis_args(wrapper_cfg, topology)
     try:
-        # The real wrapper on the fake group, given the data axis as compose
-        # gives it: it rejects what it would reject in training, and nothing
-        # is sent anywhere.
-        return build_model_wrapper(
-            wrapper_cfg, model,
-            default_args=data_axis_args(wrapper_cfg, topology))
+        if cls.meta_materialize == 'before' and \
+                any(p.is_meta for p in model.parameters()):
+            check_wrapper_cfg(wrapper_cfg)
+            return None
+        if cls.meta_materialize not in ('before', 'after'):
+            # FSDP1 flattens real tensors: its units get empty memory, one
+            # at a time (the shards it keeps are this rank's share).
+            axis[cls.meta_materialize] = lambda module: module.to_empty(
+                device='cpu', recurse=False)
+        return build_model_wrapper(wrapper_cfg, model, default_args=axis)
     except (TypeError, ValueError) as err:
         raise PlanError(
             f'model_wrapper_cfg for {plan.wrapper_type}: {err}') from err
+
+
+def _replicated_axes(wrapper_cfg: dict, topology: ParallelTopology) -> dict:
+    group = data_axis_args(wrapper_cfg, topology)['process_group']
+    ranks = _ranks(group)
+    return {'reduce': (_axis_name(ranks, topology), ranks)}
 
 
 def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
@@ -324,7 +354,8 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         wrapper_cfg = stage_wrapper_cfg(wrapper_cfg)
     built = [_build_wrapper(plan, wrapper_cfg, stage, topology)
              for stage in stages]
-    plan.axes = wrapper_axes(built[0], topology)
+    plan.axes = _replicated_axes(wrapper_cfg, topology) if built[0] is None \
+        else wrapper_axes(built[0], topology)
     if sharded:
         _plan_fsdp(plan, units_stages, policy, key, kwargs)
         per_rank = sum(u.numel_per_rank for u in plan.units)
@@ -333,8 +364,10 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                        for p in stage.parameters() if p.requires_grad)
     if topology.dims.tp_enabled:
         # Split (and, under FSDP2, sharded) DTensors: the real local shards.
-        per_rank = sum(local_tensor(p).numel() for wrapper in built
-                       for p in wrapper.parameters() if p.requires_grad)
+        per_rank = sum(local_tensor(p).numel()
+                       for wrapper, stage in zip(built, stages)
+                       for p in (wrapper or stage).parameters()
+                       if p.requires_grad)
     factor, opt_name = optimizer_state_factor(cfg)
     plan.memory = [('params', per_rank, per_rank * elem),
                    ('grads', per_rank, per_rank * elem)]

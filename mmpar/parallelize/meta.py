@@ -406,13 +406,14 @@ class MetaInit:
 
 
 def build_on_meta(build: Callable[[], nn.Module],
-                  init_weights: bool = True) -> Tuple[nn.Module, MetaInit]:
+                  init_weights: bool = True,
+                  rank0_states: bool = True) -> Tuple[nn.Module, MetaInit]:
     """``build()`` with parameters on the meta device, recording how each is
     initialised (then ``init_weights()``, as MMEngine's Runner runs it).
 
-    Every rank records; the generator states are rank 0's (broadcast), so
-    ranks seeded differently still agree, as the broadcast after a whole
-    build made them.
+    Every rank records; with ``rank0_states`` the generator states are
+    rank 0's (broadcast: a collective), so ranks seeded differently still
+    agree, as the broadcast after a whole build made them.
 
     Raises:
         ConfigError: the constructor fails on the meta device, naming the
@@ -443,7 +444,7 @@ def build_on_meta(build: Callable[[], nn.Module],
         for name, param in model.named_parameters(remove_duplicate=False)
         if param.is_meta and param.untyped_storage()._cdata in by_storage
     }
-    if dist.is_available() and dist.is_initialized() and \
+    if rank0_states and dist.is_available() and dist.is_initialized() and \
             dist.get_world_size() > 1:
         _use_rank0_states(records)
     return model, MetaInit(records)
