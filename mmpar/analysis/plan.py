@@ -22,6 +22,8 @@ from torch import nn
 
 from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
                                        fsdp_units, resolve_policy)
+from mmpar.analysis.memory import (MemoryEstimate, current_rss, in_flight,
+                                   sample_batch)
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims, ParallelismError
@@ -66,7 +68,7 @@ class Plan:
     memory: List[Tuple[str, int, int]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     pp_stages: List[int] = field(default_factory=list)
-    estimate: Optional[object] = None  # analysis.memory.MemoryEstimate
+    estimate: Optional[MemoryEstimate] = None
 
 
 def _fake_world(world_size: int, rank: int):
@@ -157,13 +159,16 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
         dict(cfg.model_wrapper_cfg) if explicit else
         default_wrapper_cfg(parallel))
     dims = parallel.dims(world_size, cfg.get('model_wrapper_cfg'))
+    baseline = current_rss()  # a rank's before its model: imports
     model = build_model(cfg)
     _fake_world(world_size, rank)
     topology = None
     try:
         topology = build_topology(dims)
-        return _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
+        plan = _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                               explicit)
+        plan.estimate.baseline = baseline
+        return plan
     except ParallelismError as err:
         raise PlanError(f'parallel: {err}') from err
     finally:
@@ -337,6 +342,8 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         if unused:
             plan.notes.append(f'{", ".join(unused)} not used: '
                               'model_wrapper_cfg is given and wins')
+    # One micro-batch's activations, on the plain (meta) model.
+    activations = _activations(cfg, model, parallel, topology)
     # compose's order: TP, PP, then the data-parallel wrapper.
     model = plan_tensor_parallel(plan, model, topology, parallel)
     # Under pp each of this rank's stages gets its own wrapper, as in
@@ -378,7 +385,67 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         state = factor * per_rank
         plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
                             'params)', state, state * elem))
+    plan.estimate = _estimate(cfg, plan, stages, wrapper_cfg, activations,
+                              per_rank * elem)
     return plan
+
+
+def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
+                 topology: ParallelTopology) -> Optional[int]:
+    """One micro-batch's activations on this rank, in flight."""
+    from mmpar.analysis.activations import (_block_class, activation_profile,
+                                            estimate_from_profile)
+    from mmpar.parallelize.activation import (check_activation_checkpointing,
+                                              merge_wrapper_key)
+    dims = topology.dims
+    batch = (cfg.get('train_dataloader') or {}).get('batch_size') or 1
+    schedule, microbatches, per_rank = None, 1, 1
+    if dims.pp_enabled:
+        from mmpar.parallelize.pipeline.config import PipelineConfig
+        pipe = PipelineConfig.from_cfg(parallel.pipeline, dims.pp)
+        schedule, microbatches = pipe.schedule, pipe.num_microbatches
+        per_rank = pipe.stages_per_rank
+    data = sample_batch(cfg, model, max(1, batch // microbatches))
+    if data is None:
+        return None
+    ac_cfg, _ = merge_wrapper_key(cfg.get('activation_checkpointing'),
+                                  cfg.get('model_wrapper_cfg'))
+    ac_cfg = check_activation_checkpointing(ac_cfg)
+    try:
+        model.to('meta')  # buffers too: nothing is computed
+        profile = activation_profile(
+            model, data, ac_cfg or dict(module_classes=_block_class(model)))
+    except Exception:  # noqa: B902 - a forward that needs real values
+        return None
+    one = estimate_from_profile(profile, ac_cfg)
+    if dims.pp_enabled:
+        # This rank's share of the blocks, for each micro-batch it holds.
+        one = one * per_rank // (dims.pp * per_rank)
+        one *= in_flight(schedule, dims.pp, microbatches, per_rank)
+    return one // dims.tp
+
+
+def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
+              activations: Optional[int], local_bytes: int):
+    from mmpar.parallelize.compose import builds_on_meta
+    elem = plan.param_bytes_per_elem
+    meta = bool(cfg.get('meta_init', True)) and \
+        builds_on_meta(plan.dims, wrapper_cfg)
+    if meta:
+        largest = max((p.numel() for stage in stages
+                       for p in stage.parameters()), default=0)
+        build = local_bytes + largest * elem
+    else:
+        build = plan.param_numel * elem + local_bytes
+    gathered = 0
+    if plan.units:
+        gathered = 2 * max(u.numel for u in plan.units) * elem // plan.dims.tp
+    optimizer = sum(b for name, _, b in plan.memory
+                    if name.startswith('optimizer'))
+    return MemoryEstimate(baseline=0, build=build, params=local_bytes,
+                          grads=local_bytes, optimizer=optimizer,
+                          gathered_unit=gathered, activations=activations,
+                          meta_init=meta)
 
 
 def _plan_fsdp(plan: Plan, stages: List[nn.Module], policy, key: str,

@@ -74,10 +74,29 @@ def _memory_lines(plan: Plan) -> List[str]:
     return lines
 
 
-def format_plan(plan: Plan) -> str:
+def _estimate_lines(plan: Plan, budget: Optional[float]) -> List[str]:
+    if plan.estimate is None:
+        return []
+    lines = ['', f'predicted memory of rank {plan.rank} (docs/topology.md, '
+             '"Memory"):']
+    for name, value in plan.estimate.rows():
+        shown = value if isinstance(value, str) else _fmt_bytes(value)
+        lines.append(f'  {name:<46} {shown:>11}')
+    if budget is not None:
+        verdict = 'fits' if fits(plan, budget) else 'DOES NOT FIT'
+        lines.append(f'  --memory-budget {budget:g} GiB per rank: {verdict}')
+    return lines
+
+
+def fits(plan: Plan, budget_gib: float) -> bool:
+    """Whether the predicted peak per rank is within ``budget_gib``."""
+    return plan.estimate.peak <= budget_gib * 2**30
+
+
+def format_plan(plan: Plan, budget: Optional[float] = None) -> str:
     """The plan as the text ``tools/plan.py`` prints."""
     lines = (_layout_lines(plan) + _wrapper_lines(plan) + _unit_lines(plan) +
-             _memory_lines(plan))
+             _memory_lines(plan) + _estimate_lines(plan, budget))
     lines += [f'note: {note}' for note in plan.notes]
     return '\n'.join(lines)
 
@@ -93,6 +112,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         '--cfg-options', nargs='+', action=DictAction,
         help='override config keys, e.g. parallel.dp_replicate=2')
+    parser.add_argument(
+        '--memory-budget', type=float, metavar='GiB',
+        help='memory per rank; the plan says whether the predicted peak '
+        'fits (exit status 3 if it does not)')
     return parser.parse_args(argv)
 
 
@@ -108,5 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f'error: {err}', file=sys.stderr)
         return 2
     print(f'plan for {args.config}')
-    print(format_plan(plan))
+    print(format_plan(plan, args.memory_budget))
+    if args.memory_budget is not None and not fits(plan, args.memory_budget):
+        return 3
     return 0

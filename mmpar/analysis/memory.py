@@ -1,0 +1,140 @@
+"""A rank's memory, predicted from the plan: the build, the steady state and
+one micro-batch's activations.
+
+::
+
+    peak = baseline + max(build, params + grads + optimizer state
+                                 + FSDP's gathered unit + activations)
+
+* ``baseline``: what a rank holds before the model: this process after its
+  imports (torch, MMEngine, mmpar), measured;
+* ``build``: building and sharding the model. Built on the meta device
+  (``meta_init``, the default for layouts that shard or split), a rank holds
+  its local shards plus one whole parameter at a time; built whole, the
+  whole model plus its shards;
+* steady state: this rank's parameters, gradients and optimizer state (the
+  plan's table);
+* FSDP's gathered unit: the largest unit's parameters and gradients whole,
+  while it runs forward and backward;
+* activations: one micro-batch's saved tensors (:mod:`.activations`, a
+  meta forward under the configured activation checkpointing), times the
+  micro-batches a pipeline stage holds at once, divided over tp (split
+  layers) and cp (split sequences).
+
+What it does not know: allocator overhead and fragmentation, communication
+buffers, data-loader workers (separate processes), and anything a model
+allocates outside its parameters and saved activations.
+"""
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+GiB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """A rank's predicted memory in bytes (see the module doc)."""
+    baseline: int
+    build: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered_unit: int
+    activations: Optional[int]  # None: no sample batch to measure with
+    meta_init: bool
+
+    @property
+    def steady(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def training(self) -> int:
+        return self.steady + self.gathered_unit + (self.activations or 0)
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + max(self.build, self.training)
+
+    def rows(self) -> list:
+        """``(name, bytes)`` rows for the report."""
+        acts = 'not estimated (no sample batch)' if self.activations is None \
+            else self.activations
+        return [
+            ('baseline (this process after imports)', self.baseline),
+            ('build peak ({})'.format('on the meta device' if self.meta_init
+                                      else 'built whole'), self.build),
+            ('steady: params + grads + optimizer', self.steady),
+            ('FSDP: largest unit gathered (params + grads)',
+             self.gathered_unit),
+            ('activations in flight', acts),
+            ('predicted peak per rank', self.peak),
+        ]
+
+
+def current_rss() -> int:
+    """This process's resident memory in bytes (0 where unknown)."""
+    try:
+        with open('/proc/self/status') as status:
+            for line in status:
+                if line.startswith('VmRSS:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def sample_batch(cfg, model: nn.Module, batch_size: int) -> Optional[Any]:
+    """One training micro-batch of ``batch_size`` samples as the model's
+    forward takes it (the first sample repeated, through the loader's
+    collate function and the model's data preprocessor), on the meta
+    device; None when the data set cannot be built here."""
+    from mmengine.dataset import pseudo_collate
+    from mmengine.registry import FUNCTIONS
+    from mmpar.registry import DATASETS
+    loader = cfg.get('train_dataloader')
+    if not isinstance(loader, dict) or 'dataset' not in loader:
+        return None
+    try:
+        dataset = DATASETS.build(loader['dataset'])
+        collate = loader.get('collate_fn') or dict(type='pseudo_collate')
+        collate_fn = FUNCTIONS.get(collate['type']) \
+            if isinstance(collate, dict) else collate
+        batch = (collate_fn or pseudo_collate)([dataset[0]] * batch_size)
+        data = model.data_preprocessor(batch, training=True)
+    except Exception:  # noqa: B902 - any data set that does not build here
+        return None
+    return _to_meta(data)
+
+
+def _to_meta(data):
+    if isinstance(data, torch.Tensor):
+        return data.to('meta')
+    if isinstance(data, dict):
+        return {k: _to_meta(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_meta(v) for v in data)
+    return data
+
+
+def in_flight(schedule: Optional[str], pp: int, microbatches: int,
+              stages_per_rank: int = 1) -> int:
+    """Micro-batches whose activations a pipeline rank holds at once: all of
+    them for GPipe-like schedules, at most one per stage ahead for 1F1B and
+    its interleaved and zero-bubble kin."""
+    if schedule is None:
+        return 1
+    if schedule in ('GPipe', 'LoopedBFS'):
+        return microbatches * stages_per_rank
+    return min(microbatches, pp) * stages_per_rank
+
+
+def activation_share(profile: Dict[str, Any], estimate: int,
+                     held_blocks: Optional[range], num_blocks: int) -> int:
+    """``estimate`` (the whole model's) scaled to the blocks a pipeline
+    rank holds (None: all)."""
+    if held_blocks is None or not num_blocks:
+        return estimate
+    return int(estimate * len(held_blocks) / num_blocks)
