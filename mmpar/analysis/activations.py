@@ -71,7 +71,10 @@ def activation_profile(model: nn.Module, data: Any,
     current: List[Optional[int]] = [None]
     saved: Dict[Optional[int], int] = {}
     inputs: Dict[int, int] = {}
-    seen = set()
+    # Parameters (and views of them, such as a transposed weight) are saved
+    # too, but are no activations.
+    seen = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen |= {b.untyped_storage()._cdata for b in model.buffers()}
     handles = []
     for index, block in enumerate(blocks):
 
@@ -89,7 +92,7 @@ def activation_profile(model: nn.Module, data: Any,
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata  # each storage once (views share it)
-        if key not in seen and not isinstance(tensor, nn.Parameter):
+        if key not in seen:
             seen.add(key)
             saved[current[0]] = saved.get(current[0], 0) + storage.nbytes()
         return tensor

@@ -209,3 +209,53 @@ def test_meta_build_peak_is_a_share_plus_one_block(run_dist):
     assert max(meta_peaks) <= bound, (meta_peaks, bound, full)
     whole_peaks = run_dist(_build_peak, False, world_size=4)
     assert min(whole_peaks) > bound, (whole_peaks, bound, full)
+
+
+# -- the Runner's switch ---------------------------------------------------------
+def _runner_builds(config: str, work_dir: str, meta_init):
+    from pathlib import Path
+
+    from mmengine.config import Config
+
+    from mmpar.runner import Runner
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.fromfile(str(root / config))
+    cfg.update(launcher='pytorch', work_dir=work_dir,
+               experiment_name=f'meta_{meta_init}_{dist.get_rank()}')
+    if meta_init is not None:
+        cfg.meta_init = meta_init
+    runner = Runner.from_cfg(cfg)
+    on_meta = runner.meta_init is not None
+    real = not any(p.is_meta for p in runner.model.parameters())
+    from mmpar.checkpoint import model_state
+    state = {k: v.clone() for k, v in model_state(runner.model).items()}
+    return on_meta, real, state
+
+
+@pytest.mark.parametrize('config,meta_init,expected', [
+    ('configs/vit_digits/vit_digits_fsdp2.py', None, True),  # the default
+    ('configs/vit_digits/vit_digits_fsdp2.py', False, False),
+    ('configs/vit_digits/vit_digits.py', None, False),  # DDP replicates
+])
+def test_runner_builds_sharded_layouts_on_meta_unless_told_not(
+        run_dist, tmp_path, config, meta_init, expected):
+    results = run_dist(_runner_builds, config, str(tmp_path), meta_init)
+    for on_meta, real, _ in results:
+        assert on_meta is expected and real
+    # Either way the ranks start from the same weights.
+    assert results[0][2].keys() == results[1][2].keys()
+    for key, value in results[0][2].items():
+        assert torch.equal(value, results[1][2][key]), key
+
+
+def test_runner_refuses_a_bad_meta_init_naming_it(tmp_path):
+    from pathlib import Path
+
+    from mmengine.config import Config
+
+    from mmpar.config_check import check_config
+    root = Path(__file__).resolve().parents[2]
+    cfg = Config.fromfile(str(root / 'configs/vit_digits/vit_digits.py'))
+    cfg.meta_init = 'auto'
+    with pytest.raises(ConfigError, match="meta_init='auto'.*True"):
+        check_config(cfg)

@@ -1,0 +1,72 @@
+"""The plan's memory prediction: each term reacts to what changes it, and
+--memory-budget says whether the peak fits (exit status 3 if not)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mmengine.config import Config
+
+from mmpar.analysis.plan import make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+FSDP2 = ROOT / 'configs/llama_shakespeare/llama_shakespeare_fsdp2.py'
+BIG = dict(dim=1024, num_layers=8, num_heads=8)  # ~100 M parameters
+
+
+def _plan(world_size=4, **options):
+    cfg = Config.fromfile(str(FSDP2))
+    cfg.merge_from_dict(options)
+    return make_plan(cfg, world_size)
+
+
+@pytest.fixture(scope='module')
+def base():
+    return _plan(**{f'model.{k}': v for k, v in BIG.items()})
+
+
+def test_every_term_is_there_and_adds_up(base):
+    est = base.estimate
+    assert est.meta_init and est.baseline > 0 and est.activations > 0
+    local = base.memory[0][2]  # this rank's parameter bytes
+    assert est.params == est.grads == local
+    assert est.optimizer == 2 * local  # AdamW
+    # Built on meta: its shards and one whole parameter, far below the
+    # model (400 MB in fp32).
+    assert local < est.build < local + 0.2 * base.param_numel * 4
+    assert est.peak == est.baseline + max(
+        est.build, est.steady + est.gathered_unit + est.activations)
+
+
+def test_terms_follow_the_layout_and_settings(base):
+    whole = _plan(meta_init=False, **{f'model.{k}': v for k, v in
+                                      BIG.items()})
+    assert whole.estimate.build > base.param_numel * 4  # the whole model
+    eight = _plan(world_size=8, **{f'model.{k}': v for k, v in BIG.items()})
+    assert eight.estimate.params < base.estimate.params
+    checkpointed = _plan(
+        activation_checkpointing=dict(module_classes=['LlamaBlock']),
+        **{f'model.{k}': v for k, v in BIG.items()})
+    assert checkpointed.estimate.activations < \
+        base.estimate.activations / 3
+    half_batch = _plan(**{'train_dataloader.batch_size': 16},
+                       **{f'model.{k}': v for k, v in BIG.items()})
+    assert half_batch.estimate.activations == pytest.approx(
+        base.estimate.activations / 2, rel=0.05)
+
+
+def _plan_tool(*args):
+    env = dict(PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'plan.py'), str(FSDP2), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_memory_budget_through_the_tool():
+    fits = _plan_tool('--world-size', '2', '--memory-budget', '64')
+    assert fits.returncode == 0, fits.stderr
+    assert 'predicted peak per rank' in fits.stdout
+    assert '--memory-budget 64 GiB per rank: fits' in fits.stdout
+    tight = _plan_tool('--world-size', '2', '--memory-budget', '0.1')
+    assert tight.returncode == 3
+    assert 'DOES NOT FIT' in tight.stdout
