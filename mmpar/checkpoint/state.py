@@ -74,7 +74,7 @@ def load_model_state(model: nn.Module, checkpoint: dict, strict: bool,
     if info.pipeline is not None:
         pipeline.load_full_state_dict(info.pipeline, state, strict=strict)
     else:
-        full_state.load_full_state_dict(info.state_module, state, strict)
+        info.load_full_state(state, strict)
     return checkpoint
 
 

@@ -111,7 +111,8 @@ class StepMixin:
             shards_parameters=self.shards_parameters,
             holds_shards=self.holds_shards,
             axes=self.axes,
-            sync_buffers=self.sync_buffers)
+            sync_buffers=self.sync_buffers,
+            load_full_state=self.load_full_state_dict)
 
     # -- full state (collectives when the wrapper holds shards) -------------
     def full_state_dict(self) -> Dict[str, torch.Tensor]:

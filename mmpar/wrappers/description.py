@@ -9,7 +9,7 @@ the pipeline) build theirs from what their class declares
 what it is: a plain module, or an MMEngine wrapper around one.
 """
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -50,6 +50,8 @@ class WrappedModel:
             all-reduced) or ``'shard'`` (+ ``'replicate'`` for HSDP).
         pipeline: this rank's stages, for a pipelined model.
         sync_buffers: makes buffers equal over the data axis (collective).
+        load_full_state: loads a plain model's state dict into this layout
+            (``(state_dict, strict)``; every rank).
     """
     model: nn.Module
     state_module: Optional[nn.Module]
@@ -58,4 +60,5 @@ class WrappedModel:
     axes: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     pipeline: Optional[PipelineParts] = None
     sync_buffers: Callable[[], None] = lambda: None
+    load_full_state: Optional[Callable[[dict, bool], Any]] = None
 

@@ -12,6 +12,7 @@ from mmpar.parallel.mesh import fallback_data_mesh
 from mmpar.parallel.sharding import is_hybrid
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
+from mmpar.wrappers import full_state
 from mmpar.wrappers.base import StepMixin, check_sync_strategy
 from mmpar.wrappers.dp_base import broadcast_module_state
 from mmpar.wrappers.policies import check_wrap_policy, resolve_wrap_policy
@@ -201,6 +202,10 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     @property
     def state_module(self) -> nn.Module:
         return self  # the FSDP root
+
+    def load_full_state_dict(self, state_dict: dict, strict: bool = True):
+        # Flat parameters are no DTensors: torch's API cuts them.
+        return full_state.load_through_torch(self, state_dict, strict)
 
     @property
     def axes(self) -> dict:

@@ -13,6 +13,7 @@ from typing import Any, Dict
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      get_model_state_dict,
                                                      get_optimizer_state_dict,
@@ -41,8 +42,42 @@ def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def load_full_state_dict(module: nn.Module, state_dict: Dict[str, Any],
-                         strict: bool = True) -> Any:
-    """Load a full (plain-model) state dict into the (sharded) module."""
+                         strict: bool = True) -> None:
+    """Load a full (plain-model) state dict into the module: every rank cuts
+    its own part of each tensor locally (a DTensor's shard through
+    ``distribute_tensor(..., src_data_rank=None)``: no communication), so a
+    memory-mapped checkpoint is read only where this rank keeps it, one
+    tensor at a time. (FSDP1, whose flat parameters are no DTensors, loads
+    through torch's state-dict API instead: :func:`load_through_torch`.)
+
+    Raises:
+        RuntimeError: with ``strict``, keys missing or unexpected.
+    """
+    own = module.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f'Error(s) in loading state_dict for {type(module).__name__}: '
+            f'missing keys {missing[:5]}, unexpected keys {unexpected[:5]}')
+    with torch.no_grad():
+        for key, target in own.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if isinstance(target, DTensor):
+                local = distribute_tensor(value.to(target.device),
+                                          target.device_mesh,
+                                          target.placements,
+                                          src_data_rank=None).to_local()
+                target.to_local().copy_(local)
+            else:
+                target.copy_(value)
+
+
+def load_through_torch(module: nn.Module, state_dict: Dict[str, Any],
+                       strict: bool = True) -> Any:
+    """Load a full state dict with torch's state-dict API (FSDP1)."""
     return set_model_state_dict(
         module, state_dict,
         options=StateDictOptions(full_state_dict=True, strict=strict))

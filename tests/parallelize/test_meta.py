@@ -173,16 +173,26 @@ LLAMA_100M = dict(type='Llama', vocab_size=256, dim=1024, num_layers=8,
                   num_heads=8, max_seq_len=256)
 
 
-def _build_peak(meta: bool):
-    """Peak RSS (VmHWM) this rank reached while building and sharding the
-    ~100 M-parameter Llama under FSDP2, above its RSS before the build."""
-    from benchmarks._steps import peak_rss_since, reset_peak_rss
+def _private_rss() -> int:
+    """Resident memory minus file-backed pages (those of a memory-mapped
+    checkpoint are page cache, shared by the ranks and reclaimable)."""
+    from benchmarks._steps import read_status_kb
+    return (read_status_kb('VmHWM') - read_status_kb('RssFile')) * 1024
+
+
+def _build_peak(meta: bool, checkpoint=None):
+    """On every rank of a fresh job: the peak RSS (VmHWM) reached while
+    building the ~100 M-parameter Llama and sharding it under FSDP2 (then
+    loading ``checkpoint`` into it), above the RSS before; rank 0 returns
+    every rank's ``(peak, weight sum)``."""
+    from benchmarks._steps import read_status_kb, reset_peak_rss
     from mmpar.parallel import setup_parallelism
     from mmpar.parallelize.compose import parallelize
     wrapper_cfg = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
         type='module_class', module_classes=['LlamaBlock']))
-    topology = setup_parallelism(None, wrapper_cfg)  # reset by harness
-    before = reset_peak_rss()
+    topology = setup_parallelism(None, wrapper_cfg)
+    reset_peak_rss()  # VmHWM from here (imports peaked higher)
+    before = (read_status_kb('VmRSS') - read_status_kb('RssFile')) * 1024
     torch.manual_seed(0)
     build = lambda: MODELS.build(dict(LLAMA_100M))  # noqa: E731
     if meta:
@@ -191,24 +201,52 @@ def _build_peak(meta: bool):
                             meta_init=init, device=torch.device('cpu'))
     else:
         model = parallelize(build(), topology, None, wrapper_cfg)
-    peak = peak_rss_since(before)
-    del model
-    return peak
+    mapped = None
+    if checkpoint is not None:
+        from mmpar.checkpoint import load_checkpoint_file, load_model_state
+        mapped = load_checkpoint_file(checkpoint)
+        load_model_state(model, mapped, True, [])
+    # (While the checkpoint is still mapped, so its pages are counted as
+    # file pages now as at the peak.)
+    peak = _private_rss() - before
+    del mapped
+    # (Gathers the whole model: after the peak is read.)
+    from mmpar.checkpoint import model_state
+    total = float(sum(v.double().sum() for v in model_state(model).values()))
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (peak, total))
+    return out
 
 
-def test_meta_build_peak_is_a_share_plus_one_block(run_dist):
-    """4 ranks, FSDP2: the build peak stays within this rank's share of the
-    model plus one block (+15 %); built whole, it does not."""
-    model = MODELS.build(dict(LLAMA_100M))
+def _llama_sizes():
+    model, _ = build_on_meta(lambda: MODELS.build(dict(LLAMA_100M)),
+                             init_weights=False)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     block = sum(p.numel() * p.element_size()
                 for p in model.layers['0'].parameters())
-    del model
+    return full, block
+
+
+def test_meta_build_and_load_peak_is_a_share_plus_one_block(tmp_path):
+    """4 fresh ranks, FSDP2: building on the meta device and loading a full
+    checkpoint (memory-mapped: each rank reads its rows) stay within this
+    rank's share of the model plus one block (+15 %); built whole, the
+    build alone does not."""
+    from benchmarks._common import measure_on_ranks
+    full, block = _llama_sizes()
     bound = 1.15 * (full / 4 + block)
-    meta_peaks = run_dist(_build_peak, True, world_size=4)
-    assert max(meta_peaks) <= bound, (meta_peaks, bound, full)
-    whole_peaks = run_dist(_build_peak, False, world_size=4)
-    assert min(whole_peaks) > bound, (whole_peaks, bound, full)
+    torch.manual_seed(5)
+    model = MODELS.build(dict(LLAMA_100M))
+    path = str(tmp_path / 'full.pth')
+    torch.save(dict(state_dict=model.state_dict()), path)
+    expected = float(sum(v.double().sum() for k, v in
+                         model.state_dict().items() if 'rope' not in k))
+    del model
+    for peak, total in measure_on_ranks(_build_peak, 4, True, path):
+        assert peak <= bound, (peak, bound, full)
+        assert total == pytest.approx(expected)
+    whole = measure_on_ranks(_build_peak, 4, False)
+    assert min(peak for peak, _ in whole) > bound, (whole, bound)
 
 
 # -- the Runner's switch ---------------------------------------------------------
