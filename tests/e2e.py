@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -41,6 +42,32 @@ def run_tool(args, timeout=600, check=True, env=None):
 
 def load_ckpt(path) -> dict:
     return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def read_dcp_checkpoint(path) -> dict:
+    """A sharded checkpoint directory read by torch alone, as the oracle.
+
+    The tensors come from torch's own DCP reader (``dcp_to_torch_save``,
+    no mmpar code), the rest from the plain-data file the format documents
+    (docs/checkpoints.md: ``mmpar_state.pth``, loaded ``weights_only``).
+    Returns the keys :func:`assert_same_training_state` compares:
+    ``meta``, ``param_schedulers``, ``state_dict`` (the model's tensors) and
+    ``optimizer`` (``state`` keyed by parameter names, ``param_groups``).
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, 'full.pt')
+        dcp_to_torch_save(str(path), out)
+        tensors = torch.load(out, map_location='cpu', weights_only=True)
+    plain = load_ckpt(os.path.join(str(path), 'mmpar_state.pth'))
+    checkpoint = dict(meta=plain['meta'],
+                      param_schedulers=plain.get('param_schedulers'),
+                      state_dict=tensors['model'])
+    if 'optimizer' in tensors:
+        checkpoint['optimizer'] = dict(
+            state=tensors['optimizer']['state'],
+            param_groups=plain['optimizer']['param_groups'])
+    return checkpoint
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:
