@@ -71,11 +71,13 @@ def test_resume_two_rank_checkpoint_on_one_process(default_two_rank_run,
     saved = load_ckpt(default_two_rank_run / 'epoch_2.pth')
     steps_at_save = [s['step'].item() for s in saved['optimizer']['state']
                      .values()]
+    # A new interpreter, as a user's shell starts it (the other one-process
+    # tool runs of the suite fork from tests/tool_server.py).
     run_tool([
         'python', 'tools/train.py', DEFAULT_CONFIG, '--work-dir', tmp_path,
         '--resume', default_two_rank_run / 'epoch_2.pth', '--cfg-options',
         EPOCHS.format(3)
-    ])
+    ], fresh=True)
     resumed = load_ckpt(tmp_path / 'epoch_3.pth')
     # One process sees the whole epoch: 1,437 images / 32 = 45 steps, on top
     # of the optimizer's state from the 2-rank run (not a fresh optimizer).
