@@ -50,6 +50,11 @@ class WrappedModel:
             all-reduced) or ``'shard'`` (+ ``'replicate'`` for HSDP).
         pipeline: this rank's stages, for a pipelined model.
         sync_buffers: makes buffers equal over the data axis (collective).
+        reshard: frees parameters a forward left gathered (FSDP keeps them
+            after a forward without backward, e.g. an evaluation), so the
+            local shards are their only values and the next forward
+            gathers them again; call it before editing local shards in
+            place outside forward and backward (no communication).
     """
     model: nn.Module
     state_module: Optional[nn.Module]
@@ -58,4 +63,5 @@ class WrappedModel:
     axes: Dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     pipeline: Optional[PipelineParts] = None
     sync_buffers: Callable[[], None] = lambda: None
+    reshard: Callable[[], None] = lambda: None
 
