@@ -11,6 +11,10 @@ Functions of (model, optim wrapper, extras), not of the Runner:
   two formats; :mod:`~mmpar.checkpoint.format`: the config value;
 - :mod:`~mmpar.checkpoint.latest`: which checkpoint to resume from;
 - :mod:`~mmpar.checkpoint.rng`: every rank's generator states;
+- :mod:`~mmpar.checkpoint.shadow`: a second set of the model's values (an
+  averaged copy) saved and loaded through the model;
+  :mod:`~mmpar.checkpoint.refs`: the stand-ins hooks see for the tensors of
+  a sharded checkpoint;
 - :mod:`~mmpar.checkpoint.hf`: Hugging Face weights in and out.
 
 The Runner's glue (what it adds, the plain-data hook) is

@@ -6,9 +6,11 @@ checkpoints) train ``tests/data/ema_digits.py`` for 6 iterations (momentum
 the same global batch; on every rank the averaged copy holds as many
 elements as the rank's own part of the model and shares no memory with it.
 A sharded checkpoint resumes under FSDP1 and on one process with the
-average going on. A downstream hook and averaging class (an mmpretrain-like
+average going on, and a test run under FSDP1 evaluates the averaged
+weights. A downstream hook and averaging class (an mmpretrain-like
 ``EMAHook`` subclass and an mmdet-like ``ExpMomentumEMA``, registered in
-their own scope) train under FSDP2 as on one process. Start-up checks name
+their own scope; parameters only, ``begin_iter=2``, ``interval=2``) train
+under FSDP2 as on one process. Start-up checks name
 the key. The end-to-end runs through ``tools/dist_train.sh`` are in
 ``tests/tools/test_ema_end_to_end.py``.
 """
@@ -99,9 +101,12 @@ class ExpMomentumEMA(ExponentialMovingAverage):
         averaged_param.lerp_(source_param, momentum)
 
 
+# Also MMEngine's other paths: parameters only, a start after iteration 2
+# (the copy follows the weights until then), every second iteration.
 DOWNSTREAM_HOOK = dict(type='emadown.EMAHook',
                        ema_type='emadown.ExpMomentumEMA', momentum=0.1,
-                       gamma=4, update_buffers=True)
+                       gamma=4, update_buffers=False, begin_iter=2,
+                       interval=2)
 
 
 def _cfg(work_dir, name, parallel=None, wrapper=None, fmt='full',
