@@ -276,10 +276,48 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
         if not is_int(interval) or interval < 1:
             _fail('default_hooks.checkpoint.interval', interval,
                   'allowed: an int >= 1, or -1 (never)')
+    averaging = []
     for index, hook in enumerate(cfg.get('custom_hooks') or []):
         cls = check_type(f'custom_hooks[{index}]', hook, HOOKS, scope)
         if getattr(cls, 'check_cfg', None) is not None:
             cls.check_cfg({k: v for k, v in hook.items() if k != 'type'})
+        if _is_ema_hook(cls):
+            averaging.append(index)
+            check_ema_type(f'custom_hooks[{index}]', hook, scope)
+    if len(averaging) > 1:
+        _fail(f'custom_hooks[{averaging[1]}]', cfg['custom_hooks'][
+            averaging[1]]['type'], f'custom_hooks[{averaging[0]}] is an '
+              'EMAHook already, and both would write '
+              "checkpoint['ema_state_dict']; allowed: one EMAHook")
+
+
+def _is_ema_hook(cls: Any) -> bool:
+    from mmengine.hooks import EMAHook
+    return inspect.isclass(cls) and issubclass(cls, EMAHook)
+
+
+def check_ema_type(key: str, hook: dict, scope: Optional[str]) -> None:
+    """An ``EMAHook``'s ``ema_type`` names a ``BaseAveragedModel``.
+
+    mmpar averages sharded and pipelined models on each rank's shards
+    (:mod:`mmpar.runner.ema`), through ``BaseAveragedModel``'s interface
+    (a copy of the model, ``avg_func`` tensor by tensor).
+    """
+    from mmengine.model import BaseAveragedModel
+
+    from mmpar.registry import MODELS
+    name = hook.get('ema_type', 'ExponentialMovingAverage')
+    try:
+        cls = check_type(key, dict(type=name), MODELS, scope)
+    except ConfigError as err:  # it names '<key>.type'
+        raise ConfigError(str(err).replace(f'{key}.type', f'{key}.ema_type',
+                                           1)) from None
+    if inspect.isclass(cls) and not issubclass(cls, BaseAveragedModel):
+        _fail(f'{key}.ema_type', name,
+              'it is not a mmengine.model.BaseAveragedModel, which mmpar '
+              'averages on each rank\'s shards; allowed: '
+              'ExponentialMovingAverage, MomentumAnnealingEMA, '
+              'StochasticWeightAverage or a subclass of BaseAveragedModel')
 
 
 def check_checkpoint_paths(cfg: Any) -> None:

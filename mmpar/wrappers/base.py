@@ -112,7 +112,8 @@ class StepMixin:
             holds_shards=self.holds_shards,
             axes=self.axes,
             sync_buffers=self.sync_buffers,
-            load_full_state=self.load_full_state_dict)
+            load_full_state=self.load_full_state_dict,
+            reshard=self.reshard_parameters)
 
     # -- full state (collectives when the wrapper holds shards) -------------
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -149,6 +150,11 @@ class StepMixin:
         for group in self.buffer_groups:
             sync_buffers(self.module, self.buffer_sync, group)
         self._buffers_in_sync = True
+
+    def reshard_parameters(self) -> None:
+        """Free parameters a forward left gathered (``describe(model).
+        reshard``); wrappers whose parameters are never gathered have
+        nothing to do."""
 
     # -- what the optim wrapper asks (mmpar.optim.optim_wrapper) ------------
     def _init_forced_sync(

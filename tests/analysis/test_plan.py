@@ -5,7 +5,6 @@ import itertools
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from mmengine.config import Config
 

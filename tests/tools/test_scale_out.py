@@ -9,7 +9,6 @@ same data and gloo reduces in the same order.
 """
 import os
 import subprocess
-import sys
 
 import pytest
 

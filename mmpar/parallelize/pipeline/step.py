@@ -164,7 +164,15 @@ class MMPipelineParallel(StepMixin, nn.Module):
             pipeline=PipelineParts(tuple(self.stages),
                                    tuple(self.stage_modules),
                                    tuple(self.stage_indices), self.pp_group),
-            sync_buffers=self.sync_buffers)
+            sync_buffers=self.sync_buffers,
+            reshard=self.reshard_parameters)
+
+    def reshard_parameters(self) -> None:
+        """Each wrapped stage's (FSDP2 stages keep their parameters
+        gathered after an evaluation forward)."""
+        for stage in self.stages:
+            if isinstance(stage, StepMixin):
+                stage.reshard_parameters()
 
     def sync_buffers(self) -> None:
         """Each wrapped stage's buffers over its data axis."""
