@@ -34,8 +34,9 @@ class ParallelMesh:
 
     A thin view over the torch ``DeviceMesh`` (:attr:`root`, dims
     :data:`AXES`) that also answers the flattened axes (``'dp'``,
-    ``'dp_cp'``, ``'dp_shard_cp'``) directly: torch deprecates slicing a flattened dim from the root mesh and
-    asks callers to keep the flattened mesh themselves, which is what this
+    ``'dp_cp'``, ``'dp_shard_cp'``) directly: torch deprecates slicing a
+    flattened dim from the root mesh and asks callers to keep the flattened
+    mesh themselves, which is what this
     does. Any other attribute is the root mesh's.
     """
 
@@ -47,9 +48,20 @@ class ParallelMesh:
         key = names if isinstance(names, str) else tuple(names)
         if isinstance(key, tuple) and len(key) == 1:
             key = key[0]
-        if isinstance(key, str) and key in self.flattened:
-            return self.flattened[key]
-        return self.root[key]
+        if isinstance(key, str):
+            return self.flattened[key] if key in self.flattened \
+                else self.root[key]
+        # A flattened axis that is one root dim (the others of size 1) is
+        # that dim, so the result is a plain slice of the root.
+        dims = tuple(self[name].mesh_dim_names[0] if name in self.flattened
+                     else name for name in key)
+        if all(dim in self.root.mesh_dim_names for dim in dims):
+            return self.root[dims]
+        # DeviceMesh._concatenate: the only way in torch 2.13 to put a root
+        # dim and a flattened one side by side (HSDP's replicate x
+        # (dp_shard x cp)) without slicing the flattened dim from the root,
+        # which torch deprecates.
+        return DeviceMesh._concatenate([self[name] for name in key])
 
     def __getattr__(self, name: str):
         return getattr(self.root, name)

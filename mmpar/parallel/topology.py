@@ -99,17 +99,9 @@ class ParallelTopology:
         (as torchtitan does): cp peers hold the same weights, so they may
         as well hold different shards of them. The layout decides, so every
         wrapper agrees."""
-        if not self.dims.dp_replicate_enabled:
-            return self.mesh['dp_cp']
-        if not (self.dims.cp_enabled and self.dims.dp_shard_enabled):
-            # Neither flattened: a slice of the root.
-            shard = 'cp' if self.dims.cp_enabled else 'dp_shard'
-            return self.mesh['dp_replicate', shard]
-        # DeviceMesh._concatenate: the only way in torch 2.13 to put a root
-        # dim and a flattened one side by side without slicing the
-        # flattened dim from the root (deprecated).
-        return DeviceMesh._concatenate(
-            [self.mesh['dp_replicate'], self.mesh['dp_shard_cp']])
+        if self.dims.dp_replicate_enabled:
+            return self.mesh['dp_replicate', 'dp_shard_cp']
+        return self.mesh['dp_cp']
 
     def is_alive(self) -> bool:
         """Whether its groups still exist: destroying the default group

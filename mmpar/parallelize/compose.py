@@ -6,12 +6,18 @@ topology it is handed:
 
 1. tensor parallelism over ``mesh['tp']`` (``parallel.tp_plan``,
    :mod:`.tensor`),
-2. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
-   :mod:`.pipeline`); steps 3-5 then run on each of this rank's stages,
-3. activation checkpointing (:mod:`.activation`),
-4. ``torch.compile`` (:mod:`.compile`),
-5. the data-parallel wrapper, given the data axis as its class declares it
-   takes it (a group, or the 1-D / replicate x shard mesh).
+2. context parallelism over ``mesh['cp']`` (``parallel.cp``,
+   :mod:`.context`): it only tags the attention modules, so it follows TP
+   (it tags them as they will run) and precedes the pipeline split (the
+   stage copies keep the tag) and checkpointing / compile (whose wrappers
+   would hide the module names the protocol matches),
+3. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
+   :mod:`.pipeline`); steps 4-6 then run on each of this rank's stages,
+4. activation checkpointing (:mod:`.activation`),
+5. ``torch.compile`` (:mod:`.compile`),
+6. the data-parallel wrapper, given the gradient axis (``dp x cp``: cp
+   peers hold the same weights but read different tokens) as its class
+   declares it takes it (a group, or the 1-D / replicate x shard mesh).
 
 With ``tp > 1`` the data-parallel wrapper is the one its class names for
 tensor parallelism (:mod:`.tp_wrapper`). :func:`check_composition` is the
@@ -31,6 +37,7 @@ from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import (apply_activation_checkpointing,
                                           merge_wrapper_key)
 from mmpar.parallelize.compile import apply_compile
+from mmpar.parallelize.context import apply_context_parallel
 from mmpar.parallelize.tensor import apply_tp
 from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
@@ -85,7 +92,7 @@ def check_composition(parallel: ParallelConfig, dims: ParallelDims,
                 'allowed: leave it unset and give parallel.dp_shard instead')
         if dims.pp_enabled:
             PipelineConfig.from_cfg(parallel.pipeline, dims.pp, batch_size)
-            check_pipeline_wrapper(cfg, dims.dp)
+            check_pipeline_wrapper(cfg, dims.dp_cp)
             if compile_cfg:
                 raise ValueError(
                     f'model_compile={compile_cfg!r} with parallel.pp='
@@ -97,25 +104,26 @@ def check_composition(parallel: ParallelConfig, dims: ParallelDims,
 
 
 def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
-    """The data axis as the wrapper ``cfg`` names takes it, for the
-    builder's ``default_args``: its group, or its mesh."""
+    """The gradient axis (``dp x cp``; the data axis without cp) as the
+    wrapper ``cfg`` names takes it, for the builder's ``default_args``: its
+    group, or its mesh."""
     cls = declared(cfg.get('type', DEFAULT_WRAPPER))
     if cls.data_axis_arg == 'process_group':
-        return dict(process_group=topology.dp.group)
+        return dict(process_group=topology.dp_cp.group)
     strategy = strategy_name(cfg.get('sharding_strategy'))
     if not SHARDING_STRATEGIES[strategy].shards:
-        # NO_SHARD replicates over the whole data axis.
-        return dict(device_mesh=topology.mesh['dp'])
+        # NO_SHARD replicates over the whole gradient axis.
+        return dict(device_mesh=topology.mesh['dp_cp'])
     return dict(device_mesh=topology.data_mesh())
 
 
 def _finish(model: nn.Module, topology: ParallelTopology, wrapper_cfg: dict,
             ac_cfg: Any, compile_cfg: Any) -> nn.Module:
-    """Steps 3-5 on a model or one pipeline stage."""
+    """Steps 4-6 on a model or one pipeline stage."""
     model = apply_activation_checkpointing(model, ac_cfg)
     model = apply_compile(model, compile_cfg)
     dims = topology.dims
-    if dims.pp_enabled and not (dims.dp_enabled or dims.tp_enabled):
+    if dims.pp_enabled and not (dims.dp_cp > 1 or dims.tp_enabled):
         # A stage with no data axis needs no wrapper (with tp it gets one,
         # which replicates over one rank, so TP models are wrapped alike).
         return model
@@ -165,6 +173,8 @@ def parallelize(model: nn.Module,
         init_weights_before_sharding(model)
     if dims.tp_enabled:
         model = apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
+    if dims.cp_enabled:
+        apply_context_parallel(model, topology.mesh['cp'])
     if dims.pp_enabled:
         from mmpar.parallelize.pipeline import (pipeline_parallelize,
                                                 stage_wrapper_cfg)
