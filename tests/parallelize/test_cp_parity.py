@@ -1,6 +1,7 @@
 """Context parallelism trains like one process on the same global batch:
-cp=2 on 2 gloo ranks; cp=2 x FSDP2 (dp_shard=2), cp=2 x tp=2 (sequence-
-parallel norms) and cp=2 x pp=2 on 4; with accumulation 2, active global-
+cp=2 on 2 gloo ranks (DDP over the cp group); cp=2 x FSDP2 (dp_shard=2),
+cp=2 x HSDP (dp_replicate=2), cp=2 x tp=2 (sequence-parallel norms) and
+cp=2 x pp=2 on 4; with accumulation 2, active global-
 norm clipping and targets masked unevenly over ranks, chunks and
 micro-batches (the loss is normalised by the window's global token count).
 The logged loss of each micro-batch is the one-process one."""
@@ -16,8 +17,13 @@ PIPELINE = dict(schedule='1F1B', num_microbatches=2,
                 split_points=['layers.1'])
 LAYOUTS = {
     'cp2': (2, dict(cp=2), None),
+    # Checkpointed blocks run their key/value all-gather again in backward.
+    'cp2_ac': (2, dict(cp=2), dict(type='MMDistributedDataParallel',
+                                   activation_checkpointing='LlamaBlock')),
     'dp2_no_cp': (2, dict(dp_shard=2), None),
     'cp2_fsdp2_dp2': (4, dict(cp=2, dp_shard=2), dict(type='MMFullyShard')),
+    # HSDP: FSDP2 shards over cp, replicates over dp_replicate (2-D mesh).
+    'cp2_hsdp': (4, dict(cp=2, dp_replicate=2), dict(type='MMFullyShard')),
     'cp2_tp2': (4, dict(cp=2, tp=2, tp_plan='llama'), None),
     'cp2_pp2': (4, dict(cp=2, pp=2, pipeline=PIPELINE), None),
 }
@@ -48,16 +54,22 @@ def test_cp2_matches_one_process(run_dist, masked):
     assert _check(run_dist, 'cp2', masked) == [(0, 0), (0, 1)]
 
 
+def test_cp2_with_activation_checkpointing(run_dist):
+    assert _check(run_dist, 'cp2_ac') == [(0, 0), (0, 1)]
+
+
 def test_dp2_masked_matches_one_process(run_dist):
     # No cp: ranks still count different tokens; the global count makes
     # the gradient the one-process one.
     assert _check(run_dist, 'dp2_no_cp') == [(0, 0), (1, 0)]
 
 
-@pytest.mark.parametrize('name', ['cp2_fsdp2_dp2', 'cp2_tp2', 'cp2_pp2'])
+@pytest.mark.parametrize('name', ['cp2_fsdp2_dp2', 'cp2_hsdp', 'cp2_tp2',
+                                  'cp2_pp2'])
 def test_cp2_composes_on_4_ranks(run_dist, name):
     coords = _check(run_dist, name)
     assert sorted(set(coords)) == {
         'cp2_fsdp2_dp2': [(0, 0), (0, 1), (1, 0), (1, 1)],
+        'cp2_hsdp': [(0, 0), (0, 1), (1, 0), (1, 1)],
         'cp2_tp2': [(0, 0), (0, 1)],
         'cp2_pp2': [(0, 0), (0, 1)]}[name]
