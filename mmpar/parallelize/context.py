@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
 # The sequence layout lives in mmpar.parallel.sequence (the step body, a
 # layer below, cuts batches with it); re-exported as this technique's API.
@@ -152,6 +153,14 @@ def context_parallel_attention(q: torch.Tensor,
                                scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence.
 
+    What backward keeps is this rank's ``q``, ``k`` and ``v`` only: the
+    whole sequence's keys/values and the chunk masks (a ``t x T`` matrix per
+    chunk, which SDPA saves) are made again in backward, the keys/values
+    gathered a second time, as ring attention sends them around again. So
+    a rank's activations fall as ``1 / cp`` (benchmarks/
+    bench_context_parallel.py measures it) for one more all-gather and
+    attention forward per layer.
+
     Args:
         q: ``(B, H, t, D)`` queries of this rank's ``t`` tokens (its two
             chunks, in :func:`shard_sequence` order), rotary embeddings
@@ -170,8 +179,18 @@ def context_parallel_attention(q: torch.Tensor,
     Raises:
         ValueError: ``t`` odd (the whole sequence not cut in 2 x cp chunks).
     """
-    local_len = q.shape[2]
-    chunk_len = check_seq_len(local_len * cp.size, cp.size)
+    check_seq_len(q.shape[2] * cp.size, cp.size)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # Every cp rank runs the recomputation in the same backward order,
+        # so the all-gather in it pairs up like the forward's.
+        return checkpoint(_attend, q, k, v, cp, scale, use_reentrant=False,
+                          preserve_rng_state=False)
+    return _attend(q, k, v, cp, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cp: ContextParallel, scale: Optional[float]) -> torch.Tensor:
+    chunk_len = q.shape[2] // 2
     # One collective for keys and values together.
     k, v = gather_sequence(torch.stack((k, v)), cp, dim=3).unbind(0)
     k, v = repeat_kv_heads(k, v, q.shape[1])
