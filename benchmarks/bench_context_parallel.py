@@ -1,6 +1,7 @@
 """Context parallelism on the language model: activation memory and speed.
 
-    PYTHONPATH=$PWD python benchmarks/bench_context_parallel.py [--quick] [--steps N] [--out DIR]
+    PYTHONPATH=$PWD python benchmarks/bench_context_parallel.py \
+        [--quick] [--steps N] [--out DIR]
 
 The Llama of ``configs/llama_shakespeare/`` (dim 128, 4 blocks, 4 heads,
 vocabulary 256, the config's AdamW and clip, fp32) on one sequence per step
@@ -22,13 +23,11 @@ over the ranks:
 measurement is reported. Rewrites its section of ``docs/benchmarks.md``
 (``--out DIR``: of ``DIR/benchmarks.md``; ``--out ''``: print only).
 """
-import argparse
 import copy
 import ctypes
 import gc
 import os
 import sys
-import time
 from typing import Dict, List
 
 import torch
@@ -37,8 +36,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (measure_on_ranks,  # noqa: E402
-                                measured_section, median, slowest_rank,
-                                time_steps)
+                                measured_section, median, section_main,
+                                slowest_rank, time_steps)
 from benchmarks._steps import log, read_status_kb  # noqa: E402
 
 SECTION = '## Context parallelism: activation memory and tokens/s'
@@ -140,7 +139,6 @@ def measure(plan: dict) -> List[dict]:
                          rss=float(peaks[1]),
                          tokens_per_s=length / median(times),
                          balance=max(scores) / min(scores)))
-        del wrapper, optim_wrapper, model
         reset_parallelism()
     return rows
 
@@ -161,8 +159,9 @@ def report(rows: List[dict], plan: dict, conditions: dict) -> str:
     longest = max(plan['lengths'])
     lines = [
         f'Measured {conditions["date"]} UTC on {conditions["machine"]} '
-        f'(cp ranks, one process each); load average {conditions["load_before"]:.2f} '
-        f'before, {conditions["load_after"]:.2f} after; '
+        '(cp ranks, one process each); load average '
+        f'{conditions["load_before"]:.2f} before, '
+        f'{conditions["load_after"]:.2f} after; '
         f'{conditions["wall_s"]:.0f} s. One sequence of T tokens per step, '
         f'the Llama of configs/llama_shakespeare (dim '
         f'{plan["model"]["dim"]}, {plan["model"]["num_layers"]} blocks), '
@@ -214,16 +213,8 @@ def run(quick: bool = False, out=os.path.join(ROOT, 'docs'),
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--quick', action='store_true',
-                        help='a tiny model, short sequences: a smoke run')
-    parser.add_argument('--steps', type=int, default=0,
-                        help='timed steps per row (default 4)')
-    parser.add_argument('--out', default=os.path.join(ROOT, 'docs'),
-                        help='folder of benchmarks.md (its section is '
-                        'rewritten); "" to print only')
-    args = parser.parse_args()
-    print(run(args.quick, args.out, args.steps))
+    section_main(__doc__, run, os.path.join(ROOT, 'docs'),
+                 'timed steps per row (default 4)')
 
 
 if __name__ == '__main__':
