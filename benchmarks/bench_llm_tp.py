@@ -230,9 +230,20 @@ def measure(plan: dict, kind: str) -> List[dict]:
             cpu[name])
         rows.append(dict(name=name, kind=kind, step_s=median(step_times),
                          step_times=step_times, cpu_s=median(cpu_times),
-                         cpu_times=cpu_times, losses=losses[name][first:],
+                         cpu_times=cpu_times,
+                         losses=_mean_over_ranks(losses[name][first:]),
                          **counted[name]))
     return rows
+
+
+def _mean_over_ranks(values: List[float]) -> List[float]:
+    """Each value averaged over the ranks: the loss of the whole batch.
+    mmpar logs it so already (its loss counts every rank's tokens); a
+    hand-written loop's is its own rank's, averaged here, after the timed
+    steps."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
 
 
 def add_ratios(rows: List[dict]) -> None:
