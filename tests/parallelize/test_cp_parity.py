@@ -1,10 +1,11 @@
 """Context parallelism trains like one process on the same global batch:
-cp=2 on 2 gloo ranks (DDP over the cp group); cp=2 x FSDP2 (dp_shard=2),
-cp=2 x HSDP (dp_replicate=2), cp=2 x tp=2 (sequence-parallel norms) and
-cp=2 x pp=2 on 4; with accumulation 2, active global-
-norm clipping and targets masked unevenly over ranks, chunks and
-micro-batches (the loss is normalised by the window's global token count).
-The logged loss of each micro-batch is the one-process one."""
+cp=2 on 2 gloo ranks (DDP over the cp group; FSDP1; with activation
+checkpointing); cp=2 x FSDP2 (dp_shard=2), cp=2 x HSDP (dp_replicate=2),
+cp=2 x tp=2 (sequence-parallel norms) and cp=2 x pp=2 on 4; with
+accumulation 2, active global-norm clipping and targets masked unevenly
+over ranks, chunks and micro-batches (the loss is normalised by the
+window's global token count). The logged loss of each micro-batch is the
+one-process one."""
 import pytest
 
 from tests.parallelize.cp_cases import (make_lm_batches, make_llama,
@@ -21,6 +22,10 @@ LAYOUTS = {
     'cp2_ac': (2, dict(cp=2), dict(type='MMDistributedDataParallel',
                                    activation_checkpointing='LlamaBlock')),
     'dp2_no_cp': (2, dict(dp_shard=2), None),
+    'cp2_fsdp1': (2, dict(cp=2), dict(
+        type='MMFullyShardedDataParallel',
+        fsdp_auto_wrap_policy=dict(type='module_class',
+                                   module_classes=['LlamaBlock']))),
     'cp2_fsdp2_dp2': (4, dict(cp=2, dp_shard=2), dict(type='MMFullyShard')),
     # HSDP: FSDP2 shards over cp, replicates over dp_replicate (2-D mesh).
     'cp2_hsdp': (4, dict(cp=2, dp_replicate=2), dict(type='MMFullyShard')),
@@ -56,6 +61,10 @@ def test_cp2_matches_one_process(run_dist, masked):
 
 def test_cp2_with_activation_checkpointing(run_dist):
     assert _check(run_dist, 'cp2_ac') == [(0, 0), (0, 1)]
+
+
+def test_cp2_with_fsdp1(run_dist):
+    assert _check(run_dist, 'cp2_fsdp1') == [(0, 0), (0, 1)]
 
 
 def test_dp2_masked_matches_one_process(run_dist):
