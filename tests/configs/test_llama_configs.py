@@ -20,7 +20,8 @@ CONFIGS = sorted(str(p.relative_to(ROOT)) for p in CONFIG_DIR.glob('*.py'))
 # need 2 ranks on each axis (pp x tp at 4 leaves the data axis 1: the 3-D
 # layout at 8 is proven by tests/parallelize/test_pipeline_tp_parity.py).
 WORLD_SIZES = {'llama_shakespeare_hsdp': 4, 'llama_shakespeare_tp_fsdp2': 4,
-               'llama_shakespeare_pp_fsdp2': 4, 'llama_shakespeare_pp_tp': 4}
+               'llama_shakespeare_pp_fsdp2': 4, 'llama_shakespeare_pp_tp': 4,
+               'llama_shakespeare_cp': 4}
 # What --cfg-options would pass: a 2-block model, 32-byte windows, 8 val
 # windows, a checkpoint at the end.
 SHRINK = {
@@ -118,6 +119,7 @@ def test_llama_config_trains(llama_run, config):
         from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
         named = data_parallel_cfg_for_tp(dict(type=named), tp)['type']
     pp = (cfg.get('parallel') or {}).get('pp', 1)
+    cp = (cfg.get('parallel') or {}).get('cp', 1)
     if pp > 1:  # the stages' wrappers sit inside the pipeline's
         named = 'MMPipelineParallel'
     assert [r['world_size'] for r in results] == [world_size] * world_size
@@ -128,9 +130,10 @@ def test_llama_config_trains(llama_run, config):
     assert 0 < loss < 1.5 * math.log(256)
     assert results[0]['bits_per_byte'] == pytest.approx(loss / math.log(2))
     for r in results:
-        # Tensor-parallel peers read the same tokens: data ranks only.
+        # Tensor-, pipeline- and context-parallel peers read the same
+        # tokens: data ranks only.
         assert r['tokens_per_s_total'] == pytest.approx(
-            r['tokens_per_s'] * (world_size // tp // pp))
+            r['tokens_per_s'] * (world_size // tp // pp // cp))
         assert r['flops_per_s'] > 0
     sharded = cfg.get('checkpoint_format', 'full') == 'sharded'
     saved = tmp_path / ('iter_4' if sharded else 'iter_4.pth')

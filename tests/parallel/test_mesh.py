@@ -109,7 +109,7 @@ def test_one_group_serves_identical_axes(fake_world):
     # dp_replicate=1: the dp groups are the dp_shard groups, made once.
     topology = init_parallelism(2)
     assert topology.dp.group is topology.dp_shard.group
-    assert topology.dims.shape == (1, 4, 1, 2)
+    assert topology.dims.shape == (1, 4, 1, 1, 2)
 
 
 @pytest.mark.parametrize('fake_world', [0, 3, 6], indirect=True)
@@ -148,3 +148,21 @@ def test_groups_and_meshes_are_made_in_one_module():
         if path.name != 'mesh.py' and makers.search(path.read_text())
     ]
     assert offenders == []
+
+
+def test_cp_meshes_flatten_with_the_data_axes(fake_world):
+    # rank 5 of dp_replicate=2 x dp_shard=2 x cp=2: (1, 0, 0, 1, 0).
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, world_size=8)
+    topology = init_parallelism(dims=dims)
+    assert topology.cp.global_ranks == [4, 5]
+    assert topology.dp.global_ranks == [1, 3, 5, 7]
+    assert topology.dp_cp.global_ranks == list(range(8))
+    mesh = topology.mesh
+    assert mesh['cp'].get_group() is topology.cp.group
+    assert mesh['dp_cp'].get_group() is topology.dp_cp.group
+    assert mesh['dp_shard_cp'].mesh.tolist() == [4, 5, 6, 7]
+    # HSDP: replicate over dp_replicate, shard over dp_shard x cp, one root.
+    hsdp = topology.data_mesh()
+    assert hsdp.mesh_dim_names == ('dp_replicate', 'dp_shard_cp')
+    assert hsdp.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hsdp._get_root_mesh() is mesh.root
