@@ -472,7 +472,8 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
         # This rank's share of the blocks, for each micro-batch it holds.
         one = one * per_rank // (dims.pp * per_rank)
         one *= in_flight(schedule, dims.pp, microbatches, per_rank)
-    return one // dims.tp
+    # tp splits each layer's activations, cp each sequence.
+    return one // (dims.tp * dims.cp)
 
 
 def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,

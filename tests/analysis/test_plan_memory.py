@@ -53,6 +53,11 @@ def test_terms_follow_the_layout_and_settings(base):
                        **{f'model.{k}': v for k, v in BIG.items()})
     assert half_batch.estimate.activations == pytest.approx(
         base.estimate.activations / 2, rel=0.05)
+    # cp splits each sequence: each rank keeps half the activations.
+    cp = _plan(**{'parallel.cp': 2},
+               **{f'model.{k}': v for k, v in BIG.items()})
+    assert cp.estimate.activations == pytest.approx(
+        base.estimate.activations / 2, rel=0.05)
 
 
 def _plan_tool(*args):
