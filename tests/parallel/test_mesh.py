@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from mmpar.parallel import (AXES, ParallelDims, data_mesh, init_parallelism,
                             reset_parallelism)
-from tests.parallel.grid import (MESH_ORDER, VARYING, brute_force_groups,
-                                 layouts, rank_coordinates)
+from tests.parallel.grid import (MESH_ORDER, VARYING, VIEWS,
+                                 brute_force_groups, layouts,
+                                 rank_coordinates)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,7 @@ TWO_BY_TWO_TP = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1,
 
 def test_groups_and_named_meshes_match_the_layout(fake_world):
     topology = init_parallelism(dims=TWO_BY_TWO_TP)
-    expected = brute_force_groups(2, 2, 1, 2)
+    expected = brute_force_groups(2, 2, 1, 1, 2)
     # rank 5 = (dp_replicate 1, dp_shard 0, pp 0, tp 1): tp fastest.
     assert topology.tp.global_ranks == [4, 5]
     assert topology.dp_shard.global_ranks == [5, 7]
@@ -79,12 +80,21 @@ def _check_rank_against_brute_force(sizes, world_size, rank):
                 want, want.index(rank), len(want)), (where, kind)
             assert view.mesh.tolist() == want, (where, kind)
             assert dist.get_process_group_ranks(view.get_group()) == want
+        for kind in VIEWS:
+            assert topology.mesh[kind].mesh.tolist() == \
+                expected[kind][rank], (where, kind)
         # HSDP's 2-D mesh: replicas as rows, shards as columns.
         hsdp = [[other for other in expected['dp'][rank]
                  if rank_coordinates(*sizes)[other]['dp_replicate'] == r]
                 for r in range(sizes[0])]
         assert topology.mesh['dp_replicate', 'dp_shard'].mesh.tolist() == \
             hsdp, where
+        # FSDP's: replicas as rows, each sharding over dp_shard x cp.
+        shard_rows = [[other for other in expected['dp_cp'][rank]
+                       if rank_coordinates(*sizes)[other]['dp_replicate'] == r]
+                      for r in range(sizes[0])]
+        assert topology.mesh['dp_replicate', 'dp_shard_cp'].mesh.tolist() \
+            == shard_rows, where
         assert (topology.dp_rank, topology.dp_size) == (
             expected['dp'][rank].index(rank), len(expected['dp'][rank]))
     finally:
@@ -95,14 +105,15 @@ def _check_rank_against_brute_force(sizes, world_size, rank):
 @pytest.mark.parametrize('world_size,ranks', [
     (4, 'all'), (8, 'all'), (12, 'all'), (16, (0, 7, 9, 15))])
 def test_every_layout_builds_the_brute_force_groups(world_size, ranks):
-    """Every (dp_replicate, dp_shard, pp, tp) of the world, dp_replicate > 1
-    included, as every rank (at 12: three of them) would build it."""
+    """Every (dp_replicate, dp_shard, pp, cp, tp) of the world,
+    dp_replicate > 1 and cp > 1 included, as every rank (at 16: four of
+    them) would build it."""
     checked = 0
     for sizes in layouts(world_size):
         for rank in range(world_size) if ranks == 'all' else ranks:
             _check_rank_against_brute_force(sizes, world_size, rank)
-        checked += sizes[0] > 1
-    assert checked >= 3  # replicated layouts were among them
+        checked += sizes[0] > 1 and sizes[3] > 1
+    assert checked >= 1  # replicated layouts with cp were among them
 
 
 def test_one_group_serves_identical_axes(fake_world):

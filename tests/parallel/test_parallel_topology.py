@@ -14,7 +14,7 @@ from mmpar.parallel import (AXES, DIMS, ParallelDims, ParallelismError, check_si
                             init_parallelism, layout_of, parallel_group_info,
                             parallel_layout, parallelism_is_initialized,
                             reset_parallelism)
-from tests.parallel.grid import (MESH_ORDER, VARYING, layouts,
+from tests.parallel.grid import (MESH_ORDER, VARYING, VIEWS, layouts,
                                  rank_coordinates)
 from tests.parallel.grid import brute_force_groups as grid_groups
 
@@ -73,14 +73,14 @@ def test_layout_matches_brute_force_for_every_valid_layout():
 
 def test_layout_of_matches_brute_force_for_every_named_layout():
     """layout_of (what mesh.py builds from) on every (dp_replicate, dp_shard,
-    pp, tp) up to 16 ranks, dp_replicate > 1 included."""
+    pp, cp, tp) up to 16 ranks, dp_replicate > 1 and cp > 1 included."""
     checked = 0
     for world in range(1, MAX_WORLD + 1):
         for sizes in layouts(world):
             layout = layout_of(ParallelDims(**dict(zip(MESH_ORDER, sizes)),
                                             world_size=world))
             expected = grid_groups(*sizes)
-            for kind in VARYING:
+            for kind in (*VARYING, *VIEWS):
                 listed = layout.groups[kind]
                 assert sorted(r for g in listed for r in g) == list(
                     range(world))
@@ -223,7 +223,7 @@ def _groups_and_collectives(mp, pp, backends):
                             dp_backend='gloo')), (1, 2, {}), (4, 1, {})])
 def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
     # The seed's (dp, pp, mp) is (dp_replicate=1, dp_shard, pp, tp).
-    sizes = (1, 4 // (mp * pp), pp, mp)
+    sizes = (1, 4 // (mp * pp), pp, 1, mp)
     expected = grid_groups(*sizes)
     expected['mp'] = expected['tp']
     coords = rank_coordinates(*sizes)
