@@ -106,12 +106,14 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         if device_id is None:
             device_id = (torch.device('cuda', torch.cuda.current_device())
                          if uses_cuda() else torch.device('cpu'))
-        if sync_module_states and not uses_cuda() and \
-                kwargs.get('param_init_fn') is None:
+        if sync_module_states and not uses_cuda():
             # torch's FSDP1 refuses sync_module_states for CPU modules
             # ("requires them to be on GPU", even with device_id=cpu). The
-            # broadcast it would do is this one: rank 0's state to every rank.
-            broadcast_module_state(module)
+            # broadcast it would do is this one: rank 0's state to every
+            # rank. A model built on the meta device (param_init_fn) needs
+            # none: every rank fills it with the one-process values.
+            if kwargs.get('param_init_fn') is None:
+                broadcast_module_state(module)
             sync_module_states = False
         super().__init__(
             module,

@@ -30,6 +30,8 @@ dp_shard                       ``ddp`` [1], ``use_fsdp`` [2]
 tp, model_parallelism          ``tp`` [2, both spellings]
 pp, pipeline_parallelism       ``pp_GPipe`` [both spellings]; ``pp`` in
                                every ``pp_*`` launch
+cp                             exempt here (the ViT has no cp attention):
+                               tests/tools/test_cp_end_to_end.py
 tp_plan                        ``tp`` [module_plan dict]; the registered
                                name form in tests/parallelize/
                                test_tp_end_to_end.py
@@ -78,7 +80,8 @@ stages_per_rank                ``pp_GPipe`` [1], virtual-stage launches [2]
                                cast_forward_inputs], cpu_offload [True],
                                activation_checkpointing, buffer_sync [None]
 activation_checkpointing       ``ddp`` [module_classes, every=2], ``bucket``
-                               [a class name]
+                               [a class name], ``use_fsdp`` [mode=selective,
+                               save_ops]
 model_compile                  ``naive`` [every key; backend eager]
 ============================== ============================================
 
@@ -159,7 +162,10 @@ LAUNCHES = {
         **ACCUMULATE),
     'use_fsdp': dict(
         parallel=dict(use_fsdp=True, sharding_strategy='SHARD_GRAD_OP',
-                      sync_module_states=True, dp_shard=2)),
+                      sync_module_states=True, dp_shard=2),
+        activation_checkpointing=dict(module_classes=[BLOCK],
+                                      mode='selective',
+                                      save_ops=['aten.max.default'])),
     'tp': dict(
         parallel=dict(
             tp=2, model_parallelism=2,
@@ -216,6 +222,9 @@ EXEMPT = {
         'a CUDA device; on CPU the only value is the default (CPU)',
     ('MMFullyShardedDataParallel', 'cpu_offload'): CUDA_ONLY,
     ('parallel', 'cpu_offload'): CUDA_ONLY + " (it is FSDP1's cpu_offload)",
+    ('parallel', 'cp'): ('the options ViT has no context-parallel attention: '
+                         'tests/tools/test_cp_end_to_end.py launches '
+                         'parallel.cp=2 through dist_train.sh on the Llama'),
     # Passed through to torch with its default: listed by the docs as an
     # example of "anything else", not an mmpar option.
     ('MMFullyShardedDataParallel', 'ignored_modules'):
