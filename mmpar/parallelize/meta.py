@@ -30,6 +30,7 @@ values. A model that does anything else is refused with an error naming the
 parameter and the switch ``meta_init=False`` (build whole on every rank).
 """
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -292,19 +293,29 @@ def _temporaries_returned() -> Iterator[None]:
     Llama one temporary parameter at a time reached 565 MB of RSS that way,
     49 MB with the threshold fixed. So the build and the materialisation
     run with a 1 MiB threshold; afterwards it stays fixed at 32 MiB (what
-    glibc's own adjustment tends to in training) and free heap is trimmed.
+    glibc's own adjustment tends to in training), or at the user's
+    ``MALLOC_MMAP_THRESHOLD_`` if the environment sets one (see
+    docs/big_models.md: training memory on CPU), and free heap is trimmed.
     A no-op where the C library is not glibc.
     """
     libc = _glibc()
     if libc is None:
         yield
         return
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    libc.mallopt(M_MMAP_THRESHOLD, min(1 << 20, _user_threshold(1 << 20)))
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_MMAP_THRESHOLD, _user_threshold(32 << 20))
         libc.malloc_trim(0)
+
+
+def _user_threshold(default: int) -> int:
+    """The mmap threshold the environment asks glibc for, else ``default``."""
+    try:
+        return int(os.environ['MALLOC_MMAP_THRESHOLD_'])
+    except (KeyError, ValueError):
+        return default
 
 
 def _glibc():

@@ -85,9 +85,11 @@ def test_fsdp2_finetune_starts_at_the_exported_loss(exported, tmp_path):
     scalars = next(tmp_path.rglob('scalars.json')).read_text().splitlines()
     first = [json.loads(s) for s in scalars if '"loss"' in s][0]
     assert first['step'] == 1
-    # The logged loss is rank 0's, on data windows 0, 2, 4, 6.
+    # The logged loss is over the step's every token: rank 0's data windows
+    # 0, 2, 4, 6 and rank 1's 1, 3, 5, 7 (as many tokens each).
     assert first['loss'] == pytest.approx(
-        _first_batch_loss(hf_dir, 0, 2), abs=1e-5)
+        (_first_batch_loss(hf_dir, 0, 2) + _first_batch_loss(hf_dir, 1, 2))
+        / 2, abs=1e-5)
     # The sharded checkpoint of the fine-tuned run exports as well.
     out = convert_main([str(tmp_path / 'iter_1'), '--to', 'hf', '--config',
                         FINETUNE, '--out', str(tmp_path / 'hf_again'),
