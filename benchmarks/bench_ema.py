@@ -8,7 +8,7 @@ about 100 M parameters (dim 1024, 8 blocks, 8 heads) trains a few steps on
 ``custom_hooks=[dict(type='EMAHook', update_buffers=True)]``, each in fresh
 processes. Per rank: the peak RSS (``VmHWM`` of ``/proc/self/status``) of
 the whole process, and of the training phase (reset after the Runner is
-built: each rank still builds the whole model before sharding it), the
+built, on the meta device: each rank materialises only its shards), the
 bytes of the averaged copy and of the rank's shard of the parameters. The
 goal: with EMA, at most one shard of parameters (+10 %) more per rank.
 
@@ -132,8 +132,8 @@ def format_report(rows: List[dict], plan: dict, meta: dict) -> str:
            f'`MALLOC_MMAP_THRESHOLD_={plan["malloc"]}`') +
         '. *Peak, training*: `VmHWM` '
         'reset once the Runner is built (the EMA copy is made in '
-        '`before_run`, inside it); *peak, whole run*: also the build, where '
-        'each rank still materialises the whole model before sharding it. '
+        '`before_run`, inside it); *peak, whole run*: also the build (on the '
+        'meta device: each rank materialises only its shards). '
         'Goal: the rise with EMA at most 1.1 x the rank\'s shard of '
         'parameters.', '',
         '| rank | parameter shard (MB) | averaged copy (MB) | peak, training: '

@@ -19,7 +19,12 @@ hold whole, and activation checkpointing.
   checkpointing none / full / every 2nd block / selective, on one process
   and FSDP2 at 2, next to the plan tool's estimate.
 
-Each row runs in freshly spawned processes.
+Each row runs in freshly spawned processes. They run with glibc's mmap
+threshold fixed at 1 MiB (``MALLOC_MMAP_THRESHOLD_=1048576``, unless the
+environment sets one or ``--default-malloc`` is given): with glibc's sliding
+default, FSDP's freed per-parameter buffers stay in heap arenas and the
+peak RSS runs hundreds of MiB above the live tensors (docs/big_models.md,
+training memory on CPU).
 """
 import argparse
 import os
@@ -227,9 +232,12 @@ def ac_rows(batch: int, seq: int, steps: int) -> List[dict]:
 
 
 def format_report(results: Dict[str, List[dict]], meta: dict) -> str:
+    malloc = os.environ.get('MALLOC_MMAP_THRESHOLD_')
     lines = [f'{meta["machine"]}; {meta["date"]}; load average '
              f'{meta["load_before"]:.2f} before, {meta["load_after"]:.2f} '
-             f'after; `python benchmarks/bench_memory.py`.', '']
+             f'after; `python benchmarks/bench_memory.py`; malloc: '
+             + (f'`MALLOC_MMAP_THRESHOLD_={malloc}`' if malloc else
+                "glibc's default") + '.', '']
     if 'build' in results:
         sizes, rows = results['build'][0]['sizes'], results['build'][1:]
         lines += [
@@ -288,7 +296,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--ac-batch', type=int, default=4)
     parser.add_argument('--ac-seq', type=int, default=256)
     parser.add_argument('--ac-steps', type=int, default=2)
+    parser.add_argument('--default-malloc', action='store_true',
+                        help="keep glibc's sliding mmap threshold")
     args = parser.parse_args(argv)
+    if not args.default_malloc:
+        # Read by each rank's C library at start-up (ranks are spawned).
+        os.environ.setdefault('MALLOC_MMAP_THRESHOLD_', str(1 << 20))
     wanted = args.sections.split(',')
 
     def measure():
