@@ -75,3 +75,20 @@ def test_memory_budget_through_the_tool():
     tight = _plan_tool('--world-size', '2', '--memory-budget', '0.1')
     assert tight.returncode == 3
     assert 'DOES NOT FIT' in tight.stdout
+
+
+
+def test_a_model_no_rank_holds_whole_fits_only_built_on_meta():
+    """The ~0.75 B Llama of benchmarks/bench_memory.py ('big': 3 GB in
+    fp32) at 8 ranks under this machine's 24 GiB (3 GiB a rank): built on
+    the meta device it fits, built whole it does not (the tool's exit
+    status for that is checked above)."""
+    big = dict(**{'model.dim': 2048, 'model.num_layers': 14,
+                  'model.num_heads': 16, 'train_dataloader.batch_size': 2,
+                  'train_dataloader.dataset.context_length': 64})
+    budget = 3 * 2**30
+    meta = _plan(world_size=8, **big).estimate
+    assert meta.meta_init and meta.peak < budget
+    whole = _plan(world_size=8, meta_init=False, **big).estimate
+    assert whole.build > 2.9 * 2**30  # the whole model on every rank
+    assert whole.peak > budget
