@@ -19,8 +19,9 @@ over the ranks:
 * **attention scores**: entries of the score matrices each cp rank
   computes per (sample, head), largest over smallest (the load balance).
 
-``tools/plan.py`` has no activation estimate yet (issue 21), so only the
-measurement is reported. Rewrites its section of ``docs/benchmarks.md``
+Next to them, the plan tool's activation estimate (a meta-device forward of
+one sequence, ``mmpar.analysis.activations``, divided over cp as
+``tools/plan.py`` divides it). Rewrites its section of ``docs/benchmarks.md``
 (``--out DIR``: of ``DIR/benchmarks.md``; ``--out ''``: print only).
 """
 import copy
@@ -143,10 +144,21 @@ def measure(plan: dict) -> List[dict]:
     return rows
 
 
+def plan_estimates(plan: dict) -> Dict[int, int]:
+    """``{T: bytes}``: the plan tool's activation estimate at cp=1."""
+    from mmpar.analysis.activations import activation_bytes
+    return {length: activation_bytes(dict(plan['model'], max_seq_len=length),
+                                     1, length)
+            for length in plan['lengths']}
+
+
 def measure_all(plan: dict) -> List[dict]:
     rows = []
     for cp in CPS:
         rows += measure_on_ranks(measure, cp, plan)
+    estimates = plan_estimates(plan)
+    for row in rows:
+        row['estimate'] = estimates[row['length']] / row['cp']
     return rows
 
 
@@ -167,13 +179,14 @@ def report(rows: List[dict], plan: dict, conditions: dict) -> str:
         f'{plan["model"]["dim"]}, {plan["model"]["num_layers"]} blocks), '
         f'fp32, {plan["steps"]} timed steps after {plan["warmup"]} warm-up. '
         'Activations: per rank (the largest rank), MiB saved for backward '
-        '(parameters left out) / resident-set rise over one forward. '
-        'tools/plan.py has no activation estimate yet (issue 21): measured '
-        'only.',
+        '(parameters left out) / resident-set rise over one forward; '
+        '*plan*: tools/plan.py\'s activation estimate for the rank (a '
+        'meta-device forward of the sequence, divided over cp).',
         '',
-        '| T | cp | activations saved (MiB) | RSS rise (MiB) | vs cp=1 '
-        '(saved) | tokens/s | attention scores (counted), max/min rank |',
-        '|---|---|---|---|---|---|---|',
+        '| T | cp | activations saved (MiB) | RSS rise (MiB) | plan '
+        '(MiB) | vs cp=1 (saved) | tokens/s | attention scores (counted), '
+        'max/min rank |',
+        '|---|---|---|---|---|---|---|---|',
     ]
     for length in plan['lengths']:
         one = by[1, length]
@@ -181,6 +194,7 @@ def report(rows: List[dict], plan: dict, conditions: dict) -> str:
             r = by[cp, length]
             lines.append(
                 f'| {length} | {cp} | {_mib(r["saved"])} | {_mib(r["rss"])} '
+                f'| {_mib(r["estimate"])} '
                 f'| {r["saved"] / one["saved"]:.2f} | '
                 f'{r["tokens_per_s"]:.0f} | {r["balance"]:.2f} |')
     ratio = by[2, longest]['saved'] / by[1, longest]['saved']

@@ -9,11 +9,16 @@ def test_cp2_halves_activations_and_reports(run_dist):
     plan = dict(bench.load_plan(quick=True, steps=1), lengths=(32, 64))
     rows = run_dist(bench.measure, plan, world_size=1)[0] + \
         run_dist(bench.measure, plan, world_size=2)[0]
+    estimates = bench.plan_estimates(plan)
+    for row in rows:
+        row['estimate'] = estimates[row['length']] / row['cp']
     by = {(r['cp'], r['length']): r for r in rows}
     for length in plan['lengths']:
         one, two = by[1, length], by[2, length]
         assert two['saved'] <= bench.GOAL * one['saved'], (one, two)
         assert two['balance'] == 1.0 and two['tokens_per_s'] > 0
+        # The plan's estimate is of the measured size (not a stand-in).
+        assert 0.5 < one['estimate'] / one['saved'] < 2, one
     conditions = dict(date='now', machine='here', load_before=0.0,
                       load_after=0.0, wall_s=1.0)
     bench_cps, bench.CPS = bench.CPS, (1, 2)
