@@ -85,21 +85,22 @@ def _batch(model_cfg: dict, batch: int, seq: int, seed: int) -> dict:
     return dict(inputs=tokens[:, :-1], data_samples=tokens[:, 1:])
 
 
-def _build(model_cfg: dict, parallel, meta: bool):
+def _build(model_cfg: dict, parallel, meta: bool, wrapper: dict = FSDP2):
     from mmpar.parallel import setup_parallelism
     from mmpar.parallelize.compose import parallelize
     from mmpar.parallelize.meta import build_on_meta
     from mmpar.registry import MODELS
-    topology = setup_parallelism(parallel, FSDP2) \
+    topology = setup_parallelism(parallel, wrapper) \
         if dist.get_world_size() > 1 else None
     torch.manual_seed(0)
     build = lambda: MODELS.build(dict(model_cfg))  # noqa: E731
     if meta and topology is not None:
         model, init = build_on_meta(build)
-        return parallelize(model, topology, parallel, FSDP2, meta_init=init,
+        return parallelize(model, topology, parallel, wrapper,
+                           meta_init=init,
                            device=torch.device('cpu')), topology
     model = build()
-    return parallelize(model, topology, parallel, FSDP2), topology
+    return parallelize(model, topology, parallel, wrapper), topology
 
 
 def _gather(value) -> List:
@@ -109,12 +110,14 @@ def _gather(value) -> List:
 
 
 def measure_build(model_cfg: dict, parallel, meta: bool, steps: int = 1,
-                  batch: int = 1, seq: int = 64) -> Dict:
-    """On every rank: build, shard, ``steps`` optimizer steps; peaks."""
+                  batch: int = 1, seq: int = 64,
+                  wrapper: dict = FSDP2) -> Dict:
+    """On every rank: build, shard, ``steps`` optimizer steps on one batch
+    per data rank (seen again each step, so the loss falls); peaks."""
     from mmpar.optim import OptimWrapper
     start = _reset_peak()
     began = time.perf_counter()
-    model, topology = _build(model_cfg, parallel, meta)
+    model, topology = _build(model_cfg, parallel, meta, wrapper)
     build_s = time.perf_counter() - began
     build_peak = _peak_since(start)
     optim_wrapper = OptimWrapper(torch.optim.AdamW(model.parameters(),
@@ -125,7 +128,7 @@ def measure_build(model_cfg: dict, parallel, meta: bool, steps: int = 1,
     for step in range(steps):
         began = time.perf_counter()
         log_vars = model.train_step(
-            _batch(model_cfg, batch, seq, seed=100 * step + dp_rank),
+            _batch(model_cfg, batch, seq, seed=dp_rank),
             optim_wrapper)
         times.append(time.perf_counter() - began)
         loss = log_vars['loss']
@@ -172,10 +175,16 @@ def build_rows() -> List[dict]:
 def big_rows(steps: int) -> List[dict]:
     sizes = _sizes(LLAMA_BIG)
     rows = []
-    for label, parallel in (('FSDP2', None), ('pp=2 x FSDP2',
-                                              dict(pp=2, pipeline=PIPE))):
+    # Under pp, FSDP2 keeps a stage's parameters gathered through the
+    # schedule by default (the whole stage per rank: 1.5 GB here, more than
+    # 8 ranks fit); resharding after each forward keeps a share.
+    for label, parallel, wrapper in (
+            ('FSDP2', None, FSDP2),
+            ('pp=2 x FSDP2, reshard_after_forward=True',
+             dict(pp=2, pipeline=PIPE),
+             dict(FSDP2, reshard_after_forward=True))):
         result = measure_on_ranks(measure_build, 8, LLAMA_BIG, parallel,
-                                  True, steps, 2)
+                                  True, steps, 2, 64, wrapper)
         ranks = result['ranks']
         rows.append(dict(
             layout=label, build=max(r['build'] for r in ranks),

@@ -15,7 +15,9 @@ one micro-batch's activations.
 * steady state: this rank's parameters, gradients and optimizer state (the
   plan's table);
 * FSDP's gathered unit: the largest unit's parameters and gradients whole,
-  while it runs forward and backward;
+  while it runs forward and backward (under pp, when the stage keeps its
+  parameters gathered through the schedule, FSDP2's stage default: every
+  unit of this rank's stages, plus the largest unit's gradients);
 * activations: one micro-batch's saved tensors (:mod:`.activations`, a
   meta forward under the configured activation checkpointing), times the
   micro-batches a pipeline stage holds at once, divided over tp (split
@@ -67,7 +69,7 @@ class MemoryEstimate:
             ('build peak ({})'.format('on the meta device' if self.meta_init
                                       else 'built whole'), self.build),
             ('steady: params + grads + optimizer', self.steady),
-            ('FSDP: largest unit gathered (params + grads)',
+            ('FSDP: gathered (params + grads)',
              self.gathered_unit),
             ('activations in flight', acts),
             ('predicted peak per rank', self.peak),

@@ -92,3 +92,28 @@ def test_a_model_no_rank_holds_whole_fits_only_built_on_meta():
     whole = _plan(world_size=8, meta_init=False, **big).estimate
     assert whole.build > 2.9 * 2**30  # the whole model on every rank
     assert whole.peak > budget
+
+
+def test_a_pipeline_stage_kept_gathered_counts_all_its_units():
+    """FSDP2 keeps a stage's parameters gathered through the schedule
+    unless reshard_after_forward=True: then the whole stage is gathered at
+    once, not one unit."""
+    pp = ROOT / 'configs/llama_shakespeare/llama_shakespeare_pp_fsdp2.py'
+    opts = {**{f'model.{k}': v for k, v in BIG.items()},
+            'model_wrapper_cfg.fsdp_auto_wrap_policy': dict(
+                type='module_class', module_classes=['LlamaBlock'])}
+
+    def plan(**more):
+        cfg = Config.fromfile(str(pp))
+        cfg.merge_from_dict({**opts, **more})
+        return make_plan(cfg, 8)
+
+    kept, resharded = plan(), plan(
+        **{'model_wrapper_cfg.reshard_after_forward': True})
+    elem = 4
+    units = kept.units
+    assert len(units) > 2  # the blocks are units of their own
+    largest = max(u.numel for u in units)
+    assert resharded.estimate.gathered_unit == 2 * largest * elem
+    assert kept.estimate.gathered_unit == \
+        (sum(u.numel for u in units) + largest) * elem
