@@ -126,6 +126,18 @@ class Runner(MMEngineRunner):
                            self._model_wrapper_cfg(), meta_init=self.meta_init,
                            device=self._device(), **steps)
 
+    def train(self) -> nn.Module:
+        # MMEngine 0.10's train() reads the same top-level key
+        # `activation_checkpointing` as attribute paths of the model and
+        # would wrap them a second time (failing on mmpar's class names);
+        # parallelize applied it already (compose's step 3).
+        ac_cfg = self.cfg.pop('activation_checkpointing', None)
+        try:
+            return super().train()
+        finally:
+            if ac_cfg is not None:
+                self.cfg['activation_checkpointing'] = ac_cfg
+
     def build_optim_wrapper(self, optim_wrapper):
         """MMEngine's, building mmpar's optim wrappers (for MMEngine's names
         too) and binding them to the model: they own the global-norm clip
