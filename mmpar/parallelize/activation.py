@@ -143,6 +143,15 @@ def merge_wrapper_key(cfg: Any, model_wrapper_cfg: Optional[dict]):
     return (legacy if cfg is None else cfg), wrapper_cfg
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name in the model before checkpointing wrapped its
+    modules: ``named_parameters`` of a checkpointed module carry torch's
+    wrapper prefix, which only its state-dict hooks strip."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+        _CHECKPOINT_PREFIX
+    return name.replace(_CHECKPOINT_PREFIX, '')
+
+
 def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
     """Checkpoint every ``every``-th instance of ``module_classes`` in place.
 

@@ -134,7 +134,7 @@ LAYOUTS = {
 }
 
 
-def _meta_composed(parallel, wrapper_cfg):
+def _meta_composed(parallel, wrapper_cfg, checkpointing=None):
     """The Runner's path: build on meta, compose, materialise; returns the
     gathered plain state and the bytes this rank's parameters hold."""
     from mmpar.checkpoint import model_state
@@ -145,21 +145,27 @@ def _meta_composed(parallel, wrapper_cfg):
     torch.manual_seed(3)
     model, init = build_on_meta(lambda: MODELS.build(copy.deepcopy(LLAMA)))
     model = parallelize(model, topology, parallel, wrapper_cfg,
+                        activation_checkpointing=checkpointing,
                         meta_init=init, device=torch.device('cpu'))
     held = sum(local_tensor(p).numel() for p in model.parameters())
     state = {k: v.clone() for k, v in model_state(model).items()}
     return state, held, dist.get_rank()
 
 
-@pytest.mark.parametrize('layout', list(LAYOUTS))
+@pytest.mark.parametrize('layout,checkpointing', [
+    *((layout, None) for layout in LAYOUTS),
+    # Checkpointed blocks carry torch's wrapper in their parameter names
+    # when they are materialised (before the wrapper: tp; after it: FSDP2).
+    ('tp2', dict(module_classes=['LlamaBlock'], mode='full')),
+    ('fsdp2', dict(module_classes=['LlamaBlock'], mode='selective'))])
 def test_every_sharding_layout_materialises_the_one_process_weights(
-        run_dist, layout):
+        run_dist, layout, checkpointing):
     world_size, parallel, wrapper_cfg = LAYOUTS[layout]
     expected, _ = _one_process(lambda: MODELS.build(copy.deepcopy(LLAMA)))
     want = expected.state_dict()
     total = sum(p.numel() for p in expected.parameters())
     for state, held, rank in run_dist(_meta_composed, parallel, wrapper_cfg,
-                                      world_size=world_size):
+                                      checkpointing, world_size=world_size):
         persistent = {k: v for k, v in want.items() if k in state}
         assert state.keys() == persistent.keys(), rank
         for key, value in persistent.items():
