@@ -1,5 +1,6 @@
 """Plumbing the benchmark scripts share: spawning ranks, timing steps,
 counting collectives, describing the machine, rewriting a docs section."""
+import argparse
 import contextlib
 import datetime
 import os
@@ -286,3 +287,19 @@ def write_section(path: str, title: str, body: str) -> None:
         text = text.rstrip() + '\n\n' + section
     with open(path, 'w') as f:
         f.write(text)
+
+
+def section_main(doc: str, run: Callable, default_out: str,
+                 steps_help: str) -> None:
+    """The command line of a benchmark that rewrites one section:
+    ``--quick``, ``--steps N``, ``--out DIR`` (``''``: print only); prints
+    ``run(quick, out, steps)``."""
+    parser = argparse.ArgumentParser(description=doc.split('\n')[0])
+    parser.add_argument('--quick', action='store_true',
+                        help='a tiny model, a step or two: a smoke run')
+    parser.add_argument('--steps', type=int, default=0, help=steps_help)
+    parser.add_argument('--out', default=default_out,
+                        help='folder of benchmarks.md (its section is '
+                        'rewritten); "" to print only')
+    args = parser.parse_args()
+    print(run(args.quick, args.out, args.steps))

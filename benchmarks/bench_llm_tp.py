@@ -24,7 +24,6 @@ weights and see the same batches, so their losses must agree (reported).
 Rewrites its section of ``docs/benchmarks.md`` (``--out DIR``: of
 ``DIR/benchmarks.md``; ``--out ''``: print only).
 """
-import argparse
 import copy
 import os
 import sys
@@ -38,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (counting_all_collectives,  # noqa: E402
                                 measure_on_ranks, measured_section, median,
-                                slowest_rank, time_steps, wire_bytes)
+                                section_main, slowest_rank, time_steps,
+                                wire_bytes)
 
 SECTION = '## Language model: tp=2 and FSDP2 against hand-written torch'
 CONFIG_DIR = os.path.join(ROOT, 'configs', 'llama_shakespeare')
@@ -230,9 +230,20 @@ def measure(plan: dict, kind: str) -> List[dict]:
             cpu[name])
         rows.append(dict(name=name, kind=kind, step_s=median(step_times),
                          step_times=step_times, cpu_s=median(cpu_times),
-                         cpu_times=cpu_times, losses=losses[name][first:],
+                         cpu_times=cpu_times,
+                         losses=_mean_over_ranks(losses[name][first:]),
                          **counted[name]))
     return rows
+
+
+def _mean_over_ranks(values: List[float]) -> List[float]:
+    """Each value averaged over the ranks: the loss of the whole batch.
+    mmpar logs it so already (its loss counts every rank's tokens); a
+    hand-written loop's is its own rank's, averaged here, after the timed
+    steps."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return (tensor / dist.get_world_size()).tolist()
 
 
 def add_ratios(rows: List[dict]) -> None:
@@ -356,16 +367,8 @@ def run(quick: bool, out, steps: int = 0, world_size: int = 2) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--quick', action='store_true',
-                        help='a tiny model, a step or two: a smoke run')
-    parser.add_argument('--steps', type=int, default=0,
-                        help='timed pairs per layout (default 40)')
-    parser.add_argument('--out', default=os.path.join(ROOT, 'docs'),
-                        help='folder of benchmarks.md (its section is '
-                        'rewritten); "" to print only')
-    args = parser.parse_args()
-    print(run(args.quick, args.out, args.steps))
+    section_main(__doc__, run, os.path.join(ROOT, 'docs'),
+                 'timed pairs per layout (default 40)')
 
 
 if __name__ == '__main__':

@@ -123,7 +123,8 @@ def measure_build(model_cfg: dict, parallel, meta: bool, steps: int = 1,
             _batch(model_cfg, batch, seq, seed=100 * step + dp_rank),
             optim_wrapper)
         times.append(time.perf_counter() - began)
-        losses.append(float(log_vars['loss']))
+        loss = log_vars['loss']
+        losses.append(float(loss.detach() if torch.is_tensor(loss) else loss))
     step_peak = _peak_since(start)
     rows = _gather(dict(build=build_peak, step=step_peak, build_s=build_s,
                         step_s=times, losses=losses))

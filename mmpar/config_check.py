@@ -276,10 +276,48 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
         if not is_int(interval) or interval < 1:
             _fail('default_hooks.checkpoint.interval', interval,
                   'allowed: an int >= 1, or -1 (never)')
+    averaging = []
     for index, hook in enumerate(cfg.get('custom_hooks') or []):
         cls = check_type(f'custom_hooks[{index}]', hook, HOOKS, scope)
         if getattr(cls, 'check_cfg', None) is not None:
             cls.check_cfg({k: v for k, v in hook.items() if k != 'type'})
+        if _is_ema_hook(cls):
+            averaging.append(index)
+            check_ema_type(f'custom_hooks[{index}]', hook, scope)
+    if len(averaging) > 1:
+        _fail(f'custom_hooks[{averaging[1]}]', cfg['custom_hooks'][
+            averaging[1]]['type'], f'custom_hooks[{averaging[0]}] is an '
+              'EMAHook already, and both would write '
+              "checkpoint['ema_state_dict']; allowed: one EMAHook")
+
+
+def _is_ema_hook(cls: Any) -> bool:
+    from mmengine.hooks import EMAHook
+    return inspect.isclass(cls) and issubclass(cls, EMAHook)
+
+
+def check_ema_type(key: str, hook: dict, scope: Optional[str]) -> None:
+    """An ``EMAHook``'s ``ema_type`` names a ``BaseAveragedModel``.
+
+    mmpar averages sharded and pipelined models on each rank's shards
+    (:mod:`mmpar.runner.ema`), through ``BaseAveragedModel``'s interface
+    (a copy of the model, ``avg_func`` tensor by tensor).
+    """
+    from mmengine.model import BaseAveragedModel
+
+    from mmpar.registry import MODELS
+    name = hook.get('ema_type', 'ExponentialMovingAverage')
+    try:
+        cls = check_type(key, dict(type=name), MODELS, scope)
+    except ConfigError as err:  # it names '<key>.type'
+        raise ConfigError(str(err).replace(f'{key}.type', f'{key}.ema_type',
+                                           1)) from None
+    if inspect.isclass(cls) and not issubclass(cls, BaseAveragedModel):
+        _fail(f'{key}.ema_type', name,
+              'it is not a mmengine.model.BaseAveragedModel, which mmpar '
+              'averages on each rank\'s shards; allowed: '
+              'ExponentialMovingAverage, MomentumAnnealingEMA, '
+              'StochasticWeightAverage or a subclass of BaseAveragedModel')
 
 
 def check_checkpoint_paths(cfg: Any) -> None:
@@ -344,6 +382,85 @@ def check_parallel(parallel: Any, launcher: Optional[str],
     return config, dims
 
 
+# Where a config says its sequence length: dataset keys, then the model's.
+SEQ_LEN_KEYS = ('context_length', 'seq_len', 'max_seq_len')
+
+
+def _seq_len_of(section: Any, cls: Optional[type]) -> Optional[tuple]:
+    """``(key, length)`` a dataset or model section gives (or its class's
+    default), or None."""
+    if not isinstance(section, dict):
+        return None
+    for key in SEQ_LEN_KEYS:
+        if key in section:
+            return key, section[key]
+    if cls is None:
+        return None
+    params = inspect.signature(cls).parameters
+    for key in SEQ_LEN_KEYS:
+        if key in params and is_int(params[key].default):
+            return key, params[key].default
+    return None
+
+
+def config_seq_lens(cfg: Any) -> list:
+    """``[(key, length)]``: the sequence lengths a config names (its data
+    sets' ``context_length`` / ``seq_len``, or their classes' defaults; with
+    none, the model's ``max_seq_len``)."""
+    from mmpar.registry import DATASETS, MODELS
+    scope = cfg.get('default_scope')
+    lengths = []
+    for name in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        loader = cfg.get(name)
+        dataset = loader.get('dataset') if isinstance(loader, dict) else None
+        cls = check_type(f'{name}.dataset', dataset, DATASETS, scope,
+                         required=False) if isinstance(dataset, dict) \
+            else None
+        found = _seq_len_of(dataset, cls if isinstance(cls, type) else None)
+        if found is not None:
+            lengths.append((f'{name}.dataset.{found[0]}', found[1]))
+    model = cfg.get('model')
+    if not lengths and isinstance(model, dict):
+        cls = check_type('model', model, MODELS, scope, required=False)
+        found = _seq_len_of(model, cls if isinstance(cls, type) else None)
+        if found is not None:
+            lengths.append((f'model.{found[0]}', found[1]))
+    return [(key, n) for key, n in lengths if is_int(n)]
+
+
+def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
+                           parallel: ParallelConfig) -> None:
+    """With ``parallel.cp > 1``: the model declares the context-parallel
+    protocol, and every sequence length the config names (the data sets'
+    ``context_length`` / ``seq_len``, else ``model.max_seq_len``) divides by
+    ``2 x cp`` (each sequence is cut in ``2 x cp`` equal chunks).
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    from mmpar.parallel.sequence import SHARDED_ATTR
+    from mmpar.registry import MODELS
+    cp = dims.cp if dims is not None else parallel.cp
+    if cp is None or cp <= 1:
+        return
+    model = cfg.get('model')
+    model_cls = check_type('model', model, MODELS, cfg.get('default_scope'),
+                           required=False) if isinstance(model, dict) \
+        else None
+    if isinstance(model_cls, type) and not hasattr(model_cls, SHARDED_ATTR):
+        _fail('parallel.cp', cp,
+              f'model.type={model.get("type")!r} has no context-parallel '
+              f'protocol (no {SHARDED_ATTR}; see '
+              'docs/context_parallel.md); allowed: parallel.cp=1, or a '
+              'model that declares it (Llama, HFCausalLM)')
+    for key, length in config_seq_lens(cfg):
+        if length % (2 * cp):
+            _fail(key, length,
+                  f'with parallel.cp={cp} each sequence is cut into 2 x cp '
+                  f'= {2 * cp} equal chunks; allowed: a multiple of '
+                  f'{2 * cp} (or another parallel.cp)')
+
+
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -386,10 +503,13 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
         loader = cfg.get('train_dataloader')
         batch_size = loader.get('batch_size') if isinstance(
             loader, dict) else None
-        return check_parallel(cfg.get('parallel'), cfg.get('launcher'),
-                              cfg.get('model_wrapper_cfg'), world_size,
-                              batch_size if is_int(batch_size) else None,
-                              cfg.get('model_compile'))
+        parallel, dims = check_parallel(
+            cfg.get('parallel'), cfg.get('launcher'),
+            cfg.get('model_wrapper_cfg'), world_size,
+            batch_size if is_int(batch_size) else None,
+            cfg.get('model_compile'))
+    check_context_parallel(cfg, dims, parallel)
+    return parallel, dims
 
 
 def check_config(cfg: Any, world_size: Optional[int] = None

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import DistPool
+from tests.dist_harness import pool_runner
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,11 +44,27 @@ def run_dist(_pools):
     fn must be a module-level function (it is pickled to spawned workers).
     Returns the per-rank results; a failing rank fails the test.
     """
+    return pool_runner(_pools)
 
-    def run(fn, *args, world_size=2, **kwargs):
-        pool = _pools.get(world_size)
-        if pool is None or pool.broken:
-            pool = _pools[world_size] = DistPool(world_size)
-        return pool.run(fn, *args, **kwargs)
 
-    return run
+# -- trained runs shared by several test files (tests/trained.py) ----------
+# Read-only: a test that resumes from one writes into its own tmp_path.
+
+
+@pytest.fixture(scope='session')
+def trained_run(_pools, tmp_path_factory):
+    """``trained_run(wrapper, fmt)``: the work dir of 3 epochs of the small
+    ViT under ``wrapper`` (``tests.trained.CONFIGS`` key or ``ONE``) with
+    ``fmt`` checkpoints of every epoch; trained once per session."""
+    from tests.trained import TrainedRuns
+    return TrainedRuns(tmp_path_factory.mktemp, pool_runner(_pools))
+
+
+@pytest.fixture(scope='session')
+def default_two_rank_run(tmp_path_factory):
+    """``bash tools/dist_train.sh configs/vit_digits/vit_digits.py 2`` for 3
+    epochs: ``epoch_1.pth`` .. ``epoch_3.pth``, the log with validation of
+    every epoch; trained once per session."""
+    from tests.trained import train_default_two_ranks
+    return train_default_two_ranks(tmp_path_factory.mktemp('default_2rank'),
+                                   epochs=3)

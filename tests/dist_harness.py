@@ -12,7 +12,7 @@ import pickle
 import queue
 import tempfile
 import traceback
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -136,3 +136,16 @@ class DistPool:
                 proc.join()
         if os.path.exists(self._init_file):
             os.unlink(self._init_file)
+
+
+def pool_runner(pools: Dict[int, DistPool]) -> Callable:
+    """``run(fn, *args, world_size=2, **kwargs)`` on the pool of that world
+    size in ``pools`` (started, or restarted after a failure, on demand)."""
+
+    def run(fn, *args, world_size=2, **kwargs):
+        pool = pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = pools[world_size] = DistPool(world_size)
+        return pool.run(fn, *args, **kwargs)
+
+    return run

@@ -6,7 +6,6 @@ check what the other ranks and the launcher do about it.
 import os
 import time
 
-import torch
 from mmengine.dist import get_rank
 from mmengine.hooks import Hook
 

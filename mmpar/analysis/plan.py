@@ -7,9 +7,10 @@ act as rank ``r`` of ``N``, so the topology and the real data-parallel
 wrapper are built exactly as in training (collectives do nothing), and the
 axes each wrapper reduces and shards over are read back from the wrapper.
 
-The steps follow :mod:`mmpar.parallelize.compose` (TP, PP, then the DP
-wrapper); :func:`plan_tensor_parallel` and :func:`plan_pipeline` are where
-those techniques add their rows (per-rank bytes under TP; stages, bubble).
+The steps follow :mod:`mmpar.parallelize.compose` (TP, CP, PP, then the DP
+wrapper); :func:`plan_tensor_parallel`, :func:`plan_context_parallel` and
+:func:`plan_pipeline` are where those techniques add their rows (per-rank
+bytes under TP; chunks and attention work per cp rank; stages, bubble).
 """
 import copy
 from dataclasses import dataclass, field
@@ -200,6 +201,49 @@ def plan_tensor_parallel(plan: Plan, model: nn.Module,
     return model
 
 
+def plan_context_parallel(plan: Plan, model: nn.Module,
+                          topology: ParallelTopology, cfg: Config) -> None:
+    """CP rows: the model switched to context-parallel attention as compose
+    does (its protocol checked), and for each sequence length the config
+    names, this rank's chunks and positions and the attention work of every
+    cp rank (equal: the load balance)."""
+    from mmpar.config_check import config_seq_lens
+    from mmpar.parallelize.context import (apply_context_parallel,
+                                           attention_work, chunk_ids,
+                                           check_seq_len)
+    dims = topology.dims
+    if not dims.cp_enabled:
+        return
+    try:
+        apply_context_parallel(model, topology.mesh['cp'])
+    except ValueError as err:
+        raise PlanError(f'parallel.cp={dims.cp}: {err}') from err
+    rank = topology.cp.rank
+    chunks = chunk_ids(rank, dims.cp)
+    plan.notes.append(
+        f'cp={dims.cp}: each sequence cut into {2 * dims.cp} equal chunks, '
+        f'cp rank {rank} (this rank) holds chunks {chunks[0]} and '
+        f'{chunks[1]}; keys/values all-gathered over cp group '
+        f'{topology.cp.global_ranks} in every attention layer; gradients '
+        f'reduced over dp x cp = {dims.dp_cp} ranks '
+        f'{topology.dp_cp.global_ranks}; activations per rank ~1/{dims.cp} '
+        'of one rank holding the whole sequence')
+    keys = {}
+    for key, length in config_seq_lens(cfg):
+        keys.setdefault(length, []).append(key)
+    for length, named in keys.items():
+        chunk = check_seq_len(length, dims.cp)
+        work = [attention_work(length, r, dims.cp)[0]
+                for r in range(dims.cp)]
+        first = chunks[0] * chunk
+        last = chunks[1] * chunk
+        plan.notes.append(
+            f'cp at sequence length {length} ({", ".join(named)}): this '
+            f'rank holds positions {first}..{first + chunk - 1} and '
+            f'{last}..{last + chunk - 1} ({2 * chunk} tokens); attention '
+            f'scores per (sample, head) and cp rank {work} (equal)')
+
+
 def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
                   parallel: ParallelConfig) -> List[nn.Module]:
     """PP rows: each stage's layers and parameters, this rank's stages and
@@ -258,9 +302,14 @@ def _ranks(group) -> List[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
+AXIS_NAMES = ('dp', 'dp_shard', 'dp_replicate', 'tp', 'pp', 'cp', 'dp_cp',
+              'dp_shard_cp')
+
+
 def _axis_name(ranks: List[int], topology: ParallelTopology) -> str:
-    for name in ('dp', 'dp_shard', 'dp_replicate', 'tp', 'pp'):
-        if getattr(topology, name).global_ranks == ranks:
+    rank = dist.get_rank()
+    for name in AXIS_NAMES:
+        if topology.layout.group_of(name, rank) == ranks:
             return name
     return 'world' if len(ranks) == topology.dims.world_size else 'group'
 
@@ -346,8 +395,9 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
                               'model_wrapper_cfg is given and wins')
     # One micro-batch's activations, on the plain (meta) model.
     activations = _activations(cfg, model, parallel, topology)
-    # compose's order: TP, PP, then the data-parallel wrapper.
+    # compose's order: TP, CP, PP, then the data-parallel wrapper.
     model = plan_tensor_parallel(plan, model, topology, parallel)
+    plan_context_parallel(plan, model, topology, cfg)
     # Under pp each of this rank's stages gets its own wrapper, as in
     # training; without pp the one "stage" is the whole model.
     stages = plan_pipeline(plan, model, topology, parallel)

@@ -10,6 +10,7 @@ from mmpar.parallel.dims import AXES, ParallelismError
 
 # Group kinds in the order the report lists them: fastest axis first.
 KINDS = ('tp', 'pp', 'dp_shard', 'dp_replicate', 'dp')
+CP_KINDS = ('cp', 'dp_cp')
 ROLES = dict(reduce='all-reduces gradients over',
              shard='shards parameters over',
              replicate='replicates (all-reduces) across')
@@ -25,14 +26,18 @@ def _fmt_bytes(num: float) -> str:
 def _layout_lines(plan: Plan) -> List[str]:
     dims, layout, rank = plan.dims, plan.layout, plan.rank
     sizes = ' '.join(f'{axis}={getattr(dims, axis)}' for axis in AXES)
+    gradients = f'; gradients over dp_cp = dp x cp = {dims.dp_cp}' \
+        if dims.cp_enabled else ''
     lines = [f'world size {plan.world_size}: {sizes}; dp={dims.dp} '
              f'(mesh dims {AXES}, shape {dims.shape}; dp = dp_replicate x '
-             'dp_shard)']
-    for kind in KINDS:
+             f'dp_shard{gradients})']
+    # cp's groups only when there is a cp axis (most plans have none).
+    kinds = KINDS + CP_KINDS if dims.cp_enabled else KINDS
+    for kind in kinds:
         groups = ' '.join(str(g) for g in layout.groups[kind])
         lines.append(f'  {kind} groups: {groups}')
     mine = ', '.join(f'{kind} {layout.group_of(kind, rank)}'
-                     for kind in KINDS)
+                     for kind in kinds)
     return lines + [f'  rank {rank}: {mine}', '']
 
 

@@ -11,6 +11,10 @@ Functions of (model, optim wrapper, extras), not of the Runner:
   two formats; :mod:`~mmpar.checkpoint.format`: the config value;
 - :mod:`~mmpar.checkpoint.latest`: which checkpoint to resume from;
 - :mod:`~mmpar.checkpoint.rng`: every rank's generator states;
+- :mod:`~mmpar.checkpoint.shadow`: a second set of the model's values (an
+  averaged copy) saved and loaded through the model;
+  :mod:`~mmpar.checkpoint.refs`: the stand-ins hooks see for the tensors of
+  a sharded checkpoint;
 - Hugging Face weights in and out: :mod:`mmpar.models.hf_weights` (its
   readers are re-exported here).
 

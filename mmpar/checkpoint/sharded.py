@@ -14,6 +14,13 @@ Layout of ``epoch_N/`` (or ``iter_N/``)::
     mmpar_state.pth    everything that is not a tensor, as plain data
                        (meta, message hub, schedulers, optimizer param
                        groups), written by rank 0, loads weights_only=True
+    ema/               with an averaged copy (EMAHook): its values, as the
+                       model's (a DCP directory of the same keys)
+
+Hooks see stand-ins for the tensors (:mod:`mmpar.checkpoint.refs`), so
+MMEngine's ``EMAHook`` swaps ``state_dict`` and ``ema_state_dict`` here as
+in a full checkpoint; which part each ends up naming is saved, and a load
+reads the model from the part ``state_dict`` names after the hooks ran.
 
 Only tensors go to DCP: DCP stores other objects with ``torch.save`` and
 reads them back with ``torch.load(weights_only=False)``; keeping them in
@@ -30,7 +37,7 @@ import os.path as osp
 import shutil
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +54,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
 from mmpar.checkpoint import pipeline
 from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     is_complete_file, load_checkpoint_file)
+from mmpar.checkpoint.refs import (MODEL_PART, StoredTensor, pack_refs,
+                                   stand_ins, stored_part, unpack_refs)
+from mmpar.checkpoint.shadow import swapped_in
 from mmpar.wrappers.base import describe
 
 PLAIN_FILE = 'mmpar_state.pth'
@@ -190,8 +200,8 @@ def save_sharded(model: nn.Module,
                  path: str,
                  extras: dict,
                  save_optimizer: bool = True,
-                 before_write: Optional[Callable[[dict], None]] = None
-                 ) -> None:
+                 before_write: Optional[Callable[[dict], None]] = None,
+                 shadows: Optional[Dict[str, nn.Module]] = None) -> None:
     """Write a sharded checkpoint to directory ``path``; every rank calls it.
 
     Args:
@@ -202,7 +212,12 @@ def save_sharded(model: nn.Module,
             ``message_hub``, schedulers, RNG states); not modified.
         save_optimizer: also save the optimizer state.
         before_write: called on rank 0 with the plain-data part just before
-            it is written (the Runner's ``before_save_checkpoint`` hooks).
+            it is written (the Runner's ``before_save_checkpoint`` hooks);
+            its ``state_dict`` holds stand-ins for the model's tensors
+            (:mod:`mmpar.checkpoint.refs`).
+        shadows: part name -> a shadow of the model
+            (:mod:`mmpar.checkpoint.shadow`, e.g. an averaged copy), each
+            written as the model's state into ``path/<part>``.
 
     Raises:
         TypeError: ``save_optimizer`` without an ``OptimWrapper``.
@@ -232,18 +247,25 @@ def save_sharded(model: nn.Module,
             for k, v in optim_wrapper.state_dict().items()
             if k not in _OPTIM_KEYS
         }
+    shadows = shadows or {}
     tmp = f'{path}.tmp'
     if is_main_process():
         if osp.isdir(tmp):  # left by an interrupted save
             shutil.rmtree(tmp)
         os.makedirs(tmp)
+        for part in shadows:
+            os.makedirs(osp.join(tmp, part))
     barrier()
     # Collective: each rank writes its shards; returns once DCP's
     # coordinator has written .metadata.
     _quiet(dcp.save, tensors, checkpoint_id=tmp, no_dist=not _distributed())
+    for part, shadow in shadows.items():
+        _save_shadow(model, shadow, osp.join(tmp, part))
     if is_main_process():
+        plain['state_dict'] = stand_ins(MODEL_PART, plain['model_keys'])
         if before_write is not None:
             before_write(plain)
+        pack_refs(plain)
         atomic_save(plain, osp.join(tmp, PLAIN_FILE))
         if osp.isdir(path):
             shutil.rmtree(path)
@@ -251,6 +273,31 @@ def save_sharded(model: nn.Module,
             os.remove(path)
         os.replace(tmp, path)
     barrier()
+
+
+def _save_shadow(model: nn.Module, shadow: nn.Module, directory: str) -> None:
+    # Collective: the shadow's values written as the model's state.
+    with swapped_in(model, shadow):
+        # Its buffers, as the model's, equal over the data axis first.
+        describe(model).sync_buffers()
+        state, _ = distributed_state(model, None)
+        _quiet(dcp.save, {'model': state}, checkpoint_id=directory,
+               no_dist=not _distributed())
+
+
+def load_into_shadow(model: nn.Module, shadow: nn.Module, path: str,
+                     part: str) -> None:
+    """Load part ``part`` of sharded checkpoint ``path`` into the shadow,
+    through the model (every rank calls it). Keys the part lacks keep their
+    values."""
+    with swapped_in(model, shadow):
+        state, _ = distributed_state(model, None)
+        _load_tensors({'model': state}, _part_dir(path, part), partial=True)
+        _set_distributed_state(model, None, state, None, strict=False)
+
+
+def _part_dir(path: str, part: Optional[str]) -> str:
+    return path if part in (None, MODEL_PART) else osp.join(path, part)
 
 
 def load_plain_state(path: str) -> dict:
@@ -288,15 +335,19 @@ def load_sharded(model: nn.Module,
     is left as it was (``load_from`` does not restore optimizer state).
     """
     checkpoint = load_plain_state(path)
+    unpack_refs(checkpoint, path, checkpoint.get('model_keys', []))
     if after_read is not None:
         after_read(checkpoint)
+    # The part the hooks left state_dict naming (EMAHook's deployment swap:
+    # the averaged copy's unless it resumes).
+    model_dir = _part_dir(path, stored_part(checkpoint.pop('state_dict')))
     optimizer = _optimizer(optim_wrapper)
     saved_optim = checkpoint.get('optimizer')
     if optimizer is None or saved_optim is None:
         model_state, _ = distributed_state(model, None)
         # Not strict (load_from's default): keys the checkpoint lacks keep
         # their current values, as nn.Module.load_state_dict(strict=False).
-        _load_tensors({'model': model_state}, path, partial=not strict)
+        _load_tensors({'model': model_state}, model_dir, partial=not strict)
         _set_distributed_state(model, None, model_state, None, strict)
         checkpoint.pop('optimizer', None)
         return checkpoint
@@ -305,7 +356,11 @@ def load_sharded(model: nn.Module,
     # that DCP has tensors of the right shards to load into.
     model_state, optim_state = distributed_state(model, optimizer)
     optim_tensors, _ = split_tensors(optim_state)
-    loaded = {'model': model_state, 'optimizer': optim_tensors}
+    loaded = {'optimizer': optim_tensors}
+    if model_dir == path:
+        loaded['model'] = model_state
+    else:
+        _load_tensors({'model': model_state}, model_dir, partial=False)
     _load_tensors(loaded, path, partial=False)
     _set_distributed_state(model, optimizer, model_state,
                            merge(loaded['optimizer'], saved_optim), strict)
@@ -316,18 +371,11 @@ def load_sharded(model: nn.Module,
     return checkpoint
 
 
-def sharded_to_full(path: str) -> dict:
-    """Sharded checkpoint ``path`` as one full checkpoint (mmpar's ``full``
-    format), in this process, with no process group.
-
-    ``state_dict`` has the plain model's keys in its order; ``optimizer`` is
-    keyed by parameter names, the form full checkpoints of sharded runs
-    have, which loads under any wrapper or none.
-    """
+def _read_all(path: str) -> dict:
+    """Every tensor of DCP directory ``path``, nested as saved."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    checkpoint = load_plain_state(path)
     metadata = FileSystemReader(path).read_metadata()
     flat = {
         key: torch.empty(item.size, dtype=item.properties.dtype)
@@ -344,11 +392,37 @@ def sharded_to_full(path: str) -> dict:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    return tensors
+
+
+def sharded_to_full(path: str) -> dict:
+    """Sharded checkpoint ``path`` as one full checkpoint (mmpar's ``full``
+    format), in this process, with no process group.
+
+    ``state_dict`` has the plain model's keys in its order (and, as the
+    hooks left them, ``ema_state_dict`` the averaged copy's or the model's
+    under ``module.``, as MMEngine's ``EMAHook`` writes it); ``optimizer``
+    is keyed by parameter names, the form full checkpoints of sharded runs
+    have, which loads under any wrapper or none.
+    """
+    checkpoint = load_plain_state(path)
+    tensors = _read_all(path)
     model = tensors.get('model', {})
-    order = list(checkpoint.pop('model_keys', [])) + list(model)
-    checkpoint['state_dict'] = OrderedDict(
-        (key, model[key]) for key in OrderedDict.fromkeys(order)
-        if key in model)
+    keys = list(OrderedDict.fromkeys(
+        list(checkpoint.pop('model_keys', [])) + list(model)))
+    parts = {MODEL_PART: model}
+    unpack_refs(checkpoint, path, keys)
+    for name, value in list(checkpoint.items()):
+        part = stored_part(value)
+        if part is None:
+            continue
+        if part not in parts:
+            parts[part] = _read_all(_part_dir(path, part)).get('model', {})
+        stored = parts[part]
+        checkpoint[name] = OrderedDict(
+            (k, stored[v.key] if isinstance(v, StoredTensor) else v)
+            for k, v in value.items()
+            if not isinstance(v, StoredTensor) or v.key in stored)
     if 'optimizer' in checkpoint:
         optimizer = dict(checkpoint.pop('optim_wrapper', None) or {})
         optimizer.update(

@@ -150,7 +150,8 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         logits = self.hf_model(
             input_ids=inputs, use_cache=False,
             position_ids=self._cp_position_ids(inputs)).logits
-        return lm_outputs(logits, data_samples, mode)
+        return lm_outputs(logits, data_samples, mode,
+                          self._context_parallel)
 
     # -- Hugging Face weights (mmpar/models/hf_weights.py) ----------------------
     @staticmethod
@@ -178,11 +179,15 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
     def pipeline_layer(self, layer: nn.Module,
                        hidden: torch.Tensor) -> torch.Tensor:
         # What the base model's forward hands each decoder layer: rotary
-        # tables for positions 0..T-1 and the causal mask (None for sdpa,
-        # which is then causal by itself).
+        # tables for positions 0..T-1 (under cp this rank's positions) and
+        # the causal mask (None for sdpa, which is then causal by itself,
+        # and for cp's attention, whose chunks carry their own).
         from transformers.masking_utils import create_causal_mask
         base = self.hf_model.base_model
-        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        positions = self._cp_position_ids(hidden)
+        if positions is None:
+            positions = torch.arange(hidden.shape[1],
+                                     device=hidden.device)[None]
         mask = create_causal_mask(
             config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
             past_key_values=None, position_ids=positions)

@@ -27,7 +27,8 @@ from torch import nn
 from mmpar.models import llama_hf
 from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
                                    transformer_flops_per_token)
-from mmpar.parallelize.context import (ContextParallel, causal_attention,
+from mmpar.parallel.sequence import ContextParallel
+from mmpar.parallelize.context import (causal_attention,
                                        context_parallel_attention)
 from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import MODELS, TP_PLANS
@@ -160,6 +161,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor,
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rotary_at_rank(cos: torch.Tensor, sin: torch.Tensor, local_len: int,
+                   cp: ContextParallel) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables at a context-parallel rank's positions: its
+    ``local_len`` tokens are its chunks of a sequence ``cp.size`` times
+    longer.
+
+    Raises:
+        ValueError: the whole sequence is longer than the tables
+            (``model.max_seq_len``) or not a multiple of ``2 * cp``.
+    """
+    whole_len = local_len * cp.size
+    if whole_len > cos.shape[0]:
+        raise ValueError(f'sequence length {whole_len} exceeds '
+                         f'model.max_seq_len={cos.shape[0]}')
+    positions = cp.positions(local_len, device=cos.device)
+    return cos[positions], sin[positions]
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with optional grouped-query heads.
 
@@ -171,7 +190,11 @@ class Attention(nn.Module):
 
     ``context_parallel`` (set by
     :func:`~mmpar.parallelize.context.apply_context_parallel`): ``x`` holds
-    this rank's chunks of the sequence and attention spans the cp group.
+    this rank's chunks of the sequence, rotated at their positions
+    (:func:`rotary_at_rank`), and attention spans the cp group. The
+    positions are taken here, where ``x`` is the rank's whole part of the
+    sequence: between blocks a sequence-parallel tensor-parallel plan keeps
+    only a tp shard of it.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
@@ -192,6 +215,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.context_parallel is not None:
+            cos, sin = rotary_at_rank(cos, sin, seq, self.context_parallel)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.context_parallel is not None:
@@ -268,11 +293,13 @@ class Llama(LMPipelineOutputs, BaseModel):
         data_preprocessor: MMEngine data preprocessor config.
 
     ``forward(inputs, data_samples, mode)`` with ``inputs`` and
-    ``data_samples`` token ids ``(B, T)`` (targets: inputs shifted by one):
-    ``'loss'`` returns ``dict(loss=mean cross-entropy)``; ``'predict'`` a list
-    of ``dict(loss_sum, num_tokens)``, one per sample, for
-    :class:`mmpar.evaluation.LanguageModelMetric`; ``'tensor'`` the logits
-    ``(B, T, vocab_size)``.
+    ``data_samples`` token ids ``(B, T)`` (targets: inputs shifted by one;
+    ``-100`` marks a target that is not counted): ``'loss'`` returns
+    ``dict(loss=mean cross-entropy over the counted targets, num_tokens)``;
+    ``'predict'`` a list of ``dict(loss_sum, num_tokens)``, one per sample,
+    for :class:`mmpar.evaluation.LanguageModelMetric`; ``'tensor'`` the
+    logits ``(B, T, vocab_size)`` (see
+    :func:`mmpar.models.lm_loss.lm_outputs`).
     """
 
     def __init__(self,
@@ -386,31 +413,27 @@ class Llama(LMPipelineOutputs, BaseModel):
                 inputs: torch.Tensor,
                 data_samples: Optional[torch.Tensor] = None,
                 mode: str = 'tensor') -> Union[Dict, List, torch.Tensor]:
-        return lm_outputs(self.logits(inputs), data_samples, mode)
+        return lm_outputs(self.logits(inputs), data_samples, mode,
+                          self.context_parallel)
 
     # -- the context-parallel protocol (mmpar/parallelize/context.py) -------
     context_parallel_modules = ('layers.*.attn', )
     context_parallel_sharded = ('inputs', 'data_samples')
 
     def rotary(self, seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables for ``seq_len`` tokens: positions ``0 ..
-        seq_len-1``, or under context parallelism this rank's positions
-        (``seq_len`` is then its part; the whole sequence is ``cp`` times
-        longer).
+        """The rotary tables (positions ``0 .. max_seq_len-1``); each block
+        uses their first ``seq_len`` rows, or under context parallelism
+        its rank's positions (:class:`Attention`, which also checks the
+        whole length then).
 
         Raises:
-            ValueError: the whole sequence is longer than ``max_seq_len``,
-                or (cp) not a multiple of ``2 * cp``.
+            ValueError: ``seq_len`` (without cp) exceeds ``max_seq_len``.
         """
-        cp = self.context_parallel
-        whole_len = seq_len if cp is None else seq_len * cp.size
-        if whole_len > self.rope_cos.shape[0]:
-            raise ValueError(f'sequence length {whole_len} exceeds '
+        if self.context_parallel is None and \
+                seq_len > self.rope_cos.shape[0]:
+            raise ValueError(f'sequence length {seq_len} exceeds '
                              f'model.max_seq_len={self.max_seq_len}')
-        if cp is None:
-            return self.rope_cos, self.rope_sin
-        positions = cp.positions(seq_len, device=self.rope_cos.device)
-        return self.rope_cos[positions], self.rope_sin[positions]
+        return self.rope_cos, self.rope_sin
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         """Parameters counted once (tied weights once); by default without

@@ -6,19 +6,17 @@ so both feed :class:`mmpar.evaluation.LanguageModelMetric` the same way.
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from mmpar.optim.tokens import TOKENS_KEY
+from mmpar.parallel.sequence import ContextParallel
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy ``(B, T)`` of logits ``(B, T, V)`` (in fp32,
-    whatever the logits' dtype)."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(),
-        reduction='none').view_as(targets)
+IGNORE_INDEX = -100  # torch's cross_entropy default
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
-                   ignore_index: int = -100
+                   ignore_index: int = IGNORE_INDEX
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the counted tokens, and their number.
 
@@ -55,10 +53,28 @@ def normalise_loss(loss_sum: torch.Tensor,
 
 
 def lm_outputs(logits: torch.Tensor, targets: Optional[torch.Tensor],
-               mode: str) -> Union[Dict, List, torch.Tensor]:
-    """``'tensor'``: the logits; ``'loss'``: ``dict(loss=mean token
-    cross-entropy)``; ``'predict'``: one ``dict(loss_sum, num_tokens)`` per
-    sample.
+               mode: str, cp: Optional[ContextParallel] = None,
+               ignore_index: int = IGNORE_INDEX
+               ) -> Union[Dict, List, torch.Tensor]:
+    """What a causal LM returns in each MMEngine mode.
+
+    ``'tensor'``: the logits. ``'loss'``: ``dict(loss=mean cross-entropy
+    over the counted tokens, num_tokens=their number)``; the count
+    (:data:`~mmpar.optim.tokens.TOKENS_KEY`, a float tensor so MMEngine
+    logs it) lets mmpar's step normalise by the count over every
+    micro-batch and rank of an optimizer step (docs/context_parallel.md).
+    ``'predict'``: one ``dict(loss_sum, num_tokens)`` per sample, over its
+    counted tokens (:class:`mmpar.evaluation.LanguageModelMetric`).
+
+    Args:
+        logits: ``(B, T, V)``.
+        targets: ``(B, T)`` token ids; ``ignore_index`` marks a token that
+            is not counted (padding, a masked prompt).
+        mode: ``'tensor'``, ``'loss'`` or ``'predict'``.
+        cp: the model's context-parallel setting: ``logits`` and
+            ``targets`` are this rank's chunks; predictions are summed over
+            the cp group, so every cp rank returns the whole sequence's.
+        ignore_index: the target id of an uncounted token.
 
     Raises:
         ValueError: an unknown mode.
@@ -66,12 +82,20 @@ def lm_outputs(logits: torch.Tensor, targets: Optional[torch.Tensor],
     if mode == 'tensor':
         return logits
     if mode == 'loss':
-        return dict(loss=token_loss(logits, targets).mean())
+        loss_sum, num_tokens = token_loss_sum(logits, targets, ignore_index)
+        return {'loss': normalise_loss(loss_sum, num_tokens),
+                TOKENS_KEY: num_tokens.to(loss_sum.dtype)}
     if mode == 'predict':
-        losses = token_loss(logits, targets).detach()
+        losses = F.cross_entropy(
+            logits.detach().flatten(0, 1).float(), targets.flatten(),
+            ignore_index=ignore_index, reduction='none').view_as(targets)
+        sums = torch.stack([losses.double().sum(1),
+                            (targets != ignore_index).sum(1).double()])
+        if cp is not None and cp.size > 1:
+            dist.all_reduce(sums, group=cp.group)
         return [
-            dict(loss_sum=row.sum().item(), num_tokens=row.numel())
-            for row in losses
+            dict(loss_sum=loss_sum, num_tokens=int(num_tokens))
+            for loss_sum, num_tokens in sums.t().tolist()
         ]
     raise ValueError(f'mode={mode!r} is not supported; allowed: tensor, '
                      'loss, predict')
@@ -79,7 +103,8 @@ def lm_outputs(logits: torch.Tensor, targets: Optional[torch.Tensor],
 
 class LMPipelineOutputs:
     """The pipeline protocol's last-stage methods of a causal LM: the
-    ``'loss'`` and ``'predict'`` outputs of :func:`lm_outputs`."""
+    ``'loss'`` and ``'predict'`` outputs of :func:`lm_outputs` (a model
+    using it has a ``context_parallel`` setting)."""
 
     def pipeline_loss(self, logits: torch.Tensor,
                       data_samples: torch.Tensor) -> dict:
@@ -87,7 +112,8 @@ class LMPipelineOutputs:
 
     def pipeline_predict(self, logits: torch.Tensor,
                          data_samples: torch.Tensor) -> list:
-        return lm_outputs(logits, data_samples, 'predict')
+        return lm_outputs(logits, data_samples, 'predict',
+                          self.context_parallel)
 
 
 def transformer_flops_per_token(num_matmul_params: int, num_layers: int,

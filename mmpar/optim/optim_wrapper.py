@@ -15,7 +15,12 @@ that span the model wrapper and the optimizer, set up once:
   during backward), and the ``forced_sync`` hooks around the last backward
   and before the step;
 * the **non-finite guard** (:mod:`mmpar.optim.nonfinite`), checked in
-  ``backward`` on every rank and consulted in ``step``.
+  ``backward`` on every rank and consulted in ``step``;
+* the **token count** of a loss over counted tokens (:mod:`mmpar.optim.
+  tokens`): each micro-batch backpropagates its token sum
+  (:meth:`ParallelOptimMixin.loss_to_backward`), its count is summed over
+  the gradient axis (:meth:`ParallelOptimMixin.count_tokens`), and ``step``
+  divides the gradients by the window's count before clipping.
 
 ``bind(model)`` tells it the model wrapper once (the Runner does; a
 wrapper's first ``train_step`` does it for scripts). Configs keep naming
@@ -29,6 +34,7 @@ import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 
+from mmpar.optim import tokens
 from mmpar.optim.clip import clip_grad_norm_
 from mmpar.optim.nonfinite import NonFiniteGuard
 from mmpar.registry import OPTIM_WRAPPERS
@@ -42,6 +48,7 @@ class SteppedModel(Protocol):
 
     sync_strategy: str  # 'single_auto_sync', 'multi_auto_sync', 'forced_sync'
     clip_groups: tuple  # groups whose ranks hold different parameters
+    grad_groups: tuple  # groups gradients are averaged over (dp x cp)
 
     def no_sync(self) -> ContextManager:
         ...
@@ -58,6 +65,9 @@ class ParallelOptimMixin:
 
     model: Optional[SteppedModel] = None
     nonfinite_guard: Optional[NonFiniteGuard] = None
+    # Tokens counted since the last step over the gradient axis (None: no
+    # token-counted loss in this window).
+    _window_tokens: Optional[float] = None
 
     def _init_parallel(self) -> None:
         # Norm clipping goes through the one global clip from the start;
@@ -112,6 +122,52 @@ class ParallelOptimMixin:
             self.model.before_last_backward()
         super().backward(loss, **kwargs)
 
+    def loss_to_backward(self, loss: torch.Tensor,
+                         log_vars: dict) -> torch.Tensor:
+        """What one micro-batch backpropagates.
+
+        MMEngine's ``scale_loss(loss)`` (divided by the accumulation count);
+        for a loss over counted tokens (``log_vars`` holds ``num_tokens``)
+        its token sum: :meth:`step` divides the gradients by the tokens of
+        the whole window, which :meth:`count_tokens` adds up.
+        """
+        if not tokens.is_token_counted(log_vars):
+            return self.scale_loss(loss)
+        return tokens.token_sum(loss, log_vars)
+
+    def count_tokens(self, log_vars: dict) -> dict:
+        """Add a micro-batch's token count to the window, summed over the
+        ranks that read different tokens (the bound model's
+        ``grad_groups``: collective over them).
+
+        Returns:
+            The log variables over those ranks (token-weighted means, the
+            summed count): what one process logs for the micro-batch.
+            ``log_vars`` itself for a loss without a count.
+        """
+        if not tokens.is_token_counted(log_vars):
+            return log_vars
+        log_vars, count = tokens.reduce_token_log_vars(
+            log_vars, self._grad_groups())
+        self._window_tokens = (self._window_tokens or 0.0) + count
+        return log_vars
+
+    def _grad_groups(self) -> tuple:
+        return self.model.grad_groups if self.model is not None else ()
+
+    def _normalise_by_tokens(self) -> None:
+        """Gradients of the window's token sums, averaged over the gradient
+        axis (``G`` ranks), times ``G / N``: the gradient of the loss over
+        the ``N`` tokens counted."""
+        if self._window_tokens is None:
+            return
+        factor = tokens.group_size(self._grad_groups()) / max(
+            self._window_tokens, 1.0)
+        self._window_tokens = None
+        tokens.scale_grads(
+            (p for group in self.param_groups for p in group['params']),
+            factor)
+
     def record_backward(self, loss: torch.Tensor,
                         terms: Optional[dict] = None) -> None:
         """Count a backward that ran elsewhere (a pipeline schedule ran it
@@ -128,14 +184,22 @@ class ParallelOptimMixin:
 
     def step(self, **kwargs) -> None:
         """The model's last gradient sync (always: forced sync's buckets may
-        already be in flight), the guard's skip, then MMEngine's step (clip,
-        optimizer step)."""
+        already be in flight), the guard's skip, the division by the
+        window's token count, then MMEngine's step (clip, optimizer step):
+        the clip sees the final gradients."""
         if self.model is not None:
             self.model.finish_grad_sync()
         if self.nonfinite_guard is not None and \
                 not self.nonfinite_guard.allow_step():
+            self._window_tokens = None
             return
+        self._normalise_by_tokens()
         super().step(**kwargs)
+
+    def zero_grad(self, **kwargs) -> None:
+        """MMEngine's, and the window's token count starts again."""
+        self._window_tokens = None
+        super().zero_grad(**kwargs)
 
 
 @OPTIM_WRAPPERS.register_module(name='OptimWrapper')

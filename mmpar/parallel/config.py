@@ -2,7 +2,7 @@
 
 A config says, with the named axes (docs/topology.md)::
 
-    parallel = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1,
+    parallel = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1,
                     tp_plan=None, pipeline=None,
                     use_fsdp=False, cpu_offload=False,
                     sharding_strategy='FULL_SHARD', sync_module_states=True)
@@ -39,6 +39,9 @@ class ParallelConfig:
         dp_shard: data-parallel shards (FSDP's axis; int >= 1 or -1).
         tp: tensor-parallel size (int >= 1 or -1); needs ``tp_plan``.
         pp: pipeline-parallel size (int >= 1 or -1); needs ``pipeline``.
+        cp: context-parallel size (int >= 1 or -1): each sequence is split
+            over ``cp`` ranks; the model needs the context-parallel protocol
+            (:mod:`mmpar.parallelize.context`).
         model_parallelism: the seed name of ``tp`` (see the module doc for
             its HSDP meaning).
         pipeline_parallelism: the seed name of ``pp``.
@@ -61,6 +64,7 @@ class ParallelConfig:
     dp_shard: Optional[int] = None
     tp: Optional[int] = None
     pp: Optional[int] = None
+    cp: Optional[int] = None
     model_parallelism: Optional[int] = None
     pipeline_parallelism: Optional[int] = None
     tp_plan: Any = None

@@ -6,12 +6,16 @@ A job's ranks form a grid with one named axis per technique (torchtitan's
     dp_replicate  data parallel, model replicated (DDP, HSDP's outer axis)
     dp_shard      data parallel, model sharded (FSDP, HSDP's inner axis)
     pp            pipeline stages
+    cp            context parallel: each sequence split over the ranks
+                  (docs/context_parallel.md)
     tp            tensor parallel (fastest-varying: a tp group is consecutive
                   ranks, i.e. inside one node)
 
-``dp = dp_replicate * dp_shard`` is the data axis: samplers, the evaluator
-and every data-parallel wrapper work over it. One axis may be ``-1``, "the
-rest of the world".
+``dp = dp_replicate * dp_shard`` is the data axis: samplers and the
+evaluator work over it, and cp peers read the same batch, as tp and pp peers
+do. Gradients are reduced over ``dp * cp`` (:attr:`ParallelDims.dp_cp`): cp
+peers hold the same weights but different tokens. One axis may be ``-1``,
+"the rest of the world".
 
 :func:`resolve_dims` turns a ``parallel`` config section into a
 :class:`ParallelDims`, resolving the seed names (``model_parallelism``,
@@ -26,10 +30,15 @@ from typing import Optional, Tuple
 from mmpar.checks import check_int
 
 # The one list of axes, in mesh order: slowest-varying first. dp outermost
-# keeps the seed's groups for init_parallelism(mp, pp); tp innermost keeps a
-# tp group on one node. Config keys, layout, mesh, topology and the plan
-# report all iterate it; a new axis is added here and in ParallelDims.
-AXES = ('dp_replicate', 'dp_shard', 'pp', 'tp')
+# keeps the seed's groups for init_parallelism(mp, pp); then the more an axis
+# talks, the closer its ranks: tp innermost (collectives in every layer,
+# forward and backward) keeps a tp group on one node, cp next (an all-gather
+# of keys/values per layer, a reduce-scatter back), pp outside it (one
+# activation per micro-batch and stage boundary). torchtitan orders cp and
+# pp the same way (pp, dp_replicate, dp_shard, cp, tp). Config keys, layout,
+# mesh, topology and the plan report all iterate it; a new axis is added
+# here and in ParallelDims.
+AXES = ('dp_replicate', 'dp_shard', 'pp', 'cp', 'tp')
 # Sizes may be -1: "the rest of the world".
 REST = ((-1, 'the rest of the world'), )
 
@@ -51,9 +60,10 @@ class ParallelDims:
         dp_shard: data-parallel shards (FSDP shards parameters over it).
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
+        cp: context-parallel size (ranks one sequence is split over).
         world_size: the number of ranks.
 
-    One of the four sizes may be ``-1``: it becomes whatever makes the
+    One of the five sizes may be ``-1``: it becomes whatever makes the
     product equal the world size.
 
     Raises:
@@ -65,6 +75,7 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     world_size: int = 1
 
     def __post_init__(self) -> None:
@@ -77,11 +88,13 @@ class ParallelDims:
         if len(rest) > 1:
             raise ParallelismError(
                 f'parallel: {" and ".join(rest)} are both -1; allowed: at '
-                'most one axis of dp_replicate, dp_shard, tp, pp set to -1')
+                f'most one axis of {", ".join(AXES)} set to -1')
         known = 1
         for value in sizes.values():
             known *= max(value, 1)
-        product = ' * '.join(f'{n}={v}' for n, v in sizes.items() if v != -1)
+        # cp=1 (context parallelism off, as in most configs) is left out.
+        product = ' * '.join(f'{n}={v}' for n, v in sizes.items()
+                             if v != -1 and (n, v) != ('cp', 1))
         if rest:
             if self.world_size % known:
                 raise ParallelismError(
@@ -100,6 +113,12 @@ class ParallelDims:
     def dp(self) -> int:
         """The data axis: ``dp_replicate * dp_shard``."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """The gradient axis: ``dp * cp`` ranks read different tokens and
+        hold the same (or, sharded, the same parts of the) weights."""
+        return self.dp * self.cp
 
     @property
     def dp_enabled(self) -> bool:
@@ -122,7 +141,11 @@ class ParallelDims:
         return self.pp > 1
 
     @property
-    def shape(self) -> Tuple[int, int, int, int]:
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
         """Sizes in mesh order, :data:`AXES`."""
         return tuple(getattr(self, name) for name in AXES)
 
@@ -176,8 +199,9 @@ def _requested(parallel, world_size: int, hybrid: bool,
     """Sizes as asked, seed aliases resolved (``-1`` where unset)."""
     pp = _pick(parallel, 'pp', 'pipeline_parallelism') or 1
     mp = parallel.model_parallelism
+    cp = parallel.cp or 1
     sizes = dict(dp_replicate=parallel.dp_replicate,
-                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp)
+                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp, cp=cp)
     if mp is not None and _mp_means_dp_shard(parallel, hybrid):
         sizes['tp'] = 1
         # The wrapper's explicit hybrid_shard_size wins over the alias, as
@@ -194,8 +218,10 @@ def _requested(parallel, world_size: int, hybrid: bool,
         sizes['tp'] = world_size
     if sizes['dp_replicate'] is None and sizes['dp_shard'] is None:
         if hybrid:
-            # -1 ("the rest") on tp or pp leaves no room for data shards.
-            dp = world_size // (max(sizes['tp'], 1) * max(pp, 1)) or 1
+            # -1 ("the rest") on tp, pp or cp leaves no room for data
+            # shards.
+            dp = world_size // (max(sizes['tp'], 1) * max(pp, 1) *
+                                max(cp, 1)) or 1
             sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
         else:
             sizes['dp_replicate'] = 1
@@ -204,6 +230,18 @@ def _requested(parallel, world_size: int, hybrid: bool,
             taken = any(v == -1 for v in sizes.values())
             sizes[name] = 1 if taken else -1
     return sizes
+
+
+def _check_cp_divides(parallel, world_size: int) -> None:
+    """cp splits each sequence over its ranks: it must divide the world."""
+    cp = parallel.cp
+    if cp is not None and cp != -1 and world_size % cp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ParallelismError(
+            f'parallel.cp={cp} does not divide the world size {world_size}; '
+            f'allowed: one of {", ".join(map(str, divisors))} (or -1, the '
+            'rest of the world): cp ranks split each sequence, and the '
+            'other axes must fill the rest of the world')
 
 
 def _refuse_unsupported(parallel, dims: ParallelDims) -> None:
@@ -247,9 +285,11 @@ def resolve_dims(parallel,
 
     Raises:
         ParallelismError: conflicting aliases, sizes that do not fit the
-            world, ``tp > 1`` without ``tp_plan`` or ``pp > 1`` without
-            ``pipeline``; the message names the key the user wrote.
+            world (``cp`` not dividing it), ``tp > 1`` without ``tp_plan``
+            or ``pp > 1`` without ``pipeline``; the message names the key
+            the user wrote.
     """
+    _check_cp_divides(parallel, world_size)
     sizes = _requested(parallel, world_size, hybrid, hybrid_shard_size)
     try:
         dims = ParallelDims(world_size=world_size, **sizes)

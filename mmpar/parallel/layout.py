@@ -1,11 +1,14 @@
 """Which ranks form each axis's groups (pure arithmetic on integers).
 
 Ranks form a grid over :data:`mmpar.parallel.dims.AXES`
-``(dp_replicate, dp_shard, pp, tp)`` in row-major order, tp varying fastest,
-so that neighbouring ranks (usually on the same host, with the fastest link)
-share a tensor-parallel group, the most talkative one; ``dp`` is the
-flattened ``(dp_replicate, dp_shard)`` data axis. The seed names stay as
-keys: ``mp`` is ``tp``. With 8 ranks, tp=2 and pp=2::
+``(dp_replicate, dp_shard, pp, cp, tp)`` in row-major order, tp varying
+fastest, so that neighbouring ranks (usually on the same host, with the
+fastest link) share a tensor-parallel group, the most talkative one; ``dp``
+is the flattened ``(dp_replicate, dp_shard)`` data axis, ``dp_cp`` the
+gradient axis (``dp`` and ``cp`` flattened: ranks that read different tokens)
+and ``dp_shard_cp`` the axis FSDP shards over (``dp_shard`` and ``cp``).
+The seed names stay as keys: ``mp`` is ``tp``. With 8 ranks, tp=2 and
+pp=2::
 
     mp groups [[0, 1], [2, 3], [4, 5], [6, 7]]
     pp groups [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -21,6 +24,13 @@ import torch
 
 from mmpar.parallel.dims import AXES, ParallelDims
 
+# Axes flattened into one: the data axis (samplers, metrics), the gradient
+# axis (every rank that reads different tokens) and FSDP's shard axis.
+FLATTENED = dict(dp=('dp_replicate', 'dp_shard'),
+                 dp_cp=('dp_replicate', 'dp_shard', 'cp'),
+                 dp_shard_cp=('dp_shard', 'cp'))
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Every group of every kind for one layout.
@@ -29,9 +39,10 @@ class ParallelLayout:
         world_size: number of ranks.
         mp: tensor (model) parallel size (ranks per tp group).
         pp: pipeline-parallel size.
-        dp: data-parallel size (``world_size // (mp * pp)``).
-        groups: ``{'tp': [[ranks], ...], 'pp': ..., 'dp': ...,
-            'dp_replicate': ..., 'dp_shard': ..., 'mp': (the tp groups)}``;
+        dp: data-parallel size (``world_size // (mp * pp * cp)``).
+        groups: ``{'tp': [[ranks], ...], 'pp': ..., 'cp': ..., 'dp': ...,
+            'dp_replicate': ..., 'dp_shard': ..., 'dp_cp': ...,
+            'dp_shard_cp': ..., 'mp': (the tp groups)}``;
             each group sorted, the groups of one kind partitioning
             ``range(world_size)``.
         dims: the named axes this layout was made from.
@@ -57,12 +68,14 @@ class ParallelLayout:
         return next(g for g in self.groups[kind] if rank in g)
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
-        """``(dp_index, pp_index, mp_index)`` of ``rank`` in the grid."""
+        """``(dp_index, pp_index, mp_index)`` of ``rank`` in the grid (the
+        seed's coordinates; a cp index lies between pp and mp)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f'rank={rank} is outside world size '
                              f'{self.world_size}')
-        return (rank // (self.mp * self.pp), rank // self.mp % self.pp,
-                rank % self.mp)
+        cp = self.dims.cp if self.dims is not None else 1
+        return (rank // (self.mp * cp * self.pp),
+                rank // (self.mp * cp) % self.pp, rank % self.mp)
 
 
 def axis_groups(dims: ParallelDims, axes: Tuple[str, ...]) -> List[List[int]]:
@@ -82,9 +95,11 @@ def axis_groups(dims: ParallelDims, axes: Tuple[str, ...]) -> List[List[int]]:
 
 
 def layout_of(dims: ParallelDims) -> ParallelLayout:
-    """Every group of every axis of ``dims``, plus ``dp`` and ``mp``."""
+    """Every group of every axis of ``dims``, plus the flattened ``dp``,
+    ``dp_cp`` and ``dp_shard_cp``, and ``mp``."""
     groups = {axis: axis_groups(dims, (axis, )) for axis in AXES}
-    groups['dp'] = axis_groups(dims, ('dp_replicate', 'dp_shard'))
+    for name, axes in FLATTENED.items():
+        groups[name] = axis_groups(dims, axes)
     groups['mp'] = groups['tp']
     return ParallelLayout(dims.world_size, dims.tp, dims.pp, dims.dp, groups,
                           dims)

@@ -2,7 +2,9 @@
 
 :func:`build_mesh` turns a :class:`~mmpar.parallel.dims.ParallelDims` into
 one group per axis for this rank and a ``DeviceMesh`` with dims
-:data:`~mmpar.parallel.dims.AXES` plus the flattened data axis ``'dp'``.
+:data:`~mmpar.parallel.dims.AXES` plus the flattened axes of
+:data:`~mmpar.parallel.layout.FLATTENED`: the data axis ``'dp'``, the
+gradient axis ``'dp_cp'`` and FSDP's shard axis ``'dp_shard_cp'``.
 :func:`fallback_data_mesh` serves wrappers built without a topology (tests,
 scripts): the whole world as the data axis, or split into HSDP's
 replicate x shard pair.
@@ -22,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from mmpar.dist import collective_timeout, uses_cuda
 from mmpar.parallel.dims import AXES, ParallelDims, node_local_shard
 from mmpar.parallel.groups import GroupInfo
-from mmpar.parallel.layout import ParallelLayout, layout_of
+from mmpar.parallel.layout import FLATTENED, ParallelLayout, layout_of
 
 DATA_AXES = ('dp_replicate', 'dp_shard')
 
@@ -31,9 +33,10 @@ class ParallelMesh:
     """Named sub-meshes of the job: ``mesh['tp']``, ``mesh['dp']``, ...
 
     A thin view over the torch ``DeviceMesh`` (:attr:`root`, dims
-    :data:`AXES`) that also answers the flattened data axis ``'dp'``
-    directly: torch deprecates slicing a flattened dim from the root mesh and
-    asks callers to keep the flattened mesh themselves, which is what this
+    :data:`AXES`) that also answers the flattened axes (``'dp'``,
+    ``'dp_cp'``, ``'dp_shard_cp'``) directly: torch deprecates slicing a
+    flattened dim from the root mesh and asks callers to keep the flattened
+    mesh themselves, which is what this
     does. Any other attribute is the root mesh's.
     """
 
@@ -45,9 +48,20 @@ class ParallelMesh:
         key = names if isinstance(names, str) else tuple(names)
         if isinstance(key, tuple) and len(key) == 1:
             key = key[0]
-        if isinstance(key, str) and key in self.flattened:
-            return self.flattened[key]
-        return self.root[key]
+        if isinstance(key, str):
+            return self.flattened[key] if key in self.flattened \
+                else self.root[key]
+        # A flattened axis that is one root dim (the others of size 1) is
+        # that dim, so the result is a plain slice of the root.
+        dims = tuple(self[name].mesh_dim_names[0] if name in self.flattened
+                     else name for name in key)
+        if all(dim in self.root.mesh_dim_names for dim in dims):
+            return self.root[dims]
+        # DeviceMesh._concatenate: the only way in torch 2.13 to put a root
+        # dim and a flattened one side by side (HSDP's replicate x
+        # (dp_shard x cp)) without slicing the flattened dim from the root,
+        # which torch deprecates.
+        return DeviceMesh._concatenate([self[name] for name in key])
 
     def __getattr__(self, name: str):
         return getattr(self.root, name)
@@ -62,7 +76,8 @@ class BuiltMesh:
 
     Attributes:
         mesh: the named view (``mesh['dp']``, ``mesh['tp']``, ...).
-        groups: this rank's :class:`GroupInfo` per axis and for ``'dp'``.
+        groups: this rank's :class:`GroupInfo` per axis and per flattened
+            axis (``'dp'``, ``'dp_cp'``, ``'dp_shard_cp'``).
         created: every group this rank belongs to (for teardown), once.
         layout: every rank's groups (pure).
     """
@@ -109,20 +124,26 @@ def _group_options(backend: str):
     return backend, dist.ProcessGroupGloo.Options(backend, timeout)
 
 
-def _flat_data_axis(root: DeviceMesh, backend: Optional[str]) -> DeviceMesh:
-    """The data axis ``'dp'`` as a 1-D mesh that shares ``root``.
+def _flatten(root: DeviceMesh, axes: Tuple[str, ...], name: str,
+             backend: Optional[str], made: Dict[tuple, DeviceMesh]
+             ) -> DeviceMesh:
+    """``axes`` as one 1-D mesh named ``name`` that shares ``root``.
 
-    With one of the two data axes of size 1 it is the other one's slice;
-    otherwise torch flattens the two (a new group, with our timeout). It
-    must share the root: FSDP2 combines it with a tp mesh of the same root.
+    With at most one of them larger than 1 it is that axis's slice; a set
+    of larger axes already flattened (``dp_cp`` is ``dp`` when cp is 1) is
+    reused; otherwise torch flattens them (a new group, with our timeout).
+    It must share the root: FSDP2 combines it with a tp mesh of the same
+    root.
     """
-    for axis, other in (DATA_AXES, DATA_AXES[::-1]):
-        if root[other].size() == 1:
-            return root[axis]
-    # DeviceMesh._flatten: no public way to flatten dims in torch 2.13.
-    return root[DATA_AXES]._flatten(
-        'dp', backend_override=_group_options(
-            backend or dist.get_backend()))
+    big = tuple(axis for axis in axes if root[axis].size() > 1)
+    if len(big) <= 1:
+        return root[big[0] if big else axes[0]]
+    if big not in made:
+        # DeviceMesh._flatten: no public way to flatten dims in torch 2.13.
+        made[big] = root[big]._flatten(
+            name, backend_override=_group_options(
+                backend or dist.get_backend()))
+    return made[big]
 
 
 def build_mesh(dims: ParallelDims,
@@ -135,8 +156,9 @@ def build_mesh(dims: ParallelDims,
 
     Args:
         dims: the layout; its world size must be the default group's.
-        backends: backend per axis name (or ``'dp'``); None uses the
-            default group's backend.
+        backends: backend per axis name (or flattened axis; ``'dp'``'s
+            serves the other flattened ones); None uses the default group's
+            backend.
 
     Returns:
         This rank's mesh and groups.
@@ -153,16 +175,18 @@ def build_mesh(dims: ParallelDims,
         device_type(),
         mesh=torch.arange(dims.world_size).reshape(dims.shape),
         mesh_dim_names=AXES)
-    flat = _flat_data_axis(root, backends.get('dp'))
-    ranks = flat.mesh.tolist()
-    groups['dp'] = GroupInfo(flat.get_group(), ranks,
-                             ranks.index(dist.get_rank()), len(ranks))
+    flat, made = {}, {}
+    for name, axes in FLATTENED.items():
+        flat[name] = _flatten(root, axes, name, backends.get(name) or
+                              backends.get('dp'), made)
+        ranks = flat[name].mesh.tolist()
+        groups[name] = GroupInfo(flat[name].get_group(), ranks,
+                                 ranks.index(dist.get_rank()), len(ranks))
     # Only this rank's groups: for the others new_group returned a
     # non-member marker, which must never reach destroy_process_group.
     mine = {id(info.group): info.group for info in groups.values()}
     return BuiltMesh(
-        ParallelMesh(root, {'dp': flat}), groups, tuple(mine.values()),
-        layout)
+        ParallelMesh(root, flat), groups, tuple(mine.values()), layout)
 
 
 def fallback_data_mesh(hybrid: bool,

@@ -219,9 +219,10 @@ def default_group_info() -> GroupInfo:
 
 
 def default_dp_group() -> Optional[dist.ProcessGroup]:
-    """The installed topology's data-parallel group, else None (torch's
-    default, whole-world group)."""
-    return None if _live() is None else _current.dp.group
+    """The installed topology's gradient group (``dp x cp``: what
+    data-parallel wrappers reduce over; the data-parallel group without
+    cp), else None (torch's default, whole-world group)."""
+    return None if _live() is None else _current.dp_cp.group
 
 
 def data_mesh(hybrid: bool = False,

@@ -27,24 +27,32 @@ class ParallelTopology:
     Attributes:
         dims: the named axes (sizes).
         mesh: named sub-meshes: ``mesh['tp']``, ``mesh['pp']``,
-            ``mesh['dp']`` (the flattened data axis),
+            ``mesh['cp']``, ``mesh['dp']`` (the flattened data axis),
+            ``mesh['dp_cp']`` (the gradient axis), ``mesh['dp_shard_cp']``,
             ``mesh['dp_replicate', 'dp_shard']``; ``mesh.root`` is the torch
             ``DeviceMesh`` with dims ``('dp_replicate', 'dp_shard', 'pp',
-            'tp')``.
+            'cp', 'tp')``.
         tp: this rank's tensor-parallel group (``mp`` is its seed name).
         pp: this rank's pipeline-parallel group.
-        dp: this rank's data-parallel group (dp_replicate x dp_shard).
+        dp: this rank's data-parallel group (dp_replicate x dp_shard): what
+            samplers and metrics work over.
         dp_replicate: this rank's replicate group (HSDP's outer axis).
-        dp_shard: this rank's shard group (FSDP's axis).
+        dp_shard: this rank's shard group (FSDP's axis without cp).
+        cp: this rank's context-parallel group (one sequence's ranks).
+        dp_cp: this rank's gradient group (dp x cp): the ranks that read
+            different tokens, over which gradients are reduced and the
+            loss's token count is summed.
         layout: every rank's groups (the pure layout).
     """
     dims: ParallelDims
     mesh: ParallelMesh
     tp: GroupInfo
     pp: GroupInfo
+    cp: GroupInfo
     dp: GroupInfo
     dp_replicate: GroupInfo
     dp_shard: GroupInfo
+    dp_cp: GroupInfo
     layout: ParallelLayout
     created_groups: tuple  # every group this rank made
     world_group: dist.ProcessGroup  # the default group they were made in
@@ -85,12 +93,15 @@ class ParallelTopology:
 
     def data_mesh(self) -> DeviceMesh:
         """The mesh a sharded data-parallel wrapper (FSDP1/FSDP2) works over:
-        ``mesh['dp_replicate', 'dp_shard']`` (2-D: replicate outside, shard
-        inside: HSDP) when ``dp_replicate > 1``, else the 1-D ``mesh['dp']``.
-        The layout decides, so every wrapper agrees."""
+        ``(dp_replicate, dp_shard_cp)`` (2-D: replicate outside, shard
+        inside: HSDP) when ``dp_replicate > 1``, else the 1-D
+        ``mesh['dp_cp']``. Parameters are sharded over ``dp_shard x cp``
+        (as torchtitan does): cp peers hold the same weights, so they may
+        as well hold different shards of them. The layout decides, so every
+        wrapper agrees."""
         if self.dims.dp_replicate_enabled:
-            return self.mesh['dp_replicate', 'dp_shard']
-        return self.mesh['dp']
+            return self.mesh['dp_replicate', 'dp_shard_cp']
+        return self.mesh['dp_cp']
 
     def is_alive(self) -> bool:
         """Whether its groups still exist: destroying the default group
@@ -129,8 +140,8 @@ def build_topology(dims: ParallelDims,
 
     Args:
         dims: the layout; its world size must be the default group's.
-        backends: backend per axis name (or ``'dp'``); None uses the default
-            group's.
+        backends: backend per axis name (or flattened axis); None uses the
+            default group's.
 
     Raises:
         ParallelismError: no default process group, or ``dims`` made for
@@ -147,6 +158,8 @@ def build_topology(dims: ParallelDims,
     built = build_mesh(dims, backends)
     groups = built.groups
     return ParallelTopology(
-        dims, built.mesh, groups['tp'], groups['pp'], groups['dp'],
-        groups['dp_replicate'], groups['dp_shard'], built.layout,
-        built.created, dist.group.WORLD)
+        dims, built.mesh, layout=built.layout, created_groups=built.created,
+        world_group=dist.group.WORLD,
+        **{name: groups[name] for name in ('tp', 'pp', 'cp', 'dp',
+                                           'dp_replicate', 'dp_shard',
+                                           'dp_cp')})

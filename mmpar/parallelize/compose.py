@@ -6,13 +6,19 @@ topology it is handed:
 
 1. tensor parallelism over ``mesh['tp']`` (``parallel.tp_plan``,
    :mod:`.tensor`),
-2. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
-   :mod:`.pipeline`); steps 3-5 then run on each of this rank's stages,
-3. activation checkpointing (:mod:`.activation`),
-4. ``torch.compile`` (:mod:`.compile`),
-5. the data-parallel wrapper, given the data axis as its class declares it
-   takes it (a group, or the 1-D / replicate x shard mesh),
-6. for a model built on the meta device (:mod:`.meta`), materialising this
+2. context parallelism over ``mesh['cp']`` (``parallel.cp``,
+   :mod:`.context`): it only tags the attention modules, so it follows TP
+   (it tags them as they will run) and precedes the pipeline split (the
+   stage copies keep the tag) and checkpointing / compile (whose wrappers
+   would hide the module names the protocol matches),
+3. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
+   :mod:`.pipeline`); steps 4-7 then run on each of this rank's stages,
+4. activation checkpointing (:mod:`.activation`),
+5. ``torch.compile`` (:mod:`.compile`),
+6. the data-parallel wrapper, given the gradient axis (``dp x cp``: cp
+   peers hold the same weights but read different tokens) as its class
+   declares it takes it (a group, or the 1-D / replicate x shard mesh),
+7. for a model built on the meta device (:mod:`.meta`), materialising this
    rank's share (its local shards, its stages), filled as one process would
    initialise them: before the wrapper, after it (FSDP2: only local shards
    are allocated) or inside it (FSDP1), as the wrapper class declares.
@@ -36,6 +42,7 @@ from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import (apply_activation_checkpointing,
                                           merge_wrapper_key)
 from mmpar.parallelize.compile import apply_compile
+from mmpar.parallelize.context import apply_context_parallel
 from mmpar.parallelize.meta import MetaInit
 from mmpar.parallelize.tensor import apply_tp
 from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
@@ -92,7 +99,7 @@ def check_composition(parallel: ParallelConfig, dims: ParallelDims,
                 'allowed: leave it unset and give parallel.dp_shard instead')
         if dims.pp_enabled:
             PipelineConfig.from_cfg(parallel.pipeline, dims.pp, batch_size)
-            check_pipeline_wrapper(cfg, dims.dp)
+            check_pipeline_wrapper(cfg, dims.dp_cp)
             if compile_cfg:
                 raise ValueError(
                     f'model_compile={compile_cfg!r} with parallel.pp='
@@ -104,15 +111,16 @@ def check_composition(parallel: ParallelConfig, dims: ParallelDims,
 
 
 def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
-    """The data axis as the wrapper ``cfg`` names takes it, for the
-    builder's ``default_args``: its group, or its mesh."""
+    """The gradient axis (``dp x cp``; the data axis without cp) as the
+    wrapper ``cfg`` names takes it, for the builder's ``default_args``: its
+    group, or its mesh."""
     cls = declared(cfg.get('type', DEFAULT_WRAPPER))
     if cls.data_axis_arg == 'process_group':
-        return dict(process_group=topology.dp.group)
+        return dict(process_group=topology.dp_cp.group)
     strategy = strategy_name(cfg.get('sharding_strategy'))
     if not SHARDING_STRATEGIES[strategy].shards:
-        # NO_SHARD replicates over the whole data axis.
-        return dict(device_mesh=topology.mesh['dp'])
+        # NO_SHARD replicates over the whole gradient axis.
+        return dict(device_mesh=topology.mesh['dp_cp'])
     return dict(device_mesh=topology.data_mesh())
 
 
@@ -127,12 +135,12 @@ def builds_on_meta(dims: ParallelDims, wrapper_cfg: Optional[dict]) -> bool:
 def _finish(model: nn.Module, topology: ParallelTopology, wrapper_cfg: dict,
             ac_cfg: Any, compile_cfg: Any,
             meta: Optional[tuple] = None) -> nn.Module:
-    """Steps 3-6 on a model or one pipeline stage; ``meta`` is
+    """Steps 4-7 on a model or one pipeline stage; ``meta`` is
     ``(MetaInit, device)`` for a model built on the meta device."""
     model = apply_activation_checkpointing(model, ac_cfg)
     model = apply_compile(model, compile_cfg)
     dims = topology.dims
-    wrapped = not dims.pp_enabled or dims.dp_enabled or dims.tp_enabled
+    wrapped = not dims.pp_enabled or dims.dp_cp > 1 or dims.tp_enabled
     # (A stage with no data axis needs no wrapper; with tp it gets one,
     # which replicates over one rank, so TP models are wrapped alike.)
     cls = declared(wrapper_cfg.get('type', DEFAULT_WRAPPER)) if wrapped \
@@ -170,11 +178,11 @@ def parallelize(model: nn.Module,
         parallel_cfg: the ``parallel`` section (dict, ParallelConfig or
             None).
         model_wrapper_cfg: the data-parallel wrapper to build (None: DDP).
-            Its ``activation_checkpointing`` key, if any, is step 3's.
+            Its ``activation_checkpointing`` key, if any, is step 4's.
         compile_cfg: ``model_compile`` (per-block ``torch.compile``).
-        activation_checkpointing: the top-level config key (step 3).
+        activation_checkpointing: the top-level config key (step 4).
         meta_init: what :func:`~mmpar.parallelize.meta.build_on_meta`
-            recorded, for a model built on the meta device (step 6).
+            recorded, for a model built on the meta device (step 7).
         device: where a meta-built model's parameters go.
 
     Returns:
@@ -200,6 +208,8 @@ def parallelize(model: nn.Module,
         init_weights_before_sharding(model)
     if dims.tp_enabled:
         model = apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
+    if dims.cp_enabled:
+        apply_context_parallel(model, topology.mesh['cp'])
     if dims.pp_enabled:
         from mmpar.parallelize.pipeline import (pipeline_parallelize,
                                                 stage_wrapper_cfg)

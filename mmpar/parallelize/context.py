@@ -42,8 +42,7 @@ each attention module; :func:`shard_batch` cuts a batch's sequence-sharded
 tensors for this rank. Positions are not a batch tensor: the model derives
 them from its setting (:meth:`ContextParallel.positions`).
 """
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -51,12 +50,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
+# The sequence layout lives in mmpar.parallel.sequence (the step body, a
+# layer below, cuts batches with it); re-exported as this technique's API.
+from mmpar.parallel.sequence import (ATTENTION_ATTR, SETTING_ATTR,  # noqa
+                                     SHARDED_ATTR, ContextParallel,
+                                     check_seq_len, chunk_ids, shard_batch,
+                                     sequence_positions, shard_sequence,
+                                     unshard_sequence)
 from mmpar.parallelize.module_plan import match_modules
-
-ATTENTION_ATTR = 'context_parallel_modules'
-SHARDED_ATTR = 'context_parallel_sharded'
-SETTING_ATTR = 'context_parallel'
 
 # torch 2.13 renamed these (the old names warn); mmpar supports torch >= 2.4,
 # where gloo has both under the old names.
@@ -66,61 +69,7 @@ _reduce_scatter_single = getattr(dist, 'reduce_scatter_single', None) or \
     dist.reduce_scatter_tensor
 
 
-# -- the sequence layout ----------------------------------------------------
-def check_seq_len(seq_len: int, cp: int) -> int:
-    """The chunk length of a sequence of ``seq_len`` tokens at ``cp``.
-
-    Raises:
-        ValueError: ``cp < 1``, or ``seq_len`` not a multiple of ``2 * cp``.
-    """
-    if not isinstance(cp, int) or cp < 1:
-        raise ValueError(f'context parallel size cp={cp!r} must be an int '
-                         '>= 1')
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f'sequence length {seq_len} must be a multiple of 2 x cp = '
-            f'{2 * cp}: context parallelism cuts each sequence into 2 x cp '
-            'equal chunks, two per rank')
-    return seq_len // (2 * cp)
-
-
-def chunk_ids(rank: int, cp: int) -> Tuple[int, int]:
-    """The two chunks cp rank ``rank`` holds, in the order it holds them."""
-    return rank, 2 * cp - 1 - rank
-
-
-def shard_sequence(x: torch.Tensor, rank: int, cp: int,
-                   dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s part of ``x`` along ``dim``: its two chunks, joined.
-
-    Raises:
-        ValueError: ``x.shape[dim]`` not a multiple of ``2 * cp``.
-    """
-    chunks = x.split(check_seq_len(x.shape[dim], cp), dim)
-    return torch.cat([chunks[c] for c in chunk_ids(rank, cp)], dim)
-
-
-def unshard_sequence(shards: Sequence[torch.Tensor],
-                     dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's :func:`shard_sequence` part, in
-    rank order (the inverse of sharding for ranks ``0 .. len(shards)-1``)."""
-    cp = len(shards)
-    chunks = [None] * (2 * cp)
-    for rank, shard in enumerate(shards):
-        check_seq_len(shard.shape[dim] * cp, cp)
-        for chunk, part in zip(chunk_ids(rank, cp), shard.chunk(2, dim)):
-            chunks[chunk] = part
-    return torch.cat(chunks, dim)
-
-
-def sequence_positions(seq_len: int, rank: int, cp: int,
-                       device=None) -> torch.Tensor:
-    """Positions (in the whole sequence of ``seq_len``) of rank ``rank``'s
-    tokens, in the order it holds them: ``(seq_len // cp, )`` int64."""
-    return shard_sequence(
-        torch.arange(seq_len, device=device), rank, cp, dim=0)
-
-
+# -- the load balance ------------------------------------------------------
 def causal_chunk_mask(chunk: int, chunk_len: int,
                       device=None) -> torch.Tensor:
     """Which keys the queries of chunk ``chunk`` see: ``(chunk_len, (chunk +
@@ -138,56 +87,6 @@ def attention_work(seq_len: int, rank: int, cp: int) -> Tuple[int, int]:
     chunk_len = check_seq_len(seq_len, cp)
     masks = [causal_chunk_mask(c, chunk_len) for c in chunk_ids(rank, cp)]
     return (sum(m.numel() for m in masks), sum(int(m.sum()) for m in masks))
-
-
-# -- the setting a model holds ----------------------------------------------
-@dataclass(frozen=True)
-class ContextParallel:
-    """The cp group a model's attention spans, and this rank's place in it.
-
-    Args:
-        group: the context-parallel process group.
-        rank: this process's rank in ``group``.
-        size: the group's size (cp).
-    """
-    group: ProcessGroup
-    rank: int
-    size: int
-
-    @classmethod
-    def of(cls, cp: Union['ContextParallel', ProcessGroup,
-                          DeviceMesh]) -> 'ContextParallel':
-        """From a process group or a 1-D device mesh (the cp sub-mesh)."""
-        if isinstance(cp, ContextParallel):
-            return cp
-        if isinstance(cp, DeviceMesh):
-            if cp.ndim != 1:
-                raise ValueError(f'context parallel mesh {cp} must be 1-D '
-                                 '(the cp sub-mesh)')
-            cp = cp.get_group()
-        if not isinstance(cp, ProcessGroup):
-            raise ValueError(f'context parallel group {cp!r} must be a '
-                             'ProcessGroup or a 1-D DeviceMesh')
-        return cls(cp, dist.get_rank(cp), dist.get_world_size(cp))
-
-    def positions(self, local_len: int, device=None) -> torch.Tensor:
-        """Positions of this rank's ``local_len`` tokens in the whole
-        sequence (of ``local_len * size`` tokens).
-
-        Raises:
-            ValueError: the whole length not a multiple of ``2 * size``.
-        """
-        return sequence_positions(local_len * self.size, self.rank,
-                                  self.size, device)
-
-    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's part of a whole-sequence tensor."""
-        return shard_sequence(x, self.rank, self.size, dim)
-
-    def __deepcopy__(self, memo):
-        # A process group cannot be copied, and a copy of the model (a
-        # pipeline stage is one) spans the same group.
-        return self
 
 
 # -- attention --------------------------------------------------------------
@@ -254,6 +153,14 @@ def context_parallel_attention(q: torch.Tensor,
                                scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence.
 
+    What backward keeps is this rank's ``q``, ``k`` and ``v`` only: the
+    whole sequence's keys/values and the chunk masks (a ``t x T`` matrix per
+    chunk, which SDPA saves) are made again in backward, the keys/values
+    gathered a second time, as ring attention sends them around again. So
+    a rank's activations fall as ``1 / cp`` (benchmarks/
+    bench_context_parallel.py measures it) for one more all-gather and
+    attention forward per layer.
+
     Args:
         q: ``(B, H, t, D)`` queries of this rank's ``t`` tokens (its two
             chunks, in :func:`shard_sequence` order), rotary embeddings
@@ -272,8 +179,18 @@ def context_parallel_attention(q: torch.Tensor,
     Raises:
         ValueError: ``t`` odd (the whole sequence not cut in 2 x cp chunks).
     """
-    local_len = q.shape[2]
-    chunk_len = check_seq_len(local_len * cp.size, cp.size)
+    check_seq_len(q.shape[2] * cp.size, cp.size)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # Every cp rank runs the recomputation in the same backward order,
+        # so the all-gather in it pairs up like the forward's.
+        return checkpoint(_attend, q, k, v, cp, scale, use_reentrant=False,
+                          preserve_rng_state=False)
+    return _attend(q, k, v, cp, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cp: ContextParallel, scale: Optional[float]) -> torch.Tensor:
+    chunk_len = q.shape[2] // 2
     # One collective for keys and values together.
     k, v = gather_sequence(torch.stack((k, v)), cp, dim=3).unbind(0)
     k, v = repeat_kv_heads(k, v, q.shape[1])
@@ -303,8 +220,8 @@ def attention_modules(model: nn.Module) -> List[nn.Module]:
                if not hasattr(model, a)]
     if missing:
         raise ValueError(
-            f'{name} cannot run context parallel (cp > 1): it has no '
-            f'{", ".join(missing)}; see mmpar/parallelize/context.py for '
+            f'{name} cannot run context parallel (parallel.cp > 1): it has '
+            f'no {", ".join(missing)}; see mmpar/parallelize/context.py for '
             'the protocol (attention modules that call '
             'context_parallel_attention, the sequence-sharded inputs, and '
             'a context_parallel setting for positions)')
@@ -352,22 +269,3 @@ def apply_context_parallel(
     for module in [model] + modules:
         setattr(module, SETTING_ATTR, setting)
     return setting
-
-
-def shard_batch(model: nn.Module, data: Dict[str, object]) -> dict:
-    """A copy of ``data`` (a model's forward arguments) with the tensors the
-    model names in ``context_parallel_sharded`` cut to this rank's part along
-    dim 1; unchanged when the model is not in context-parallel mode.
-
-    Raises:
-        ValueError: a sequence length not a multiple of ``2 * cp``.
-    """
-    setting = getattr(model, SETTING_ATTR, None)
-    if setting is None:
-        return dict(data)
-    keys = getattr(model, SHARDED_ATTR)
-    return {
-        key: setting.shard(value) if key in keys and
-        isinstance(value, torch.Tensor) else value
-        for key, value in data.items()
-    }

@@ -1,12 +1,13 @@
 """Data by data rank: samplers and the evaluator work over the data axis.
 
 MMEngine's samplers shard a data set by the global rank and world size, and
-its ``collect_results`` gathers every rank's results. With tensor- or
-pipeline-parallel peers (``tp > 1`` or ``pp > 1``) both are wrong: peers must
-read the same batch, and counting every peer's results would count each
-sample ``tp * pp`` times (then truncate to the data set's size, dropping
-real samples). The Runner passes its loaders and metrics through here; with
-``dp == world`` (every layout without tp/pp) nothing changes.
+its ``collect_results`` gathers every rank's results. With tensor-,
+pipeline- or context-parallel peers (``tp``, ``pp`` or ``cp > 1``) both are
+wrong: peers must read the same batch (a cp rank then keeps its chunks of
+each sequence), and counting every peer's results would count each sample
+``tp * pp * cp`` times (then truncate to the data set's size, dropping real
+samples). The Runner passes its loaders and metrics through here; with
+``dp == world`` (every layout without tp/pp/cp) nothing changes.
 
 Samplers are fixed after MMEngine builds them, so configs keep naming
 MMEngine's ``DefaultSampler`` / ``InfiniteSampler`` unchanged.
@@ -56,9 +57,9 @@ def shard_sampler(sampler, rank: int, size: int) -> None:
         return
     raise ConfigError(
         f'sampler type={type(sampler).__name__!r} shards data by the global '
-        'rank, which is wrong when tp or pp > 1 (tensor/pipeline peers must '
-        'read the same batch); allowed: DefaultSampler, InfiniteSampler (or '
-        'subclasses)')
+        'rank, which is wrong when tp, pp or cp > 1 (tensor/pipeline/context '
+        'peers must read the same batch); allowed: DefaultSampler, '
+        'InfiniteSampler (or subclasses)')
 
 
 def shard_loader_by_data_rank(loader: DataLoader,
@@ -86,16 +87,19 @@ def evaluate_on_data_axis(metric: BaseMetric, size: int,
                           topology: ParallelTopology) -> dict:
     """``BaseMetric.evaluate`` over the data axis only.
 
-    One rank per data index contributes (tp rank 0 of the last pipeline
-    stage, which holds the outputs); their results are gathered over their
-    dp group in MMEngine's order (interleaved by rank, truncated to
+    One rank per data index contributes (tp and cp rank 0 of the last
+    pipeline stage, which holds the outputs; a context-parallel model sums
+    its predictions over its cp group); their results are gathered over
+    their dp group in MMEngine's order (interleaved by rank, truncated to
     ``size``), the metric is computed on the first of them and broadcast to
     every rank.
     """
     dims = topology.dims
-    contributes = topology.tp.rank == 0 and topology.is_last_stage
-    # Global rank of (dp 0, last stage, tp 0): tp fastest, then pp.
-    source = (dims.pp - 1) * dims.tp
+    contributes = topology.tp.rank == 0 and topology.cp.rank == 0 and \
+        topology.is_last_stage
+    # Global rank of (dp 0, last stage, cp 0, tp 0): tp fastest, then cp,
+    # then pp.
+    source = (dims.pp - 1) * dims.cp * dims.tp
     metrics = [None]
     if contributes:
         parts = [None] * topology.dp_size
@@ -141,7 +145,7 @@ class DataAxisEvaluator(Evaluator):
 
 def evaluate_metrics_on_data_axis(evaluator,
                                   topology: Optional[ParallelTopology]):
-    """``evaluator`` collecting over the data axis when tp or pp > 1 (a
+    """``evaluator`` collecting over the data axis when tp, pp or cp > 1 (a
     :class:`DataAxisEvaluator` with the same metrics), else itself.
 
     Raises:
@@ -153,6 +157,7 @@ def evaluate_metrics_on_data_axis(evaluator,
     if type(evaluator) is not Evaluator:
         raise ConfigError(
             f'evaluator type={type(evaluator).__name__!r} collects over the '
-            'whole world, which counts each sample once per tensor/pipeline '
-            'peer when tp or pp > 1; allowed: the default Evaluator')
+            'whole world, which counts each sample once per tensor/pipeline/'
+            'context peer when tp, pp or cp > 1; allowed: the default '
+            'Evaluator')
     return DataAxisEvaluator(evaluator.metrics, topology)

@@ -32,6 +32,7 @@ from mmpar.parallelize.meta import MetaInit, build_on_meta
 from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
+from mmpar.runner.ema import EMAHooks
 from mmpar.runner.optim import build_parallel_optim_wrapper
 from mmpar.wrappers.base import describe
 from mmpar.wrappers.builder import DEFAULT_WRAPPER, default_wrapper_cfg
@@ -63,6 +64,8 @@ class Runner(MMEngineRunner):
         # the run's one topology (setup_env builds it).
         self.meta_init: Optional[MetaInit] = None
         self.topology = None
+        # EMAHook's averaged copy under any layout (mmpar/runner/ema.py).
+        self._ema = EMAHooks()
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -200,6 +203,20 @@ class Runner(MMEngineRunner):
             loop['type'] = 'mmpar.IterBasedTrainLoop'
         return super().build_train_loop(loop)
 
+    def call_hook(self, fn_name: str, **kwargs) -> None:
+        """MMEngine's, except that an ``EMAHook``'s ``before_run`` builds
+        its averaged copy from this rank's part of a sharded or pipelined
+        model (:mod:`mmpar.runner.ema`)."""
+        if fn_name != 'before_run':
+            return super().call_hook(fn_name, **kwargs)
+        for hook in self._hooks:  # MMEngine's loop
+            if hasattr(hook, fn_name):
+                with self._ema.building(self, hook):
+                    try:
+                        getattr(hook, fn_name)(self, **kwargs)
+                    except TypeError as e:
+                        raise TypeError(f'{e} in {hook}') from None
+
     def register_hooks(self, default_hooks=None, custom_hooks=None) -> None:
         if self.checkpoint_format == 'sharded':
             # Sharded checkpoints are directories: epoch_N, not epoch_N.pth.
@@ -278,17 +295,25 @@ class Runner(MMEngineRunner):
         path = osp.join(out_dir, filename)
         if self.checkpoint_format == 'sharded':
             ckpt.save_sharded(self.model, self.optim_wrapper, path, extras,
-                              save_optimizer, self._before_save_hooks)
+                              save_optimizer, self._before_save_sharded,
+                              shadows=self._ema.shadows())
             return
         checkpoint = ckpt.collect_checkpoint(self.model, self.optim_wrapper,
                                              extras, save_optimizer)
-        if is_main_process():
-            self._before_save_hooks(checkpoint)
-            ckpt.atomic_save(checkpoint, path)
+        # An EMAHook's averaged copy of a sharded model is gathered here, on
+        # every rank, for its rank-0 before_save_checkpoint.
+        with self._ema.full_states_staged(self.model):
+            if is_main_process():
+                self._before_save_hooks(checkpoint)
+                ckpt.atomic_save(checkpoint, path)
         barrier()
 
     def _before_save_hooks(self, checkpoint: dict) -> None:
         self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
+
+    def _before_save_sharded(self, plain: dict) -> None:
+        with self._ema.stand_ins_staged(plain['model_keys']):
+            self._before_save_hooks(plain)
 
     def _after_load_hooks(self, checkpoint: dict) -> None:
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)

@@ -16,6 +16,7 @@ from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 from torch import nn
 
 from mmpar.optim import ParallelOptimMixin
+from mmpar.parallel.sequence import shard_batch
 from mmpar.wrappers import full_state
 from mmpar.wrappers.buffers import check_buffer_sync, sync_buffers
 from mmpar.wrappers.description import WrappedModel
@@ -73,8 +74,8 @@ class StepMixin:
     # Groups over which ranks hold different parameters, whose gradient
     # norms the global-norm clip combines (FSDP1's shard group, the pp axis).
     clip_groups: tuple = ()
-    # Groups buffers are made equal over, one after the other (the data
-    # axis; a 2-D mesh's two dims). (None,) is the whole world.
+    # Groups buffers are made equal over, one after the other (the gradient
+    # axis dp x cp; a 2-D mesh's two dims). (None,) is the whole world.
     buffer_groups: tuple = (None, )
     # forced_sync's buckets; built by _init_forced_sync (which also lets them
     # start during the last backward) or on first use.
@@ -112,7 +113,16 @@ class StepMixin:
             holds_shards=self.holds_shards,
             axes=self.axes,
             sync_buffers=self.sync_buffers,
-            load_full_state=self.load_full_state_dict)
+            load_full_state=self.load_full_state_dict,
+            reshard=self.reshard_parameters)
+
+    @property
+    def grad_groups(self) -> tuple:
+        """The groups gradients are averaged over, one after the other: the
+        gradient axis (``dp x cp``, the ranks that read different tokens),
+        the same groups buffers are made equal over. A loss over counted
+        tokens sums its count over them (:mod:`mmpar.optim.tokens`)."""
+        return self.buffer_groups
 
     # -- full state (collectives when the wrapper holds shards) -------------
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -149,6 +159,11 @@ class StepMixin:
         for group in self.buffer_groups:
             sync_buffers(self.module, self.buffer_sync, group)
         self._buffers_in_sync = True
+
+    def reshard_parameters(self) -> None:
+        """Free parameters a forward left gathered (``describe(model).
+        reshard``); wrappers whose parameters are never gathered have
+        nothing to do."""
 
     # -- what the optim wrapper asks (mmpar.optim.optim_wrapper) ------------
     def _init_forced_sync(
@@ -202,13 +217,22 @@ class StepMixin:
     def forward_backward(self, data: Any, optim_wrapper) -> Dict[str, Any]:
         """Forward and backward of one batch; returns the log variables.
 
-        The pipeline overrides this (a schedule runs both).
+        Under context parallelism each rank keeps its chunks of the
+        preprocessed batch (:func:`~mmpar.parallel.sequence.shard_batch`).
+        A loss over counted tokens is backpropagated as its token sum and
+        its count summed over the gradient axis
+        (:meth:`~mmpar.optim.ParallelOptimMixin.count_tokens`); the optim
+        wrapper's step divides by the window's count. The pipeline
+        overrides this (a schedule runs both).
         """
         with optim_wrapper.optim_context(self.module):  # autocast, if AMP
             data = self.module.data_preprocessor(data, training=True)
-            losses = self._run_forward(self, data, mode='loss')
+            losses = self._run_forward(self, shard_batch(self.module, data),
+                                       mode='loss')
         loss, log_vars = self.module.parse_losses(losses)
-        optim_wrapper.backward(optim_wrapper.scale_loss(loss), terms=log_vars)
+        loss = optim_wrapper.loss_to_backward(loss, log_vars)
+        log_vars = optim_wrapper.count_tokens(log_vars)
+        optim_wrapper.backward(loss, terms=log_vars)
         return log_vars
 
     def predict(self, data: Any) -> list:
@@ -258,8 +282,8 @@ class StepMixin:
         """Predictions for a validation batch (``mode='predict'``)."""
         if not self._buffers_in_sync:
             self.sync_buffers()
-        return self.predict(
-            self.module.data_preprocessor(data, training=False))
+        return self.predict(shard_batch(
+            self.module, self.module.data_preprocessor(data, training=False)))
 
     def test_step(self, data: Union[dict, tuple, list]) -> list:
         """Predictions for a test batch (``mode='predict'``)."""

@@ -52,6 +52,11 @@ class WrappedModel:
         sync_buffers: makes buffers equal over the data axis (collective).
         load_full_state: loads a plain model's state dict into this layout
             (``(state_dict, strict)``; every rank).
+        reshard: frees parameters a forward left gathered (FSDP keeps them
+            after a forward without backward, e.g. an evaluation), so the
+            local shards are their only values and the next forward
+            gathers them again; call it before editing local shards in
+            place outside forward and backward (no communication).
     """
     model: nn.Module
     state_module: Optional[nn.Module]
@@ -61,4 +66,5 @@ class WrappedModel:
     pipeline: Optional[PipelineParts] = None
     sync_buffers: Callable[[], None] = lambda: None
     load_full_state: Optional[Callable[[dict, bool], Any]] = None
+    reshard: Callable[[], None] = lambda: None
 

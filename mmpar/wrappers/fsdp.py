@@ -185,6 +185,23 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
             'MMFullyShardedDataParallel reduces gradients in backward; '
             "forced_sync is not supported")
 
+    def reshard_parameters(self) -> None:
+        """Free the gathered flat parameters a forward kept.
+
+        FSDP1 keeps the root's parameters gathered after its forward (for
+        the backward, which frees them); after an evaluation forward they
+        stay, and the next forward uses them without gathering again, so an
+        edit of the local shards in between would be lost (measured).
+        """
+        if self._is_root is None:
+            return  # before the first forward (lazy init): none gathered
+        # Private: torch 2.13's FSDP1 has no public call that frees them.
+        from torch.distributed.fsdp._runtime_utils import _reshard
+        for module in FullyShardedDataParallel.fsdp_modules(self):
+            handle = module._handle
+            if handle is not None and handle.uses_sharded_strategy:
+                _reshard(module, handle, free_unsharded_flat_param=True)
+
     @property
     def clip_groups(self) -> tuple:
         """The shard group, for the global-norm clip.

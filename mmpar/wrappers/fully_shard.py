@@ -12,7 +12,8 @@ from typing import Iterator, Optional, Union
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, ShardingStrategy
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule,
+                                    ShardingStrategy)
 from torch.distributed.fsdp import fully_shard
 
 from mmpar.dist import uses_cuda
@@ -175,6 +176,14 @@ class MMFullyShard(StepMixin, nn.Module):
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+
+    def reshard_parameters(self) -> None:
+        """Reshard every unit: the root keeps its parameters gathered after
+        a forward (to backward), and an evaluation forward has no backward
+        that would free them."""
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def all_reduce_grads(self) -> None:
         raise NotImplementedError(

@@ -4,19 +4,22 @@ Every stage's model *and optimizer* state goes into one checkpoint under
 the plain model's names: a pp=2 run resumes bit-exactly on the same layout,
 and on other layouts (one process, DDP dp=2) with the optimizer state as
 saved; pp x FSDP2 writes DTensor shards that resume elsewhere too. Runners
-run inside the shared gloo pools.
+run inside the shared gloo pools; one straight pp=2 run per format (a module
+fixture, read-only) serves every test that starts from a pp checkpoint.
 """
 import pytest
 
 from mmpar.checkpoint.files import CheckpointLoadError
-from mmpar.checkpoint.sharded import sharded_to_full
-from tests.checkpoint.test_sharded_checkpoint import (CONFIGS,
-                                                      _assert_resumed_state,
+from tests.checkpoint.test_sharded_checkpoint import (_assert_resumed_state,
                                                       _named_saved_state,
-                                                      _plain_model,
-                                                      _resume_and_capture,
-                                                      _small_cfg, _train)
-from tests.e2e import assert_same_training_state, load_ckpt
+                                                      _resume_and_capture)
+from tests.dist_harness import pool_runner
+from tests.e2e import (assert_same_training_state, load_ckpt,
+                       read_dcp_checkpoint)
+from tests.trained import CONFIGS, NO_VAL
+from tests.trained import plain_model as _plain_model
+from tests.trained import small_cfg as _small_cfg
+from tests.trained import train as _train
 
 PP_CONFIG = 'configs/vit_digits/vit_digits_pp.py'
 # The small model has 2 blocks: one per stage.
@@ -24,7 +27,6 @@ PIPELINE = dict(
     pp=2,
     pipeline=dict(split_points=['blocks.1'], schedule='1F1B',
                   num_microbatches=4))
-NO_VAL = dict(val_cfg=None, val_dataloader=None, val_evaluator=None)
 
 
 def _pp_train(work_dir, max_epochs, name, fmt, parallel=PIPELINE, **extra):
@@ -35,8 +37,13 @@ def _pp_train(work_dir, max_epochs, name, fmt, parallel=PIPELINE, **extra):
 def _ckpt(work_dir, epoch, fmt):
     path = work_dir / f'epoch_{epoch}'
     if fmt == 'sharded':
-        return path, sharded_to_full(str(path))
+        return path, read_dcp_checkpoint(path)
     return path.with_suffix('.pth'), load_ckpt(path.with_suffix('.pth'))
+
+
+def _ckpt_exists(work_dir, epoch, fmt):
+    path = work_dir / f'epoch_{epoch}'
+    return (path if fmt == 'sharded' else path.with_suffix('.pth')).exists()
 
 
 def _check_resumed(results, saved, epoch=1):
@@ -46,12 +53,29 @@ def _check_resumed(results, saved, epoch=1):
         _assert_resumed_state(loaded, saved_state)
 
 
+@pytest.fixture(scope='module')
+def pp_run(_pools, tmp_path_factory):
+    """``pp_run(fmt)``: 2 epochs at pp=2 saving ``fmt`` checkpoints of both
+    epochs, trained on first use. Read-only: resume into your own dir."""
+    done = {}
+
+    def get(fmt):
+        if fmt not in done:
+            work_dir = tmp_path_factory.mktemp(f'pp_{fmt}')
+            pool_runner(_pools)(_pp_train, work_dir, 2, f'pp_{fmt}_2', fmt)
+            done[fmt] = work_dir
+        return done[fmt]
+
+    return get
+
+
 @pytest.mark.parametrize('fmt', ['full', 'sharded'])
-def test_pp_resume_is_exact(run_dist, tmp_path, fmt):
-    resumed, straight = tmp_path / 'resumed', tmp_path / 'straight'
-    run_dist(_pp_train, resumed, 1, f'pp_{fmt}_1', fmt)
-    run_dist(_pp_train, resumed, 2, f'pp_{fmt}_resume', fmt, resume=True)
-    run_dist(_pp_train, straight, 2, f'pp_{fmt}_2', fmt)
+def test_pp_resume_is_exact(run_dist, pp_run, tmp_path, fmt):
+    straight, resumed = pp_run(fmt), tmp_path / 'resumed'
+    path, _ = _ckpt(straight, 1, fmt)
+    run_dist(_pp_train, resumed, 2, f'pp_{fmt}_resume', fmt, resume=True,
+             load_from=str(path))
+    assert not _ckpt_exists(resumed, 1, fmt)  # resumed, not trained again
     _, a = _ckpt(resumed, 2, fmt)
     _, b = _ckpt(straight, 2, fmt)
     # Every stage's weights and optimizer state, under the plain names.
@@ -63,10 +87,9 @@ def test_pp_resume_is_exact(run_dist, tmp_path, fmt):
 
 
 @pytest.mark.parametrize('fmt', ['full', 'sharded'])
-def test_pp_checkpoint_resumes_on_one_process_and_dp2(run_dist, tmp_path,
-                                                      fmt):
-    run_dist(_pp_train, tmp_path / 'pp', 1, f'pp_{fmt}_save', fmt)
-    path, saved = _ckpt(tmp_path / 'pp', 1, fmt)
+def test_pp_checkpoint_resumes_on_one_process_and_dp2(run_dist, pp_run,
+                                                      tmp_path, fmt):
+    path, saved = _ckpt(pp_run(fmt), 1, fmt)
     config = CONFIGS['MMDistributedDataParallel']
     one = _resume_and_capture(config, tmp_path / 'one', path, 2,
                               f'pp_{fmt}_to_one', fmt, **NO_VAL)
@@ -79,12 +102,12 @@ def test_pp_checkpoint_resumes_on_one_process_and_dp2(run_dist, tmp_path,
     assert after['meta']['iter'] == saved['meta']['iter'] + 6
 
 
-def test_pp_x_fsdp2_checkpoints_move_to_and_from_pp2(run_dist, tmp_path):
+def test_pp_x_fsdp2_checkpoints_move_to_and_from_pp2(run_dist, pp_run,
+                                                     tmp_path):
     """A full pp=2 checkpoint resumes at pp=2 x FSDP2 dp=2 (4 ranks: each
     stage takes its shard of every tensor), which writes DTensor shards
     per stage (sharded format) that resume at pp=2 without FSDP."""
-    run_dist(_pp_train, tmp_path / 'pp', 1, 'pp_for_fsdp2', 'full')
-    path, saved = _ckpt(tmp_path / 'pp', 1, 'full')
+    path, saved = _ckpt(pp_run('full'), 1, 'full')
     fsdp2 = dict(parallel=PIPELINE,
                  model_wrapper_cfg=dict(type='MMFullyShard'))
     results = run_dist(_resume_and_capture, PP_CONFIG, tmp_path / 'fsdp2',

@@ -2,49 +2,31 @@
 
 A checkpoint saved under one process, DDP, FSDP1 or FSDP2 (2 ranks) resumes
 under each of the others: the optimizer state as loaded equals the saved one
-exactly, and training goes on from the saved iteration.
+exactly, and training goes on from the saved iteration. The savers are the
+session's shared runs (``trained_run``): their epoch-1 checkpoints.
 """
 import pytest
 
-from tests.e2e import load_ckpt
-from tests.checkpoint.test_sharded_checkpoint import (CONFIGS, _assert_resumed_state,
-                                           _CaptureLoaded, _named_saved_state,
-                                           _plain_model, _small_cfg, _train)
+from tests.checkpoint.test_sharded_checkpoint import (_assert_resumed_state,
+                                                      _CaptureLoaded,
+                                                      _named_saved_state)
+from tests.e2e import load_ckpt, read_dcp_checkpoint
+from tests.trained import (CONFIGS, NO_VAL, ONE, checkpoint_path, config_of,
+                           plain_model, small_cfg)
 
-ONE = 'one process'
 SAVERS = (ONE, *CONFIGS)
-# No validation: the matrix is about state, and 24 resumes must stay cheap.
-NO_VAL = dict(val_cfg=None, val_dataloader=None, val_evaluator=None)
-
-
-def _config(wrapper):
-    return CONFIGS['MMDistributedDataParallel' if wrapper == ONE else wrapper]
-
-
-def _ckpt_path(work_dir, fmt):
-    return f'{work_dir}/epoch_1' + ('.pth' if fmt == 'full' else '')
-
-
-def _save(wrapper, fmt, work_dir):
-    extra = dict(NO_VAL, launcher='none') if wrapper == ONE else NO_VAL
-    _train(_config(wrapper), work_dir, 1, f'save_{wrapper}_{fmt}', fmt,
-           **extra)
-
-
-def _save_all_dist(fmt, root):
-    for wrapper in CONFIGS:
-        _save(wrapper, fmt, f'{root}/{wrapper}')
 
 
 def _resume(wrapper, ckpt, work_dir, name):
-    """Resume ``ckpt`` under ``wrapper`` for one more epoch.
+    """Resume ``ckpt`` under ``wrapper`` for one more epoch (no validation:
+    the matrix is about state, and 12 resumes must stay cheap).
 
     Returns:
         (epoch as loaded, optimizer state as loaded, iteration at the end).
     """
     from mmpar.runner import Runner
-    cfg = _small_cfg(_config(wrapper), work_dir, 2, name, 'full', resume=True,
-                     load_from=ckpt, **NO_VAL)
+    cfg = small_cfg(config_of(wrapper), work_dir, 2, name, 'full',
+                    resume=True, load_from=ckpt, **NO_VAL)
     if wrapper == ONE:
         cfg.launcher = 'none'
     runner = Runner.from_cfg(cfg)
@@ -54,35 +36,33 @@ def _resume(wrapper, ckpt, work_dir, name):
     return hook.epoch, hook.state, runner.iter
 
 
-def _resume_all_dist(fmt, root, out):
+def _resume_all_dist(fmt, saved, out):
     results = {}
-    for saver in SAVERS:
+    for saver, ckpt in saved.items():
         for wrapper in CONFIGS:
             if wrapper != saver:
                 results[saver, wrapper] = _resume(
-                    wrapper, _ckpt_path(f'{root}/{saver}', fmt),
-                    f'{out}/{saver}_to_{wrapper}', f'{fmt}_{saver}_{wrapper}')
+                    wrapper, ckpt, f'{out}/{saver}_to_{wrapper}',
+                    f'{fmt}_{saver}_{wrapper}')
     return results
 
 
 @pytest.mark.parametrize('fmt', ['full', 'sharded'])
-def test_every_wrapper_resumes_every_other(run_dist, tmp_path, fmt):
-    from mmpar.checkpoint.sharded import sharded_to_full
-    root = tmp_path / 'saved'
-    _save(ONE, fmt, f'{root}/{ONE}')
-    run_dist(_save_all_dist, fmt, str(root))
-
+def test_every_wrapper_resumes_every_other(run_dist, trained_run, tmp_path,
+                                           fmt):
+    paths = {saver: str(checkpoint_path(trained_run(saver, fmt), 1, fmt))
+             for saver in SAVERS}
     saved = {}
-    for saver in SAVERS:
-        path = _ckpt_path(f'{root}/{saver}', fmt)
-        ckpt = load_ckpt(path) if fmt == 'full' else sharded_to_full(path)
-        saved[saver] = (_named_saved_state(ckpt, _plain_model()),
+    for saver, path in paths.items():
+        ckpt = load_ckpt(path) if fmt == 'full' else read_dcp_checkpoint(
+            path)
+        saved[saver] = (_named_saved_state(ckpt, plain_model()),
                         ckpt['meta']['iter'])
 
-    results = dict(run_dist(_resume_all_dist, fmt, str(root),
+    results = dict(run_dist(_resume_all_dist, fmt, paths,
                             str(tmp_path / 'resumed'))[0])
     for saver in CONFIGS:  # 2-rank checkpoints on one process
-        results[saver, ONE] = _resume(ONE, _ckpt_path(f'{root}/{saver}', fmt),
+        results[saver, ONE] = _resume(ONE, paths[saver],
                                       f'{tmp_path}/one/{saver}',
                                       f'{fmt}_{saver}_one')
     assert len(results) == 12

@@ -1,7 +1,9 @@
 """The ``sharded`` checkpoint format (torch.distributed.checkpoint
 directories): config key, atomic directories, exact resume under DDP and
 both FSDP wrappers, resume on another world size, conversion to a full file.
-Runners run inside the shared gloo pools (no torchrun start-up per run)."""
+Runners run inside the shared gloo pools (no torchrun start-up per run); the
+2-rank runs each test resumes from are the session's shared ones
+(``trained_run``, tests/trained.py), read through torch's own DCP reader."""
 import os
 import re
 import shutil
@@ -10,57 +12,16 @@ import pytest
 import torch
 from mmengine.config import Config
 
-from mmpar.models import DigitsViT
 from mmpar.checkpoint.format import check_checkpoint_format
 from mmpar.checkpoint.latest import (find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
-from mmpar.checkpoint.sharded import (PLAIN_FILE, merge, sharded_to_full,
-                                      split_tensors)
+from mmpar.checkpoint.sharded import PLAIN_FILE, merge, split_tensors
 from tests.e2e import (DEFAULT_CONFIG, ROOT, assert_same_training_state,
-                       load_ckpt, run_tool)
-
-CONFIGS = {
-    'MMDistributedDataParallel': 'configs/vit_digits/vit_digits.py',
-    'MMFullyShardedDataParallel': 'configs/vit_digits/vit_digits_fsdp.py',
-    'MMFullyShard': 'configs/vit_digits/vit_digits_fsdp2.py',
-}
-# Small enough for seconds per epoch on 2 CPU ranks: 3 iterations per epoch
-# at 2 ranks (1,437 images / (2 x 256)).
-SMALL_MODEL = dict(embed_dim=16, depth=2, num_heads=2)
-BATCH = 256
-
-
-def _small_cfg(config, work_dir, max_epochs, name, fmt='sharded', **extra):
-    cfg = Config.fromfile(str(ROOT / config))
-    cfg.model.update(SMALL_MODEL)
-    cfg.train_dataloader.batch_size = BATCH
-    cfg.val_dataloader.batch_size = 180
-    cfg.train_cfg.max_epochs = max_epochs
-    cfg.default_hooks.logger.interval = 1
-    cfg.launcher = 'pytorch'
-    cfg.work_dir = str(work_dir)
-    cfg.checkpoint_format = fmt
-    cfg.experiment_name = name  # unique: MMEngine keeps loggers by name
-    cfg.update(extra)
-    return cfg
-
-
-def _train(config, work_dir, max_epochs, name, fmt='sharded', **extra):
-    """Train (or resume) in this process; returns the optimizer's steps."""
-    from mmpar.runner import Runner
-    cfg = _small_cfg(config, work_dir, max_epochs, name, fmt, **extra)
-    runner = Runner.from_cfg(cfg)
-    runner.train()
-    return runner
-
-
-def _train_dist(config, work_dir, max_epochs, name, fmt='sharded', **extra):
-    _train(config, work_dir, max_epochs, name, fmt, **extra)
-
-
-def _plain_model():
-    return DigitsViT(image_size=8, patch_size=2, mlp_ratio=2.0,
-                     **SMALL_MODEL)
+                       load_ckpt, read_dcp_checkpoint, run_tool)
+from tests.trained import CONFIGS, SHARED_EPOCHS, checkpoint_path
+from tests.trained import plain_model as _plain_model
+from tests.trained import small_cfg as _small_cfg
+from tests.trained import train_dist as _train_dist
 
 
 def _convert(src, dst):
@@ -199,25 +160,32 @@ def test_corrupt_sharded_checkpoint_fails_naming_it(one_process_runner,
 
 
 @pytest.mark.parametrize('wrapper_type', list(CONFIGS))
-def test_sharded_resume_is_exact(run_dist, tmp_path, wrapper_type):
+def test_sharded_resume_is_exact(run_dist, trained_run, tmp_path,
+                                 wrapper_type):
+    """Resume from the straight run's epoch-2 directory to epoch 3: the
+    straight run's epoch 3, bit for bit."""
     config = CONFIGS[wrapper_type]
-    resumed, straight = tmp_path / 'resumed', tmp_path / 'straight'
-    run_dist(_train_dist, config, resumed, 2, f'{wrapper_type}_s2')
+    straight = trained_run(wrapper_type, 'sharded')
     # Directories, written atomically; last_checkpoint names the newest.
-    assert sorted(os.listdir(resumed / 'epoch_2')) == sorted(
-        ['.metadata', PLAIN_FILE] +
-        [n for n in os.listdir(resumed / 'epoch_2') if n.endswith('.distcp')])
-    assert not list(resumed.glob('*.tmp')) and not list(resumed.glob('*.pth'))
-    assert (resumed / 'last_checkpoint').read_text().endswith('epoch_2')
-    saved_at = (resumed / 'epoch_2' / '.metadata').stat().st_mtime_ns
+    for epoch in range(1, SHARED_EPOCHS + 1):
+        names = os.listdir(straight / f'epoch_{epoch}')
+        assert sorted(names) == sorted(
+            ['.metadata', PLAIN_FILE] +
+            [n for n in names if n.endswith('.distcp')])
+    assert not list(straight.glob('*.tmp'))
+    assert not list(straight.glob('*.pth'))
+    assert (straight / 'last_checkpoint').read_text().endswith(
+        f'epoch_{SHARED_EPOCHS}')
+    resumed = tmp_path / 'resumed'
     run_dist(_train_dist, config, resumed, 3, f'{wrapper_type}_s_resume',
-             resume=True)
-    # It resumed (a fresh start would have rewritten epoch_2).
-    assert (resumed / 'epoch_2' / '.metadata').stat().st_mtime_ns == saved_at
-    run_dist(_train_dist, config, straight, 3, f'{wrapper_type}_s3')
+             resume=True, load_from=str(straight / 'epoch_2'))
+    # It resumed (a fresh start would have written epochs 1 and 2 here).
+    assert sorted(p.name for p in resumed.glob('epoch_*')) == ['epoch_3']
+    assert 'resumed epoch: 2' in ''.join(
+        p.read_text() for p in resumed.glob('*/*.log'))
 
-    a = sharded_to_full(str(resumed / 'epoch_3'))
-    b = sharded_to_full(str(straight / 'epoch_3'))
+    a = read_dcp_checkpoint(resumed / 'epoch_3')
+    b = read_dcp_checkpoint(straight / 'epoch_3')
     assert_same_training_state(a, b)
     assert a['meta']['epoch'] == 3
 
@@ -300,18 +268,12 @@ WORLD_SIZE_CASES = [('MMFullyShard', 'sharded'),
 
 
 @pytest.mark.parametrize('wrapper_type,fmt', WORLD_SIZE_CASES)
-def test_two_rank_checkpoint_resumes_on_four(run_dist, tmp_path, wrapper_type,
-                                             fmt):
+def test_two_rank_checkpoint_resumes_on_four(run_dist, trained_run, tmp_path,
+                                             wrapper_type, fmt):
     config = CONFIGS[wrapper_type]
-    saved_dir = tmp_path / 'two'
-    run_dist(_train_dist, config, saved_dir, 2, f'{wrapper_type}_{fmt}_w2',
-             fmt)
-    if fmt == 'sharded':
-        ckpt_path = saved_dir / 'epoch_2'
-        saved = sharded_to_full(str(ckpt_path))
-    else:
-        ckpt_path = saved_dir / 'epoch_2.pth'
-        saved = load_ckpt(ckpt_path)
+    ckpt_path = checkpoint_path(trained_run(wrapper_type, fmt), 2, fmt)
+    saved = read_dcp_checkpoint(ckpt_path) if fmt == 'sharded' \
+        else load_ckpt(ckpt_path)
     saved_state = _named_saved_state(saved, _plain_model())
 
     four = tmp_path / 'four'
@@ -321,7 +283,7 @@ def test_two_rank_checkpoint_resumes_on_four(run_dist, tmp_path, wrapper_type,
         assert epoch == 2
         _assert_resumed_state(loaded, saved_state)
     # Training went on from there: 1,437 images / (4 x 256) = 2 steps.
-    after = sharded_to_full(str(four / 'epoch_3')) if fmt == 'sharded' \
+    after = read_dcp_checkpoint(four / 'epoch_3') if fmt == 'sharded' \
         else load_ckpt(four / 'epoch_3.pth')
     after_state = _named_saved_state(after, _plain_model())
     for name, value in saved_state.items():
@@ -330,17 +292,16 @@ def test_two_rank_checkpoint_resumes_on_four(run_dist, tmp_path, wrapper_type,
 
 
 def test_two_rank_sharded_checkpoint_resumes_on_one_process_and_converts(
-        run_dist, tmp_path):
+        trained_run, tmp_path):
     config = CONFIGS['MMFullyShard']
-    run_dist(_train_dist, config, tmp_path / 'two', 2, 'fsdp2_to_one', 'sharded')
-    ckpt = tmp_path / 'two' / 'epoch_2'
-    saved = sharded_to_full(str(ckpt))
+    ckpt = trained_run('MMFullyShard', 'sharded') / 'epoch_2'
+    saved = read_dcp_checkpoint(ckpt)
     epoch, loaded = _resume_and_capture(config, tmp_path / 'one', ckpt, 3,
                                         'fsdp2_to_one_single', 'sharded')
     assert epoch == 2
     _assert_resumed_state(loaded, saved['optimizer']['state'])
     # One process: ceil(1,437 / 256) = 6 steps in epoch 3, saved sharded.
-    after = sharded_to_full(str(tmp_path / 'one' / 'epoch_3'))
+    after = read_dcp_checkpoint(tmp_path / 'one' / 'epoch_3')
     for name, value in saved['optimizer']['state'].items():
         assert after['optimizer']['state'][name]['step'].item() == \
             value['step'].item() + 6
@@ -351,8 +312,8 @@ def test_two_rank_sharded_checkpoint_resumes_on_one_process_and_converts(
     model = _plain_model()
     assert list(converted['state_dict']) == list(model.state_dict())
     model.load_state_dict(converted['state_dict'], strict=True)
-    torch.testing.assert_close(model.head.weight,
-                               saved['state_dict']['head.weight'])
+    # What torch's own reader finds in the directory, tensor for tensor.
+    assert_same_training_state(converted, saved)
     epoch, loaded = _resume_and_capture(config, tmp_path / 'from_full',
                                         tmp_path / 'converted.pth', 3,
                                         'converted_single', 'full')
@@ -380,16 +341,18 @@ def _train_iters(wrapper, work_dir, max_iters, name, fmt, **extra):
                                          ('MMFullyShardedDataParallel', 'full'),
                                          ('MMFullyShard', 'sharded')])
 def test_iter_based_resume_is_exact(run_dist, tmp_path, wrapper, fmt):
+    """6 iterations straight (a checkpoint at 3); resumed from its
+    iteration-3 checkpoint to 6: the same state."""
     resumed, straight = tmp_path / 'resumed', tmp_path / 'straight'
     tag = f'{wrapper}_{fmt}'
-    run_dist(_train_iters, wrapper, resumed, 3, f'{tag}_3', fmt)
-    suffix = '' if fmt == 'sharded' else '.pth'
-    assert (resumed / 'last_checkpoint').read_text().endswith(
-        f'iter_3{suffix}')
-    run_dist(_train_iters, wrapper, resumed, 6, f'{tag}_resume', fmt,
-             resume=True)
     run_dist(_train_iters, wrapper, straight, 6, f'{tag}_6', fmt)
-    load = sharded_to_full if fmt == 'sharded' else load_ckpt
+    suffix = '' if fmt == 'sharded' else '.pth'
+    assert (straight / 'last_checkpoint').read_text().endswith(
+        f'iter_6{suffix}')
+    run_dist(_train_iters, wrapper, resumed, 6, f'{tag}_resume', fmt,
+             resume=True, load_from=str(straight / f'iter_3{suffix}'))
+    assert not (resumed / f'iter_3{suffix}').exists()  # not trained again
+    load = read_dcp_checkpoint if fmt == 'sharded' else load_ckpt
     a = load(str(resumed / f'iter_6{suffix}'))
     assert a['meta']['iter'] == 6
     assert_same_training_state(a, load(str(straight / f'iter_6{suffix}')))

@@ -1,6 +1,7 @@
 """Every config under configs/llama_shakespeare/ trains and validates on gloo
-ranks, shrunk; resume is bit-exact for the one-process and FSDP2 configs;
-tokens/s and FLOP/s reach the log and the scalars file."""
+ranks, shrunk; resume is bit-exact for the one-process and FSDP2 configs
+(resumed from the straight run's own iteration-2 checkpoint); tokens/s and
+FLOP/s reach the log and the scalars file."""
 import json
 import math
 from pathlib import Path
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.e2e import assert_same_training_state, load_ckpt
+from tests.dist_harness import pool_runner
+from tests.e2e import (assert_same_training_state, load_ckpt,
+                       read_dcp_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / 'configs' / 'llama_shakespeare'
@@ -17,7 +20,8 @@ CONFIGS = sorted(str(p.relative_to(ROOT)) for p in CONFIG_DIR.glob('*.py'))
 # need 2 ranks on each axis (pp x tp at 4 leaves the data axis 1: the 3-D
 # layout at 8 is proven by tests/parallelize/test_pipeline_tp_parity.py).
 WORLD_SIZES = {'llama_shakespeare_hsdp': 4, 'llama_shakespeare_tp_fsdp2': 4,
-               'llama_shakespeare_pp_fsdp2': 4, 'llama_shakespeare_pp_tp': 4}
+               'llama_shakespeare_pp_fsdp2': 4, 'llama_shakespeare_pp_tp': 4,
+               'llama_shakespeare_cp': 4}
 # What --cfg-options would pass: a 2-block model, 32-byte windows, 8 val
 # windows, a checkpoint at the end.
 SHRINK = {
@@ -81,13 +85,32 @@ def _train(config, work_dir, name, max_iters=4, **extra):
         flops_per_s=hub.get_scalar('train/flops_per_s').current())
 
 
+@pytest.fixture(scope='module')
+def llama_run(_pools, tmp_path_factory):
+    """``llama_run(config)``: ``(per-rank results, work dir)`` of the config
+    trained 4 iterations (checkpoints at 2 and 4) on its world size; trained
+    on first use. Read-only: resume into your own dir."""
+    done = {}
+
+    def get(config):
+        if config not in done:
+            stem = Path(config).stem
+            work_dir = tmp_path_factory.mktemp(stem)
+            results = pool_runner(_pools)(
+                _train, config, work_dir, f'{stem}_shared',
+                world_size=WORLD_SIZES.get(stem, 2))
+            done[config] = results, work_dir
+        return done[config]
+
+    return get
+
+
 @pytest.mark.parametrize('config', CONFIGS)
-def test_llama_config_trains(run_dist, config, tmp_path):
+def test_llama_config_trains(llama_run, config):
     from mmengine.config import Config
     stem = Path(config).stem
     world_size = WORLD_SIZES.get(stem, 2)
-    results = run_dist(_train, config, tmp_path, f'{stem}_{tmp_path.name}',
-                       world_size=world_size)
+    results, tmp_path = llama_run(config)
     cfg = Config.fromfile(str(ROOT / config))
     named = (cfg.get('model_wrapper_cfg') or {}).get(
         'type', 'MMDistributedDataParallel')
@@ -96,6 +119,7 @@ def test_llama_config_trains(run_dist, config, tmp_path):
         from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
         named = data_parallel_cfg_for_tp(dict(type=named), tp)['type']
     pp = (cfg.get('parallel') or {}).get('pp', 1)
+    cp = (cfg.get('parallel') or {}).get('cp', 1)
     if pp > 1:  # the stages' wrappers sit inside the pipeline's
         named = 'MMPipelineParallel'
     assert [r['world_size'] for r in results] == [world_size] * world_size
@@ -106,9 +130,10 @@ def test_llama_config_trains(run_dist, config, tmp_path):
     assert 0 < loss < 1.5 * math.log(256)
     assert results[0]['bits_per_byte'] == pytest.approx(loss / math.log(2))
     for r in results:
-        # Tensor-parallel peers read the same tokens: data ranks only.
+        # Tensor-, pipeline- and context-parallel peers read the same
+        # tokens: data ranks only.
         assert r['tokens_per_s_total'] == pytest.approx(
-            r['tokens_per_s'] * (world_size // tp // pp))
+            r['tokens_per_s'] * (world_size // tp // pp // cp))
         assert r['flops_per_s'] > 0
     sharded = cfg.get('checkpoint_format', 'full') == 'sharded'
     saved = tmp_path / ('iter_4' if sharded else 'iter_4.pth')
@@ -119,8 +144,9 @@ def test_one_process_resume_is_bit_exact_and_logs_speed(tmp_path):
     config = 'configs/llama_shakespeare/llama_shakespeare.py'
     straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
     _train(config, straight, 'llama_straight', max_iters=4)
-    _train(config, resumed, 'llama_first_half', max_iters=2)
-    _train(config, resumed, 'llama_resumed', max_iters=4, resume=True)
+    _train(config, resumed, 'llama_resumed', max_iters=4, resume=True,
+           load_from=str(straight / 'iter_2.pth'))
+    assert not (resumed / 'iter_2.pth').exists()  # resumed, not retrained
     a, b = load_ckpt(resumed / 'iter_4.pth'), load_ckpt(straight / 'iter_4.pth')
     assert_same_training_state(a, b)
     assert a['meta']['iter'] == 4
@@ -138,14 +164,14 @@ def _train_dist(config, work_dir, name, max_iters, **extra):
     _train(config, work_dir, name, max_iters, **extra)
 
 
-def test_fsdp2_sharded_resume_is_bit_exact(run_dist, tmp_path):
-    from mmpar.checkpoint.sharded import sharded_to_full
+def test_fsdp2_sharded_resume_is_bit_exact(run_dist, llama_run, tmp_path):
     config = 'configs/llama_shakespeare/llama_shakespeare_fsdp2.py'
-    straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
-    run_dist(_train_dist, config, straight, 'llama2_straight', 4)
-    run_dist(_train_dist, config, resumed, 'llama2_first_half', 2)
-    run_dist(_train_dist, config, resumed, 'llama2_resumed', 4, resume=True)
-    a = sharded_to_full(str(resumed / 'iter_4'))
-    b = sharded_to_full(str(straight / 'iter_4'))
+    _, straight = llama_run(config)  # test_llama_config_trains' run
+    resumed = tmp_path / 'resumed'
+    run_dist(_train_dist, config, resumed, 'llama2_resumed', 4, resume=True,
+             load_from=str(straight / 'iter_2'))
+    assert not (resumed / 'iter_2').exists()  # resumed, not retrained
+    a = read_dcp_checkpoint(resumed / 'iter_4')
+    b = read_dcp_checkpoint(straight / 'iter_4')
     assert_same_training_state(a, b)
     assert a['meta']['iter'] == 4

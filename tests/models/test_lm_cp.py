@@ -136,21 +136,23 @@ def test_llama_declares_every_block_attention():
 
 
 def test_llama_rotary_follows_the_rank_positions():
+    from mmpar.models.llama import rotary_at_rank
     model = _llama()
-    model.context_parallel = ContextParallel(group=None, rank=1, size=2)
-    cos, _ = model.rotary(8)  # positions 4-11 of 16
+    setting = ContextParallel(group=None, rank=1, size=2)
+    cos, _ = rotary_at_rank(*model.rotary(8), 8, setting)  # 4-11 of 16
     torch.testing.assert_close(cos, model.rope_cos[4:12])
 
 
 def test_llama_cp_refuses_bad_lengths():
+    from mmpar.models.llama import rotary_at_rank
     model = _llama()
-    model.context_parallel = ContextParallel(group=None, rank=0, size=2)
+    setting = ContextParallel(group=None, rank=0, size=2)
     with pytest.raises(ValueError, match=r'sequence length 6 must be a '
                        r'multiple of 2 x cp = 4'):
-        model.rotary(3)
+        rotary_at_rank(*model.rotary(3), 3, setting)
     with pytest.raises(ValueError, match=r'sequence length 20 exceeds '
                        r'model.max_seq_len=16'):
-        model.rotary(10)
+        rotary_at_rank(*model.rotary(10), 10, setting)
 
 
 def test_token_loss_sum_counts_only_counted_tokens():

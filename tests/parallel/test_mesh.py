@@ -10,7 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from mmpar.parallel import (AXES, ParallelDims, data_mesh, init_parallelism,
-                            layout_of, reset_parallelism)
+                            reset_parallelism)
+from tests.parallel.grid import (MESH_ORDER, VARYING, brute_force_groups,
+                                 layouts, rank_coordinates)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +33,7 @@ TWO_BY_TWO_TP = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1,
 
 def test_groups_and_named_meshes_match_the_layout(fake_world):
     topology = init_parallelism(dims=TWO_BY_TWO_TP)
-    layout = layout_of(TWO_BY_TWO_TP)
+    expected = brute_force_groups(2, 2, 1, 2)
     # rank 5 = (dp_replicate 1, dp_shard 0, pp 0, tp 1): tp fastest.
     assert topology.tp.global_ranks == [4, 5]
     assert topology.dp_shard.global_ranks == [5, 7]
@@ -42,7 +44,7 @@ def test_groups_and_named_meshes_match_the_layout(fake_world):
     assert mesh.mesh_dim_names == AXES
     for kind in ('tp', 'pp', 'dp', 'dp_replicate', 'dp_shard'):
         info = getattr(topology, kind)
-        assert info.global_ranks == layout.group_of(kind, 5)
+        assert info.global_ranks == expected[kind][5]
         assert mesh[kind].get_group() is info.group
         assert mesh[kind].mesh.tolist() == info.global_ranks
     hsdp = mesh['dp_replicate', 'dp_shard']
@@ -52,11 +54,62 @@ def test_groups_and_named_meshes_match_the_layout(fake_world):
     assert mesh['dp']._get_root_mesh() is mesh.root
 
 
+def _check_rank_against_brute_force(sizes, world_size, rank):
+    """Build the real topology as ``rank`` of a fake world; compare every
+    group it made, and every mesh view, with the brute force."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    expected = brute_force_groups(*sizes)
+    mine = rank_coordinates(*sizes)[rank]
+    dist.init_process_group('fake', store=FakeStore(), rank=rank,
+                            world_size=world_size)
+    try:
+        topology = init_parallelism(
+            dims=ParallelDims(**dict(zip(MESH_ORDER, sizes)),
+                              world_size=world_size))
+        where = (sizes, rank)
+        assert tuple(topology.mesh.get_coordinate()) == tuple(
+            mine[axis] for axis in MESH_ORDER), where
+        for kind in VARYING:
+            want = expected[kind][rank]
+            info, view = getattr(topology, kind), topology.mesh[kind]
+            # The ranks the process group really holds, not a stored list.
+            assert dist.get_process_group_ranks(info.group) == want, \
+                (where, kind)
+            assert (info.global_ranks, info.rank, info.world_size) == (
+                want, want.index(rank), len(want)), (where, kind)
+            assert view.mesh.tolist() == want, (where, kind)
+            assert dist.get_process_group_ranks(view.get_group()) == want
+        # HSDP's 2-D mesh: replicas as rows, shards as columns.
+        hsdp = [[other for other in expected['dp'][rank]
+                 if rank_coordinates(*sizes)[other]['dp_replicate'] == r]
+                for r in range(sizes[0])]
+        assert topology.mesh['dp_replicate', 'dp_shard'].mesh.tolist() == \
+            hsdp, where
+        assert (topology.dp_rank, topology.dp_size) == (
+            expected['dp'][rank].index(rank), len(expected['dp'][rank]))
+    finally:
+        reset_parallelism()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize('world_size,ranks', [
+    (4, 'all'), (8, 'all'), (12, 'all'), (16, (0, 7, 9, 15))])
+def test_every_layout_builds_the_brute_force_groups(world_size, ranks):
+    """Every (dp_replicate, dp_shard, pp, tp) of the world, dp_replicate > 1
+    included, as every rank (at 12: three of them) would build it."""
+    checked = 0
+    for sizes in layouts(world_size):
+        for rank in range(world_size) if ranks == 'all' else ranks:
+            _check_rank_against_brute_force(sizes, world_size, rank)
+        checked += sizes[0] > 1
+    assert checked >= 3  # replicated layouts were among them
+
+
 def test_one_group_serves_identical_axes(fake_world):
     # dp_replicate=1: the dp groups are the dp_shard groups, made once.
     topology = init_parallelism(2)
     assert topology.dp.group is topology.dp_shard.group
-    assert topology.dims.shape == (1, 4, 1, 2)
+    assert topology.dims.shape == (1, 4, 1, 1, 2)
 
 
 @pytest.mark.parametrize('fake_world', [0, 3, 6], indirect=True)
@@ -95,3 +148,21 @@ def test_groups_and_meshes_are_made_in_one_module():
         if path.name != 'mesh.py' and makers.search(path.read_text())
     ]
     assert offenders == []
+
+
+def test_cp_meshes_flatten_with_the_data_axes(fake_world):
+    # rank 5 of dp_replicate=2 x dp_shard=2 x cp=2: (1, 0, 0, 1, 0).
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, world_size=8)
+    topology = init_parallelism(dims=dims)
+    assert topology.cp.global_ranks == [4, 5]
+    assert topology.dp.global_ranks == [1, 3, 5, 7]
+    assert topology.dp_cp.global_ranks == list(range(8))
+    mesh = topology.mesh
+    assert mesh['cp'].get_group() is topology.cp.group
+    assert mesh['dp_cp'].get_group() is topology.dp_cp.group
+    assert mesh['dp_shard_cp'].mesh.tolist() == [4, 5, 6, 7]
+    # HSDP: replicate over dp_replicate, shard over dp_shard x cp, one root.
+    hsdp = topology.data_mesh()
+    assert hsdp.mesh_dim_names == ('dp_replicate', 'dp_shard_cp')
+    assert hsdp.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hsdp._get_root_mesh() is mesh.root

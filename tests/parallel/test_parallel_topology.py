@@ -11,9 +11,12 @@ import torch.distributed as dist
 
 from mmpar.parallel import (AXES, DIMS, ParallelDims, ParallelismError, check_sizes,
                             default_dp_group, default_group_info,
-                            init_parallelism, parallel_group_info,
+                            init_parallelism, layout_of, parallel_group_info,
                             parallel_layout, parallelism_is_initialized,
                             reset_parallelism)
+from tests.parallel.grid import (MESH_ORDER, VARYING, layouts,
+                                 rank_coordinates)
+from tests.parallel.grid import brute_force_groups as grid_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings(
@@ -66,6 +69,26 @@ def test_layout_matches_brute_force_for_every_valid_layout():
                 assert group in listed
         checked += 1
     assert checked > 100  # every layout, not an empty loop
+
+
+def test_layout_of_matches_brute_force_for_every_named_layout():
+    """layout_of (what mesh.py builds from) on every (dp_replicate, dp_shard,
+    pp, tp) up to 16 ranks, dp_replicate > 1 included."""
+    checked = 0
+    for world in range(1, MAX_WORLD + 1):
+        for sizes in layouts(world):
+            layout = layout_of(ParallelDims(**dict(zip(MESH_ORDER, sizes)),
+                                            world_size=world))
+            expected = grid_groups(*sizes)
+            for kind in VARYING:
+                listed = layout.groups[kind]
+                assert sorted(r for g in listed for r in g) == list(
+                    range(world))
+                for rank in range(world):
+                    assert layout.group_of(kind, rank) == \
+                        expected[kind][rank], (sizes, kind, rank)
+            checked += sizes[0] > 1
+    assert checked > 50
 
 
 def test_layout_of_issue_example():
@@ -147,12 +170,15 @@ def test_fake_world_groups_and_mesh(fake_world):
     assert default_dp_group() is topology.dp.group
     # Named axes, tp fastest; the seed's (dp, pp, mp) grid with a leading
     # dp_replicate=1 (mesh dims renamed: the old ('dp', 'pp', 'mp') became
-    # ('dp_replicate', 'dp_shard', 'pp', 'tp') plus a flattened 'dp').
+    # ('dp_replicate', 'dp_shard', 'pp', 'cp', 'tp') plus a flattened 'dp';
+    # the seed has no cp: a size-1 dim).
     mesh = topology.mesh
     assert mesh.mesh_dim_names == AXES
-    assert mesh.mesh.tolist() == [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]
-    assert tuple(mesh.get_coordinate()) == (0, 1, 0, 1)
-    for dim in ('tp', 'pp', 'dp', 'dp_replicate', 'dp_shard'):
+    assert mesh.mesh.tolist() == [[[[[0, 1]], [[2, 3]]], [[[4, 5]],
+                                                         [[6, 7]]]]]
+    assert tuple(mesh.get_coordinate()) == (0, 1, 0, 0, 1)
+    for dim in ('tp', 'pp', 'cp', 'dp', 'dp_replicate', 'dp_shard',
+                'dp_cp'):
         assert mesh[dim].get_group() is getattr(topology, dim).group
     assert topology.mp is topology.tp
 
@@ -196,13 +222,19 @@ def _groups_and_collectives(mp, pp, backends):
     (2, 1, {}), (2, 2, dict(mp_backend='gloo', pp_backend='gloo',
                             dp_backend='gloo')), (1, 2, {}), (4, 1, {})])
 def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
-    layout = parallel_layout(4, mp, pp)
+    # The seed's (dp, pp, mp) is (dp_replicate=1, dp_shard, pp, tp).
+    sizes = (1, 4 // (mp * pp), pp, mp)
+    expected = grid_groups(*sizes)
+    expected['mp'] = expected['tp']
+    coords = rank_coordinates(*sizes)
     results = run_dist(_groups_and_collectives, mp, pp, backends,
                        world_size=4)
     for rank, got in enumerate(results):
-        assert got['mesh'] == layout.coords(rank) and got['dp_group_ok']
+        assert got['mesh'] == tuple(coords[rank][axis] for axis in
+                                    ('dp_shard', 'pp', 'tp'))
+        assert got['dp_group_ok']
         for kind in DIMS:
-            ranks = layout.group_of(kind, rank)
+            ranks = expected[kind][rank]
             group_rank = ranks.index(rank)
             assert got[kind]['ranks'] == ranks
             assert got[kind]['rank'] == group_rank
@@ -328,7 +360,7 @@ def test_setup_parallelism_builds_and_reuses(fake_world):
     # model_parallelism=2 alone is refused now (no tp_plan): a 2-D data
     # layout instead.
     topology = setup_parallelism(dict(dp_replicate=2))
-    assert topology.dims.shape == (2, 4, 1, 1)
+    assert topology.dims.shape == (2, 4, 1, 1, 1)
     assert setup_parallelism(dict(dp_replicate=2)) is topology
     with pytest.raises(ParallelismError, match='already initialised'):
         setup_parallelism(dict(dp_replicate=4))
@@ -525,7 +557,7 @@ def test_runner_builds_topology_and_wraps_over_dp_group(fake_world,
     runner = Runner.from_cfg(cfg)
     topology = parallel_group_info()
     assert runner.topology is topology
-    assert topology.dims.shape == (2, 4, 1, 1)
+    assert topology.dims.shape == (2, 4, 1, 1, 1)
     assert topology.dp.global_ranks == list(range(8))
     assert type(runner.model).__name__ == 'MMDistributedDataParallel'
     assert runner.model.process_group is topology.dp.group

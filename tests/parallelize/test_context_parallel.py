@@ -202,3 +202,32 @@ def test_shard_batch_cuts_the_named_inputs(run_dist):
     assert run_dist(_shard_batch_by_protocol) == [[[0, 1, 6, 7]],
                                                   [[2, 3, 4, 5]]]
 
+
+
+def _saved_for_backward(seq_len):
+    # The sequence lengths of the tensors backward keeps, and that the
+    # gradients still arrive (keys/values gathered again in backward).
+    cp = ContextParallel.of(dist.group.WORLD)
+    q, k, v = (torch.randn(1, 2, seq_len // cp.size, 4, requires_grad=True)
+               for _ in range(3))
+    lengths = []
+
+    def pack(tensor):
+        lengths.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = context_parallel_attention(q, k, v, cp)
+    out.sum().backward()
+    assert all(t.grad is not None for t in (q, k, v))
+    return lengths
+
+
+def test_backward_keeps_only_this_ranks_part(run_dist):
+    # Not the gathered keys/values (32 tokens), not a chunk's t x T mask
+    # (SDPA keeps it): activations per rank fall as 1/cp.
+    for lengths in run_dist(_saved_for_backward, 32):
+        assert lengths and all(shape[2] == 16 for shape in lengths
+                               if len(shape) == 4), lengths
+        assert all(len(shape) == 4 or max(shape, default=0) <= 16
+                   for shape in lengths), lengths

@@ -28,11 +28,14 @@ def _last_accuracy(output: str) -> float:
 
 def test_dist_train_tp2_resumes_bit_exactly_and_loads_into_plain_model(
         tmp_path):
+    # The straight run writes the iteration-4 checkpoint the resumed run
+    # starts from (in its own work dir).
     straight = _train(tmp_path / 'straight', 8)
-    _train(tmp_path / 'resumed', 4)
-    resumed = _train(tmp_path / 'resumed', 8, '--resume')
+    resumed = _train(tmp_path / 'resumed', 8, '--resume',
+                     tmp_path / 'straight' / 'iter_4.pth')
     log = resumed.stdout + resumed.stderr
     assert 'resumed epoch: 0, iter: 4' in log
+    assert not (tmp_path / 'resumed' / 'iter_4.pth').exists()
     final = load_ckpt(tmp_path / 'straight' / 'iter_8.pth')
     assert_same_training_state(
         load_ckpt(tmp_path / 'resumed' / 'iter_8.pth'), final)
@@ -64,10 +67,32 @@ def test_dist_train_refuses_a_plan_matching_nothing(tmp_path):
 
 
 
-def test_two_nodes_keep_each_tp_group_on_one_node(tmp_path):
+def _one_node(work_dir):
+    """The same run on one node of 4 gloo processes (the shared pool): the
+    config and options the launches below get, through the Runner."""
+    import argparse
+
+    from mmengine.config import Config, DictAction
+
+    from mmpar.runner import Runner
+    from tests.e2e import ROOT
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction)
+    options = parser.parse_args(
+        ['--cfg-options', *TP, 'train_cfg.max_iters=4', *SHORT]).cfg_options
+    cfg = Config.fromfile(str(ROOT / CONFIG))
+    cfg.merge_from_dict(options)
+    cfg.launcher = 'pytorch'
+    cfg.work_dir = str(work_dir)
+    cfg.experiment_name = 'tp2_one_node'
+    Runner.from_cfg(cfg).train()
+
+
+def test_two_nodes_keep_each_tp_group_on_one_node(run_dist, tmp_path):
     """NNODES=2 loopback nodes of 2 processes, tp=2 x dp=2: every tp group
     lies inside one node (from the ranks' node and local ranks), and the run
-    ends with the same weights as one node of 4 processes."""
+    ends with the same weights as one node of 4 processes (the shared gloo
+    pool of 4: no fourth torchrun start-up)."""
     import json
     import subprocess
 
@@ -81,8 +106,7 @@ def test_two_nodes_keep_each_tp_group_on_one_node(tmp_path):
     ]) + '\n')
     options = ['--cfg-options', *TP, 'train_cfg.max_iters=4', *SHORT]
     one_node = tmp_path / 'one_node'
-    run_tool(['bash', 'tools/dist_train.sh', config, 4, '--work-dir',
-              one_node, *options])
+    run_dist(_one_node, one_node, world_size=4)
     env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1')
     nodes = [
         subprocess.Popen(

@@ -11,7 +11,8 @@ from mmpar.config_check import check_config
 from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
 from tests.e2e import ROOT, load_ckpt
-from tests.checkpoint.test_sharded_checkpoint import SMALL_MODEL, _train
+from tests.trained import SMALL_MODEL
+from tests.trained import train as _train
 
 CONFIG = 'configs/vit_digits/vit_digits.py'
 FSDP2_CONFIG = 'configs/vit_digits/vit_digits_fsdp2.py'

@@ -1,12 +1,9 @@
 """Data by data rank: with tp=2 at 4 gloo ranks (data axis [0, 2], [1, 3]),
 MMEngine's samplers read by dp rank (tp peers get the same samples) and a
 metric counts every sample once."""
-import functools
 import itertools
 
 import pytest
-import torch
-import torch.distributed as dist
 from mmengine.evaluator import BaseMetric
 
 from mmpar.failures import ConfigError

@@ -36,18 +36,20 @@ def test_skipped_stream_continues_the_unskipped_one(shuffle, skip,
 
 
 def test_iter_based_resume_is_bit_exact_without_replay(tmp_path):
+    """60 iterations straight (checkpoints at 20, 40, 60); resumed from its
+    iteration-40 checkpoint in another work dir: the same iteration 60."""
     opts = ['train_cfg.max_iters=60', 'train_cfg.val_interval=30',
             'default_hooks.checkpoint.interval=20']
     straight = tmp_path / 'straight'
     run_tool(['python', 'tools/train.py', ITER_CONFIG, '--work-dir', straight,
               '--cfg-options'] + opts)
     resumed = tmp_path / 'resumed'
-    run_tool(['python', 'tools/train.py', ITER_CONFIG, '--work-dir', resumed,
-              '--cfg-options', 'train_cfg.max_iters=40'] + opts[1:])
     proc = run_tool(['python', 'tools/train.py', ITER_CONFIG, '--work-dir',
-                     resumed, '--resume', '--cfg-options'] + opts)
+                     resumed, '--resume', straight / 'iter_40.pth',
+                     '--cfg-options'] + opts)
     log = proc.stdout + proc.stderr
     assert 'resumed epoch: 0, iter: 40' in log
+    assert not (resumed / 'iter_40.pth').exists()  # not trained again
     assert 'replayed' not in log and 'Advance dataloader' in log
     assert_same_training_state(
         load_ckpt(resumed / 'iter_60.pth'), load_ckpt(straight / 'iter_60.pth'))

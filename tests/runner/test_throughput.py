@@ -22,7 +22,7 @@ def test_rates_flops_and_mfu(monkeypatch):
     runner = _runner(model)
     hook = ThroughputHook(peak_flops=1e9, window=2)
     hook.before_train(runner)
-    clock = iter([0.0, 1.0, 3.0, 4.0])
+    clock = iter([0.0, 1.0, 3.0, 10.0, 12.0, 15.0])
     monkeypatch.setattr(throughput.time, 'perf_counter', lambda: next(clock))
     batch = dict(inputs=torch.zeros(4, 16, dtype=torch.long))
     hook.before_train_iter(runner, 0, batch)       # t=0
@@ -39,8 +39,19 @@ def test_rates_flops_and_mfu(monkeypatch):
     assert hub.get_scalar('train/mfu').current() == \
         pytest.approx(flops / 1e9)
     # Validation time is not training time: the clock restarts after it.
+    # Validation ran from t=3 to t=10; without the restart the next
+    # iteration would count 9 s instead of 2.
     hook.before_val(runner)
-    hook.before_train_iter(runner, 2, batch)       # t=4 (new start)
+    hook.before_train_iter(runner, 2, batch)       # t=10 (new start)
+    hook.after_train_iter(runner, 2, batch)        # t=12: 64 tokens in 2 s
+    # The window (2) holds iterations 1 and 2: 128 tokens in 2 + 2 s.
+    assert hub.get_scalar('train/tokens_per_s').current() == \
+        pytest.approx(128 / 4)
+    # The clock runs on from the end of iteration 2 (no second restart).
+    hook.before_train_iter(runner, 3, batch)
+    hook.after_train_iter(runner, 3, batch)        # t=15: 64 tokens in 3 s
+    assert hub.get_scalar('train/tokens_per_s').current() == \
+        pytest.approx(128 / 5)
 
 
 def test_model_without_flops_logs_tokens_only():

@@ -1,14 +1,14 @@
 """Several nodes, slurm and elastic restarts on torch.distributed's launcher.
 
-One reference run (one node, 2 processes, 2 epochs) is compared with: two
-"nodes" of one process each over loopback (epoch 1), and a run whose rank 1
-is killed at the start of epoch 2 and that torchrun restarts from the epoch-1
-checkpoint (epoch 2). Both must match the reference bit for bit: the same
-ranks see the same data and gloo reduces in the same order.
+One reference run (one node, 2 processes: the session's shared
+``default_two_rank_run``, read-only) is compared with: two "nodes" of one
+process each over loopback (epoch 1), and a run whose rank 1 is killed at
+the start of epoch 2 and that torchrun restarts from the epoch-1 checkpoint
+(epoch 2). Both must match the reference bit for bit: the same ranks see the
+same data and gloo reduces in the same order.
 """
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -23,13 +23,10 @@ def epochs(n):
     return ['--cfg-options', f'train_cfg.max_epochs={n}']
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-    """One node, 2 processes, 2 epochs: the run every other is compared to."""
-    work_dir = tmp_path_factory.mktemp('reference')
-    run_tool(['bash', 'tools/dist_train.sh', DEFAULT_CONFIG, 2, '--work-dir',
-              work_dir] + epochs(2), timeout=JOB_TIMEOUT_S)
-    return work_dir
+@pytest.fixture
+def reference(default_two_rank_run):
+    """One node, 2 processes: the run every other is compared to."""
+    return default_two_rank_run
 
 
 def test_two_nodes_match_one_node(reference, tmp_path):

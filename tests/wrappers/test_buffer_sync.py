@@ -8,7 +8,7 @@ import torch.distributed as dist
 from mmengine.config import Config
 
 from mmpar.wrappers.builder import build_model_wrapper
-from tests.e2e import ROOT, load_ckpt
+from tests.e2e import ROOT, load_ckpt, read_dcp_checkpoint
 from tests.toy import make_optim_wrapper
 
 WRAPPERS = ('MMDistributedDataParallel', 'MMFullyShardedDataParallel',
@@ -137,9 +137,8 @@ def test_full_and_sharded_checkpoints_evaluate_alike(run_dist, tmp_path,
     assert full_val == sharded_val
     assert full_test == full_val
     assert sharded_test == full_val
-    from mmpar.checkpoint.sharded import sharded_to_full
     full = load_ckpt(tmp_path / 'full' / 'epoch_1.pth')['state_dict']
-    sharded = sharded_to_full(str(tmp_path / 'sharded' / 'epoch_1'))
+    sharded = read_dcp_checkpoint(tmp_path / 'sharded' / 'epoch_1')
     running = [k for k in full if 'running' in k]
     assert running
     # The same statistics in both formats: DCP spreads replicated tensors

@@ -287,16 +287,24 @@ def test_bucket_launches_each_bucket_once_during_backward(run_dist):
 
 
 def _val_and_test_step(cfg):
-    wrapper = build_model_wrapper(cfg, make_model())
-    batch = make_batches(num_batches=1, batch_size=4)[0]
-    expected = wrapper.module(batch['inputs'])
-    return (torch.equal(wrapper.val_step(batch), expected)
-            and torch.equal(wrapper.test_step(batch), expected))
+    # A different seed per rank: the wrapper predicts with rank 0's weights
+    # (the start-up broadcast), whatever this rank was built with.
+    rank = dist.get_rank()
+    wrapper = build_model_wrapper(cfg, make_model(seed=rank))
+    batch = make_batches(num_batches=1, batch_size=4, seed=7 + rank)[0]
+    return batch, wrapper.val_step(batch), wrapper.test_step(batch)
 
 
 def test_val_and_test_step_predict(run_dist):
+    # The oracle: a plain one-process forward of rank 0's weights, in this
+    # process, on a model object the wrapper never saw.
+    reference = make_model(seed=0).eval()
     for cfg in WRAPPER_CFGS.values():
-        assert run_dist(_val_and_test_step, cfg) == [True, True]
+        for batch, val, test in run_dist(_val_and_test_step, cfg):
+            with torch.no_grad():
+                expected = reference(batch['inputs'], mode='predict')
+            torch.testing.assert_close(val, expected, rtol=0, atol=0)
+            torch.testing.assert_close(test, expected, rtol=0, atol=0)
 
 
 def test_assign_buckets_reverse_order_and_cap():

@@ -9,13 +9,16 @@ forward/backward of the usual step with one ``schedule.step`` per batch:
   gets the batch's *indices* as the schedule's ``target``, so its loss
   function finds each micro-batch's data samples (of any type) by index:
   only tensors pass between stages;
+* every pp rank cuts its context-parallel chunks out of the batch (cp > 1);
 * the last stage's loss is the model's ``pipeline_loss`` + ``parse_losses``,
   divided by MMEngine's accumulation factor (``optim_wrapper.scale_loss``)
   and weighted by the micro-batch's share of the batch, so the gradients are
   those of the batch mean, as in one process (torch's own ``scale_grads``
   would also divide gradients accumulated by earlier batches: the parity
-  test caught it); a batch the micro-batch count does not divide is padded
-  and the padding left out of the loss;
+  test caught it); a loss over counted tokens is backpropagated as its
+  token sum instead (the optim wrapper divides by the window's count,
+  :mod:`mmpar.optim.tokens`); a batch the micro-batch count does not divide
+  is padded and the padding left out of the loss;
 * the logged loss is broadcast from the last stage over the pp group and
   handed to ``optim_wrapper.record_backward``: the schedule already ran the
   backward; the optim wrapper counts it for accumulation and its
@@ -32,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from mmpar.optim.tokens import TOKENS_KEY, is_token_counted
+from mmpar.parallel.sequence import shard_batch
 from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import StepMixin
@@ -164,7 +169,22 @@ class MMPipelineParallel(StepMixin, nn.Module):
             pipeline=PipelineParts(tuple(self.stages),
                                    tuple(self.stage_modules),
                                    tuple(self.stage_indices), self.pp_group),
-            sync_buffers=self.sync_buffers)
+            sync_buffers=self.sync_buffers,
+            reshard=self.reshard_parameters)
+
+    def reshard_parameters(self) -> None:
+        """Each wrapped stage's (FSDP2 stages keep their parameters
+        gathered after an evaluation forward)."""
+        for stage in self.stages:
+            if isinstance(stage, StepMixin):
+                stage.reshard_parameters()
+
+    @property
+    def grad_groups(self) -> tuple:
+        """The stages' gradient axis (every stage of a rank is wrapped over
+        the same one); none when the stages are not wrapped (pp alone)."""
+        wrapped = [s for s in self.stages if isinstance(s, StepMixin)]
+        return wrapped[0].grad_groups if wrapped else ()
 
     def sync_buffers(self) -> None:
         """Each wrapped stage's buffers over its data axis."""
@@ -213,14 +233,22 @@ class MMPipelineParallel(StepMixin, nn.Module):
         losses = _call(model.pipeline_loss, outputs[real], state['rest'],
                        index[real])
         loss, log_vars = model.parse_losses(losses)
+        optim_wrapper = state['optim_wrapper']
+        backward = optim_wrapper.loss_to_backward(loss, log_vars)
+        values = {k: float(v.detach()) for k, v in log_vars.items()}
+        if is_token_counted(log_vars):
+            # A token sum: the micro-batches' sums add up to the batch's,
+            # and the optim wrapper divides by the window's count. Logged
+            # terms are weighted by the micro-batch's tokens.
+            state['log_vars'].append((values, values[TOKENS_KEY]))
+            return backward
         weight = float(real.sum()) / state['batch']
-        state['log_vars'].append(
-            ({k: float(v.detach()) for k, v in log_vars.items()}, weight))
+        state['log_vars'].append((values, weight))
         # Weighted by the micro-batch's share of the real batch here, not
         # divided by torch (scale_grads=False): torch divides every .grad
         # after the step, which would also shrink gradients accumulated by
         # earlier batches. The weights make the sum the batch mean.
-        return state['optim_wrapper'].scale_loss(loss) * weight
+        return backward * weight
 
     def _run(self, data: Any, train: bool, extra: Optional[dict] = None):
         """One schedule step (``train``) or forward-only pass over a batch.
@@ -261,7 +289,8 @@ class MMPipelineParallel(StepMixin, nn.Module):
         equal on every pp rank."""
         with optim_wrapper.optim_context(self.model):  # autocast, if AMP
             data = self.data_preprocessor(data, training=True)
-            self._run(data, True, dict(optim_wrapper=optim_wrapper))
+            self._run(shard_batch(self.model, data), True,
+                      dict(optim_wrapper=optim_wrapper))
         log_vars = None
         if self.has_last:
             state = self._step_state
@@ -272,11 +301,16 @@ class MMPipelineParallel(StepMixin, nn.Module):
             parts = state['log_vars'][-real:]
             total = sum(w for _, w in parts)
             log_vars = {
-                k: sum(p[k] * w for p, w in parts) / total
+                k: sum(p[k] * w for p, w in parts) / (total or 1.0)
                 for k in parts[0][0]
             }
-        log_vars = {k: torch.tensor(v)
+            if TOKENS_KEY in log_vars:
+                log_vars[TOKENS_KEY] = total  # counts add up
+        log_vars = {k: torch.tensor(v, device=self.device)
                     for k, v in self._from_last(log_vars).items()}
+        # Every stage holds its last stage's counts now: summed over each
+        # stage's gradient axis, every rank adds the same window count.
+        log_vars = optim_wrapper.count_tokens(log_vars)
         optim_wrapper.record_backward(
             optim_wrapper.scale_loss(log_vars['loss'].to(self.device)),
             terms=log_vars)

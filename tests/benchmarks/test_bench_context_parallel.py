@@ -1,0 +1,24 @@
+"""benchmarks/bench_context_parallel.py with its --quick plan on 1 and 2
+gloo ranks (shape and sense, not speed): at cp=2 a rank keeps half the
+activations of cp=1, both ranks compute as many attention scores, and the
+report has its table and verdict."""
+from benchmarks import bench_context_parallel as bench
+
+
+def test_cp2_halves_activations_and_reports(run_dist):
+    plan = dict(bench.load_plan(quick=True, steps=1), lengths=(32, 64))
+    rows = run_dist(bench.measure, plan, world_size=1)[0] + \
+        run_dist(bench.measure, plan, world_size=2)[0]
+    by = {(r['cp'], r['length']): r for r in rows}
+    for length in plan['lengths']:
+        one, two = by[1, length], by[2, length]
+        assert two['saved'] <= bench.GOAL * one['saved'], (one, two)
+        assert two['balance'] == 1.0 and two['tokens_per_s'] > 0
+    conditions = dict(date='now', machine='here', load_before=0.0,
+                      load_after=0.0, wall_s=1.0)
+    bench_cps, bench.CPS = bench.CPS, (1, 2)
+    try:
+        text = bench.report(rows, plan, conditions)
+    finally:
+        bench.CPS = bench_cps
+    assert '| 64 | 2 |' in text and 'meets the goal of <= 0.6' in text
