@@ -474,7 +474,9 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
         # This rank's share of the blocks, for each micro-batch it holds.
         one = one * per_rank // (dims.pp * per_rank)
         one *= in_flight(schedule, dims.pp, microbatches, per_rank)
-    return one // dims.tp
+    # tp splits each layer's activations; cp cuts every sequence into cp
+    # shares (measured by the layout search: a cp=4 rank held ~1/4).
+    return one // (dims.tp * dims.cp)
 
 
 def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,

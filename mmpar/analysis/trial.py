@@ -14,13 +14,14 @@ slow as its slowest rank). A trial given ``stop_above`` ends after
 ``min_steps`` timed steps when even its fastest step so far is slower than
 that: the search's early stop for candidates already clearly slower.
 """
+import contextlib
 import datetime
 import os
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,56 @@ from mmpar.runner import Runner
 
 # A rank that waits longer than this in a collective fails the trial.
 COLLECTIVE_TIMEOUT_S = 300
+# The environment of every trial rank. glibc raises its mmap threshold to
+# the largest block freed so far (up to 32 MiB) and then serves big tensors
+# from heap arenas whose freed pages stay resident: a rank's peak RSS then
+# follows the order of allocations more than its live tensors (under FSDP on
+# CPU it ran far above them). A fixed threshold makes every tensor over
+# 1 MiB its own mapping, returned when freed, so the peak RSS tracks live
+# memory (docs/layout_search.md). Read by glibc at start-up: it must be in
+# the environment the rank is spawned with.
+RANK_ENV = dict(MALLOC_MMAP_THRESHOLD_='1048576')
+
+
+# The ranks fork from one server process that imported these once (a
+# fresh process per rank, without paying torch's, MMEngine's and mmpar's
+# imports per candidate: that was most of a trial's time on 2 cores).
+START_METHOD = 'forkserver'
+PRELOAD = ['torch', 'torch.distributed', 'mmengine.runner', 'mmpar.runner',
+           'mmpar.analysis.trial']
+
+
+def _context():
+    ctx = mp.get_context(START_METHOD)
+    # Read when the server starts (the first trial); harmless later.
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _fix_mmap_threshold() -> None:
+    # The environment variable reaches glibc only at process start; a rank
+    # forked from the server sets the same threshold itself.
+    from mmpar.parallelize.meta import M_MMAP_THRESHOLD, _glibc
+    value = os.environ.get('MALLOC_MMAP_THRESHOLD_')
+    libc = _glibc()
+    if value and libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, int(value))
+
+
+@contextlib.contextmanager
+def rank_environment(env: Dict[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` while ranks are spawned (spawned processes
+    copy it), restored afterwards."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def read_status_bytes(field_name: str) -> int:
@@ -133,6 +184,7 @@ def _redirect_output(log_file: str) -> None:
 def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
                 warmup: int, stop_above: Optional[float], min_steps: int,
                 data_ranks: int, log_dir: str, results) -> None:
+    _fix_mmap_threshold()
     start_rss = read_status_bytes('VmRSS')
     _redirect_output(os.path.join(log_dir, f'rank{rank}.log'))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
@@ -171,8 +223,8 @@ def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
 
 def run_trial(cfg: Config, world_size: int, warmup: int, steps: int,
               data_ranks: int, stop_above: Optional[float] = None,
-              min_steps: int = 2, log_dir: Optional[str] = None
-              ) -> TrialResult:
+              min_steps: int = 2, log_dir: Optional[str] = None,
+              env: Optional[Dict[str, str]] = None) -> TrialResult:
     """Train ``cfg`` on ``world_size`` fresh local ranks for ``warmup +
     steps`` iterations and time the last ``steps``.
 
@@ -189,6 +241,7 @@ def run_trial(cfg: Config, world_size: int, warmup: int, steps: int,
         min_steps: timed steps before the early stop may act.
         log_dir: where the ranks' logs go (``rank<r>.log``); a temporary
             directory when None.
+        env: environment variables of the ranks (None: :data:`RANK_ENV`).
 
     Returns:
         The measurements, or a result whose ``error`` says why the trial
@@ -199,17 +252,18 @@ def run_trial(cfg: Config, world_size: int, warmup: int, steps: int,
     fd, init_file = tempfile.mkstemp(prefix='mmpar_trial_rdzv_')
     os.close(fd)
     os.unlink(init_file)  # file:// rendezvous in a fresh name: no port
-    ctx = mp.get_context('spawn')
+    ctx = _context()
     results = ctx.SimpleQueue()
     cfg_dict = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
     start = time.time()
     result = None
     try:
-        mp.start_processes(
-            _trial_rank,
-            args=(world_size, init_file, cfg_dict, warmup, stop_above,
-                  min_steps, data_ranks, log_dir, results),
-            nprocs=world_size, start_method='spawn')
+        with rank_environment(RANK_ENV if env is None else env):
+            mp.start_processes(
+                _trial_rank,
+                args=(world_size, init_file, cfg_dict, warmup, stop_above,
+                      min_steps, data_ranks, log_dir, results),
+                nprocs=world_size, start_method=START_METHOD)
     except Exception as err:  # noqa: B902 - a rank failed: its message
         result = TrialResult(error=_first_error(results, err))
     finally:
@@ -237,6 +291,7 @@ class _NoModel(BaseModel):
 
 
 def _baseline_child(cfg_dict: dict, work_dir: str, results) -> None:
+    _fix_mmap_threshold()
     fd, init_file = tempfile.mkstemp(prefix='mmpar_baseline_rdzv_')
     os.close(fd)
     os.unlink(init_file)
@@ -278,12 +333,13 @@ def measure_baseline(cfg: Config) -> int:
         RuntimeError: the process failed, with its traceback.
     """
     work_dir = tempfile.mkdtemp(prefix='mmpar_baseline_')
-    ctx = mp.get_context('spawn')
+    ctx = _context()
     results = ctx.SimpleQueue()
     cfg_dict = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
     process = ctx.Process(target=_baseline_child,
                           args=(cfg_dict, work_dir, results))
-    process.start()
+    with rank_environment(RANK_ENV):
+        process.start()
     process.join()
     import shutil
     shutil.rmtree(work_dir, ignore_errors=True)

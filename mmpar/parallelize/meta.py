@@ -30,6 +30,7 @@ values. A model that does anything else is refused with an error naming the
 parameter and the switch ``meta_init=False`` (build whole on every rank).
 """
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -292,8 +293,10 @@ def _temporaries_returned() -> Iterator[None]:
     Llama one temporary parameter at a time reached 565 MB of RSS that way,
     49 MB with the threshold fixed. So the build and the materialisation
     run with a 1 MiB threshold; afterwards it stays fixed at 32 MiB (what
-    glibc's own adjustment tends to in training) and free heap is trimmed.
-    A no-op where the C library is not glibc.
+    glibc's own adjustment tends to in training), or at the process's
+    ``MALLOC_MMAP_THRESHOLD_`` when its environment sets one (the layout
+    search's trial ranks do, so that their peak RSS tracks live tensors),
+    and free heap is trimmed. A no-op where the C library is not glibc.
     """
     libc = _glibc()
     if libc is None:
@@ -303,8 +306,16 @@ def _temporaries_returned() -> Iterator[None]:
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_MMAP_THRESHOLD, _threshold_after())
         libc.malloc_trim(0)
+
+
+def _threshold_after() -> int:
+    # The user's own fixed threshold wins over mmpar's default.
+    try:
+        return int(os.environ['MALLOC_MMAP_THRESHOLD_'])
+    except (KeyError, ValueError):
+        return 32 << 20
 
 
 def _glibc():
