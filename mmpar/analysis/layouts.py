@@ -211,9 +211,10 @@ def candidate_config(cfg: Config, candidate: Candidate, batch: int,
                      ) -> Tuple[Config, dict]:
     """The config that trains ``candidate`` with ``batch`` samples per step.
 
-    Only what the layout needs changes: the ``parallel`` section (every
-    axis size, ``tp_plan`` when ``tp > 1``, ``pipeline`` when ``pp > 1``;
-    the section's other keys kept), ``activation_checkpointing`` and the
+    Only what the layout needs changes: the ``parallel`` section unless
+    the layout is the config's own (every axis size, ``tp_plan`` when
+    ``tp > 1``, ``pipeline`` when ``pp > 1``; the section's other keys
+    kept), ``activation_checkpointing`` and the
     per-rank ``train_dataloader.batch_size`` (``batch`` over the data
     ranks). A wrapper's ``hybrid_shard_size`` and older
     ``activation_checkpointing`` key move to those keys.
@@ -237,13 +238,17 @@ def candidate_config(cfg: Config, candidate: Candidate, batch: int,
             f'train_dataloader.batch_size: the global batch {batch} does not '
             f'split over {candidate.data_ranks} data ranks; allowed: layouts '
             'whose dp_replicate x dp_shard divides it')
-    changes = dict(parallel=_parallel_section(cfg, candidate, tp_plan))
+    changes = {}
     wrapper = cfg.get('model_wrapper_cfg')
     ac_cfg, plain_wrapper = merge_wrapper_key(
         cfg.get('activation_checkpointing'), wrapper)
     if plain_wrapper is not None and 'hybrid_shard_size' in plain_wrapper:
         plain_wrapper = {k: v for k, v in plain_wrapper.items()
                          if k != 'hybrid_shard_size'}
+    # A wrapper's hybrid_shard_size moves to the parallel section.
+    if candidate.layout != _own_layout(cfg, candidate) or \
+            plain_wrapper != wrapper:
+        changes['parallel'] = _parallel_section(cfg, candidate, tp_plan)
     if plain_wrapper != wrapper:
         changes['model_wrapper_cfg'] = plain_wrapper
     current = check_activation_checkpointing(ac_cfg)
@@ -267,6 +272,18 @@ def candidate_config(cfg: Config, candidate: Candidate, batch: int,
         else:
             new[key] = copy.deepcopy(value)
     return new, changes
+
+
+def _own_layout(cfg: Config, candidate: Candidate) -> Optional[Candidate]:
+    """The config's own layout (without checkpointing) at the candidate's
+    world size; None when the config's layout is refused there."""
+    from mmpar.failures import ConfigError
+    from mmpar.parallel.dims import ParallelismError
+    try:
+        return written_candidate(cfg, _product(candidate.axes.values())
+                                 ).layout
+    except (ConfigError, ParallelismError, ValueError):
+        return None
 
 
 def _parallel_section(cfg: Config, candidate: Candidate, tp_plan) -> dict:

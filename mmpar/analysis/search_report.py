@@ -158,14 +158,41 @@ def _py(value) -> str:
     return repr(value)
 
 
+def _nested(options: Optional[dict]) -> dict:
+    """``--cfg-options`` (``{'a.b': 1}``) as the dicts a config file writes
+    (``a = dict(b=1)``, merged into the base like the option was)."""
+    nested = {}
+    for dotted, value in (options or {}).items():
+        *parents, leaf = dotted.split('.')
+        node = nested
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return nested
+
+
+def _merged(options: dict, changes: dict) -> dict:
+    out = dict(options)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def best_config_text(result: SearchResult, config_path: str,
-                     out_path: str) -> str:
+                     out_path: str, cfg_options: Optional[dict] = None
+                     ) -> str:
     """The fastest layout as a config inheriting ``config_path``: only the
     keys it changes (a dict replacing a dict says ``_delete_=True``; the
-    per-rank batch merges into the user's loader)."""
+    per-rank batch merges into the user's loader), after the
+    ``cfg_options`` the search was run with (so that it trains what was
+    measured)."""
     from mmengine.config import Config
     best = result.best
     base = Config.fromfile(config_path)
+    options = _nested(cfg_options)
     relative = osp.relpath(osp.abspath(config_path),
                            osp.dirname(osp.abspath(out_path)))
     speed = result.throughput(best)
@@ -182,10 +209,19 @@ def best_config_text(result: SearchResult, config_path: str,
         f'{_mib(best.measured_peak)} per rank{versus}.',
         f'#   bash tools/dist_train.sh {out_path} {result.world_size}',
         f'_base_ = [{relative!r}]']
-    for key, value in best.changes.items():
+    if options:
+        lines.append('# --cfg-options of the search: '
+                     + ' '.join(f'{k}={v!r}' for k, v in cfg_options.items()))
+    keys = dict.fromkeys(list(options) + list(best.changes))
+    for key in keys:
+        if key not in best.changes:
+            lines.append(f'{key} = {_py(options[key])}')
+            continue
+        value = best.changes[key]
         if key == 'train_dataloader':
             lines.append('# The global batch stays '
                          f'{result.global_batch} samples per step.')
+            value = _merged(options.get(key, {}), value)
         elif isinstance(value, dict) and isinstance(base.get(key), dict):
             value = dict(_delete_=True, **value)
         lines.append(f'{key} = {_py(value)}')
@@ -193,7 +229,8 @@ def best_config_text(result: SearchResult, config_path: str,
 
 
 def write_search(result: SearchResult, config_path: str,
-                 out_dir: str) -> Optional[str]:
+                 out_dir: str, cfg_options: Optional[dict] = None
+                 ) -> Optional[str]:
     """Write ``search.json`` (the table) and, when a layout was measured,
     the best layout's config into ``out_dir``; return the config's path."""
     os.makedirs(out_dir, exist_ok=True)
@@ -208,7 +245,7 @@ def write_search(result: SearchResult, config_path: str,
     stem = osp.splitext(osp.basename(config_path))[0]
     path = osp.join(out_dir, f'{stem}_best_{result.world_size}ranks.py')
     with open(path, 'w') as f:
-        f.write(best_config_text(result, config_path, path))
+        f.write(best_config_text(result, config_path, path, cfg_options))
     return path
 
 
@@ -239,7 +276,7 @@ def search_main(args, cfg) -> int:
     print(f'layout search for {args.config} at {args.world_size} ranks '
           f'({minutes}m{seconds:02d}s)')
     print(format_search(result))
-    path = write_search(result, args.config, out_dir)
+    path = write_search(result, args.config, out_dir, args.cfg_options)
     message = nothing_fits(result)
     if message is not None:
         print(f'\n{message}')
