@@ -85,7 +85,7 @@ def sweep(cfg, plan: dict) -> dict:
     from mmpar.analysis.trial import measure_baseline, run_trial
     import tempfile
     start = time.time()
-    baseline = measure_baseline(cfg)
+    baseline = measure_baseline(cfg, plan['world_size'])
     kwargs = _search_kwargs(plan)
     rows, _ = plan_candidates(
         cfg, plan['world_size'], schedules=kwargs['schedules'],

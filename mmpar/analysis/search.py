@@ -338,9 +338,9 @@ def search_layouts(cfg: Config, world_size: int, *,
     start = time.time()
     say = progress or (lambda message: None)
     say(f'planning the layouts of {world_size} ranks ...')
-    baseline = measure_baseline(cfg)
+    baseline = measure_baseline(cfg, world_size)
     say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
-        '(measured in a fresh process)')
+        f'(measured on {world_size} fresh ranks)')
     rows, batch = plan_candidates(
         cfg, world_size, memory_budget=memory_budget, schedules=schedules,
         microbatches=microbatches, checkpointing=checkpointing,

@@ -257,10 +257,19 @@ def search_main(args, cfg) -> int:
 
     from mmpar.analysis.layouts import DEFAULT_SCHEDULES
     from mmpar.analysis.search import search_layouts
-    for key in ('trial_steps', 'warmup_steps'):
-        if getattr(args, key) < 1:
+    checks = [('trial_steps', args.trial_steps >= 1, 'an int >= 1'),
+              ('warmup_steps', args.warmup_steps >= 1, 'an int >= 1'),
+              ('world_size', args.world_size >= 1, 'an int >= 1'),
+              ('memory_budget', args.memory_budget is None or
+               args.memory_budget > 0, 'GiB > 0'),
+              ('early_stop', args.early_stop == 0 or args.early_stop > 1,
+               '0 (never) or a factor > 1'),
+              ('microbatches', all(m >= 1 for m in args.microbatches or []),
+               'ints >= 1')]
+    for key, ok, allowed in checks:
+        if not ok:
             print(f'error: --{key.replace("_", "-")}={getattr(args, key)} '
-                  'is not allowed; allowed: an int >= 1', file=sys.stderr)
+                  f'is not allowed; allowed: {allowed}', file=sys.stderr)
             return 2
     result = search_layouts(
         cfg, args.world_size, memory_budget=args.memory_budget,

@@ -284,21 +284,30 @@ def _first_error(results, err: Exception) -> str:
 
 
 class _NoModel(BaseModel):
-    """A model without parameters: what a rank holds besides its model."""
+    """A model of one parameter (a data-parallel wrapper needs one): what a
+    rank holds besides its model."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scalar = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError
 
 
-def _baseline_child(cfg_dict: dict, work_dir: str, results) -> None:
+def _baseline_rank(rank: int, world_size: int, init_file: str,
+                   cfg_dict: dict, work_dir: str, results) -> None:
     _fix_mmap_threshold()
-    fd, init_file = tempfile.mkstemp(prefix='mmpar_baseline_rdzv_')
-    os.close(fd)
-    os.unlink(init_file)
+    _redirect_output(os.path.join(work_dir, f'baseline{rank}.log'))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR='127.0.0.1', OMP_NUM_THREADS='1')
     torch.set_num_threads(1)
-    _redirect_output(os.path.join(work_dir, 'baseline.log'))
-    dist.init_process_group('gloo', init_method=f'file://{init_file}',
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        'gloo', init_method=f'file://{init_file}', rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         cfg = Config(cfg_dict)
         for key in ('parallel', 'model_wrapper_cfg',
@@ -309,42 +318,62 @@ def _baseline_child(cfg_dict: dict, work_dir: str, results) -> None:
                                force=True)
         cfg.model = dict(type='mmpar.RankBaselineModel')
         cfg.work_dir = work_dir
-        cfg.launcher = 'none'
+        cfg.launcher = 'pytorch'
         runner = Runner.from_cfg(cfg)
-        runner.build_dataloader(cfg.train_dataloader)
-        results.put(read_status_bytes('VmRSS'))
+        loader = runner.build_dataloader(cfg.train_dataloader)
+        next(iter(loader))  # the loader's iterator and one batch
+        rss = [None] * world_size
+        dist.all_gather_object(rss, read_status_bytes('VmRSS'))
+        if rank == 0:
+            results.put(max(rss))
     except BaseException:  # noqa: B902 - reported to the caller
         results.put(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
-        os.unlink(init_file)
 
 
-def measure_baseline(cfg: Config) -> int:
-    """What a training rank holds besides its model, measured in a fresh
-    process: the Runner's imports (every parallel technique's included),
-    a process group, MMEngine's logger, environment report and visualizer,
-    and the train data set and loader (``num_workers`` run in processes of
-    their own). The same Runner is built from ``cfg`` with a model without
-    parameters and no layout.
+def measure_baseline(cfg: Config, world_size: int = 1) -> int:
+    """What a training rank holds besides its model, measured on
+    ``world_size`` fresh local ranks (the largest): the Runner's imports
+    (every parallel technique's included), a process group of that size,
+    MMEngine's logger, environment report and visualizer, the train data
+    set and loader with one batch (``num_workers`` run in processes of
+    their own). The same Runner is built from ``cfg`` with a one-parameter
+    model and the default layout.
 
     Raises:
-        RuntimeError: the process failed, with its traceback.
+        RuntimeError: a rank failed, with its traceback.
     """
-    work_dir = tempfile.mkdtemp(prefix='mmpar_baseline_')
-    ctx = _context()
-    results = ctx.SimpleQueue()
-    cfg_dict = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
-    process = ctx.Process(target=_baseline_child,
-                          args=(cfg_dict, work_dir, results))
-    with rank_environment(RANK_ENV):
-        process.start()
-    process.join()
     import shutil
-    shutil.rmtree(work_dir, ignore_errors=True)
-    value = results.get() if not results.empty() else \
-        f'exit code {process.exitcode}'
+    work_dir = tempfile.mkdtemp(prefix='mmpar_baseline_')
+    fd, init_file = tempfile.mkstemp(prefix='mmpar_baseline_rdzv_')
+    os.close(fd)
+    os.unlink(init_file)
+    results = _context().SimpleQueue()
+    cfg_dict = cfg.to_dict() if isinstance(cfg, Config) else dict(cfg)
+    try:
+        with rank_environment(RANK_ENV):
+            mp.start_processes(
+                _baseline_rank,
+                args=(world_size, init_file, cfg_dict, work_dir, results),
+                nprocs=world_size, start_method=START_METHOD)
+    except Exception as err:  # noqa: B902 - a rank failed: its message
+        value = _first_error_text(results, err)
+    else:
+        value = results.get()
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
     if not isinstance(value, int):
         raise RuntimeError(f'measuring the baseline of a rank failed: {value}')
     return value
+
+
+def _first_error_text(results, err: Exception) -> str:
+    while not results.empty():
+        value = results.get()
+        if isinstance(value, str):
+            return value
+    return str(err)
