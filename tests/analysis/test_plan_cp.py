@@ -44,3 +44,12 @@ def test_cp_plan_refuses_a_model_without_the_protocol():
                        r"model.type='DigitsViT' has no context-parallel"):
         _plan('configs/vit_digits/vit_digits_iter.py', 2, 0,
               **{'parallel.cp': 2})
+
+
+def test_cp_divides_a_ranks_activations():
+    # The same per-rank batch: one rank holds whole sequences, a cp=2 rank
+    # half of each (the layout search measured a cp rank's share).
+    config = 'configs/llama_shakespeare/llama_shakespeare.py'
+    one = _plan(config, 1, 0).estimate.activations
+    two = _plan(config, 2, 0, **{'parallel.cp': 2}).estimate.activations
+    assert two == pytest.approx(one / 2, rel=0.01)
