@@ -24,6 +24,10 @@ activation checkpointing off and ``full``.
    trials, the message of ``tools/plan.py --search`` (smallest predicted
    peak, which axis would help).
 
+5. **memory**: every legal candidate once more at 4x the batch (1 + 1
+   steps), predicted against measured peak per rank, activations then
+   being a real part of it.
+
 Goals (issue 24): the pick within 5 % of the sweep's best throughput (both
 measured by the sweep), the search in at most 1/3 of the sweep's time, and
 every candidate's predicted peak per rank within 15 % of its measured peak
@@ -55,18 +59,58 @@ def load_plan(quick: bool, steps: int) -> dict:
                              'model.num_heads': 2,
                              'train_dataloader.batch_size': 4,
                              'train_dataloader.dataset.context_length': 32},
-                    microbatches=[2])
+                    microbatches=[2],
+                    memory_options={'train_dataloader.batch_size': 8})
     return dict(world_size=4, warmup=2, steps=steps or 4, repeats=2,
                 options={'train_dataloader.batch_size': 4,
                          'train_dataloader.dataset.num_windows': 4096},
-                microbatches=[4])
+                microbatches=[4],
+                # Memory check: 4x the batch, so that activations are a
+                # real part of a rank's peak (one untimed trial each).
+                memory_options={'train_dataloader.batch_size': 16})
 
 
-def _cfg(plan: dict):
+def _cfg(plan: dict, key: str = 'options'):
     from mmengine.config import Config
     cfg = Config.fromfile(CONFIG)
     cfg.merge_from_dict(plan['options'])
+    cfg.merge_from_dict(plan.get(key) or {})
     return cfg
+
+
+def memory_check(plan: dict) -> dict:
+    """Every legal candidate at the larger batch, once (1 + 1 steps):
+    predicted against measured peak per rank."""
+    import tempfile
+
+    from mmpar.analysis.search import plan_candidates, trial_config
+    from mmpar.analysis.trial import measure_baseline, run_trial
+    cfg = _cfg(plan, 'memory_options')
+    n = plan['world_size']
+    kwargs = _search_kwargs(plan)
+    baseline = measure_baseline(cfg, n)
+    rows, batch = plan_candidates(
+        cfg, n, schedules=kwargs['schedules'],
+        microbatches=kwargs['microbatches'],
+        checkpointing=kwargs['checkpointing'], prune_checkpointing=False,
+        baseline=baseline)
+    log_dir = tempfile.mkdtemp(prefix='mmpar_memory_')
+    out = []
+    for index, row in enumerate(r for r in rows if not r.status):
+        trial = run_trial(
+            trial_config(row.config, 2, os.path.join(log_dir, str(index))),
+            n, 1, 1, row.candidate.data_ranks)
+        if trial.error:
+            raise RuntimeError(f'memory: {row.candidate.label} failed:\n'
+                               f'{trial.error}')
+        out.append(dict(label=row.candidate.label,
+                        predicted=row.predicted_peak,
+                        activations=row.estimate.activations or 0,
+                        measured=max(trial.peak_rss)))
+        _say(f'[memory {index + 1}] {row.candidate.label}: predicted '
+             f'{row.predicted_peak / MiB:.0f} MiB, measured '
+             f'{max(trial.peak_rss) / MiB:.0f} MiB')
+    return dict(rows=out, baseline=baseline, batch=batch)
 
 
 def _search_kwargs(plan: dict) -> dict:
@@ -143,7 +187,31 @@ def measure(plan: dict) -> dict:
     return dict(search=found, swept=swept, fastest=fastest,
                 predicted=predicted, budget=budget, fitting=fitting,
                 budgeted=budgeted, low=low, impossible=impossible,
-                message=nothing_fits(impossible))
+                message=nothing_fits(impossible), memory=memory_check(plan))
+
+
+def _memory_lines(memory: dict, plan: dict) -> list:
+    lines = [
+        '',
+        f'Memory at a larger batch (`train_dataloader.batch_size='
+        f'{plan["memory_options"]["train_dataloader.batch_size"]}`, global '
+        f'{memory["batch"]}), every legal candidate once (1 + 1 steps), '
+        'so that activations are a real part of the peak:',
+        '',
+        '| candidate | predicted peak/rank (MiB) | of which activations '
+        '(MiB) | measured peak/rank (MiB) | error |',
+        '|---|---|---|---|---|']
+    worst = 0.0
+    for row in memory['rows']:
+        error = (row['predicted'] - row['measured']) / row['measured']
+        worst = max(worst, abs(error))
+        lines.append(f'| {row["label"]} | {row["predicted"] / MiB:.0f} | '
+                     f'{row["activations"] / MiB:.0f} | '
+                     f'{row["measured"] / MiB:.0f} | {error:+.1%} |')
+    lines += ['', f'Worst error {worst:.1%} (goal 15 %: '
+              f'{"met" if worst <= 0.15 else "missed"}); a rank\'s baseline '
+              f'{memory["baseline"] / MiB:.0f} MiB.']
+    return lines
 
 
 def _pick_speed(result, speed: dict):
@@ -230,6 +298,7 @@ def report(out: dict, plan: dict, conditions: dict) -> str:
         f'{out["impossible"].elapsed_s:.0f} s, no trial run; the message:',
         '',
         f'  > {out["message"]}']
+    lines += _memory_lines(out['memory'], plan)
     if conditions['load_before'] >= LOADED or \
             conditions['load_after'] >= LOADED:
         lines += [
