@@ -65,7 +65,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """Short and unique, e.g. ``dp_shard=2 pp=2 (1F1B, 4 mb) ckpt=full``."""
+        """Short and unique: ``dp_shard=2 pp=2 (1F1B, 4 mb) ckpt=full``."""
         parts = [f'{axis}={size}' for axis, size in self.sizes if size > 1]
         text = ' '.join(parts) or 'one rank'
         if self.schedule is not None:

@@ -131,17 +131,19 @@ def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
         if 'cp' in AXES:
             hints.append('context parallelism (cp)')
         hints.append('a smaller global batch (train_dataloader.batch_size)')
-        return ('Activations are the largest part; what lowers them: ' +
+        return ('Of what a layout changes, activations are the largest '
+                'part; what lowers them: ' +
                 ', '.join(hints) + '.')
     if largest == 'steady' and not row.estimate.gathered_unit:
-        return ('Parameters, gradients and optimizer state are the largest '
-                'part and the wrapper replicates them on every data rank: a '
-                "sharding wrapper (model_wrapper_cfg=dict(type="
-                "'MMFullyShard')) divides them over dp_shard; tp and pp "
-                'split them too, as do more ranks.')
-    return ('Parameters, gradients, optimizer state and the gathered FSDP '
-            'unit are the largest part: more ranks on dp_shard, tp or pp '
-            'divide them (a finer wrap policy shrinks the gathered unit).')
+        return ('Of what a layout changes, parameters, gradients and '
+                'optimizer state are the largest part and the wrapper '
+                'replicates them on every data rank: a sharding wrapper '
+                "(model_wrapper_cfg=dict(type='MMFullyShard')) divides them "
+                'over dp_shard; tp and pp split them too, as do more ranks.')
+    return ('Of what a layout changes, parameters, gradients, optimizer '
+            'state and the gathered FSDP unit are the largest part: more '
+            'ranks on dp_shard, tp or pp divide them (a finer wrap policy '
+            'shrinks the gathered unit).')
 
 
 def _py(value) -> str:

@@ -156,7 +156,8 @@ def test_nothing_fits_names_the_smallest_peak_and_an_axis():
     message = nothing_fits(SearchResult(2, batch, rows, budget, 1, 1))
     assert f'the smallest predicted peak is {smallest / 2**20:,.0f} MiB' \
         in message
-    assert 'Activations are the largest part' in message
+    assert 'Of what a layout changes, activations are the largest part' \
+        in message
     assert "activation checkpointing mode 'full'" in message
 
 
