@@ -168,7 +168,8 @@ def stderr_progress(message: str) -> None:
 
 def trial_config(cfg: Config, iterations: int, work_dir: str) -> Config:
     """``cfg`` cut to ``iterations`` training iterations on N launched
-    ranks: no validation, no checkpoints, logs in ``work_dir``."""
+    ranks: no validation, no checkpoints, logs in ``work_dir``, a fixed
+    seed when the config has none."""
     trial = Config(cfg.to_dict())
     trial.launcher = 'pytorch'
     trial.work_dir = work_dir
@@ -180,6 +181,12 @@ def trial_config(cfg: Config, iterations: int, work_dir: str) -> Config:
     hooks['checkpoint'] = None
     trial.default_hooks = hooks
     trial.log_level = 'WARNING'
+    # The same data for every candidate: a config without a seed would get
+    # a random one (and another data order) per trial.
+    randomness = dict(trial.get('randomness') or {})
+    if randomness.get('seed') is None:
+        randomness['seed'] = 0
+    trial.randomness = randomness
     return trial
 
 
@@ -335,6 +342,9 @@ def search_layouts(cfg: Config, world_size: int, *,
         The ranked table; ``result.best`` is the fastest layout measured,
         None when nothing fits or every trial failed.
     """
+    _check_arguments(world_size=world_size, trial_steps=trial_steps,
+                     warmup_steps=warmup_steps, memory_budget=memory_budget,
+                     early_stop=early_stop)
     start = time.time()
     say = progress or (lambda message: None)
     say(f'planning the layouts of {world_size} ranks ...')
@@ -373,6 +383,22 @@ def search_layouts(cfg: Config, world_size: int, *,
     result.rows = _ranked(rows, result)
     result.elapsed_s = time.time() - start
     return result
+
+
+def _check_arguments(**values) -> None:
+    """The search's arguments, each named when refused (ValueError)."""
+    rules = dict(
+        world_size=(lambda v: isinstance(v, int) and v >= 1, 'an int >= 1'),
+        trial_steps=(lambda v: isinstance(v, int) and v >= 1, 'an int >= 1'),
+        warmup_steps=(lambda v: isinstance(v, int) and v >= 1,
+                      'an int >= 1'),
+        memory_budget=(lambda v: v is None or v > 0, 'None or GiB > 0'),
+        early_stop=(lambda v: v is None or v > 1, 'None or a factor > 1'))
+    for key, value in values.items():
+        ok, allowed = rules[key]
+        if not ok(value):
+            raise ValueError(f'search_layouts: {key}={value!r} is not '
+                             f'allowed; allowed: {allowed}')
 
 
 def _run(row: Row, result: SearchResult, world_size: int, log_dir: str,

@@ -208,3 +208,13 @@ def test_search_reports_when_nothing_fits(tmp_path):
     assert 'the budget must exceed' in proc.stdout
     assert '0 to run' in proc.stderr  # nothing was trained
     assert not list(tmp_path.glob('*.py'))
+
+
+def test_search_layouts_names_a_bad_argument():
+    from mmpar.analysis import search_layouts
+    cfg = Config.fromfile(str(ROOT / TINY))
+    with pytest.raises(ValueError, match=r'search_layouts: trial_steps=0 '
+                       r'is not allowed; allowed: an int >= 1'):
+        search_layouts(cfg, 2, trial_steps=0)
+    with pytest.raises(ValueError, match=r'memory_budget=-1'):
+        search_layouts(cfg, 2, memory_budget=-1)
