@@ -136,6 +136,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help='stop a candidate whose first 2 timed steps are all slower '
         'than X times the best so far (default 1.3; 0: never)')
     search.add_argument(
+        '--confirm', type=int, default=3, metavar='C',
+        help='run the C fastest candidates a second time and rank them on '
+        'both passes (default 3; 0: one pass)')
+    search.add_argument(
         '--checkpointing', nargs='+', default=['none', 'selective', 'full'],
         choices=['none', 'selective', 'full'],
         help='activation checkpointing modes to try')

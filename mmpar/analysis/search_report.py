@@ -266,6 +266,7 @@ def search_main(args, cfg) -> int:
                args.memory_budget > 0, 'GiB > 0'),
               ('early_stop', args.early_stop == 0 or args.early_stop > 1,
                '0 (never) or a factor > 1'),
+              ('confirm', args.confirm >= 0, 'an int >= 0'),
               ('microbatches', all(m >= 1 for m in args.microbatches or []),
                'ints >= 1')]
     for key, ok, allowed in checks:
@@ -276,7 +277,7 @@ def search_main(args, cfg) -> int:
     result = search_layouts(
         cfg, args.world_size, memory_budget=args.memory_budget,
         trial_steps=args.trial_steps, warmup_steps=args.warmup_steps,
-        early_stop=args.early_stop or None,
+        early_stop=args.early_stop or None, confirm=args.confirm,
         schedules=args.schedules or DEFAULT_SCHEDULES,
         microbatches=args.microbatches,
         checkpointing=[None if m == 'none' else m
