@@ -2,7 +2,9 @@
 
     python tools/plan.py CONFIG --world-size 8 [--rank R] [--cfg-options k=v]
 
-Starts no processes and needs no GPU. See docs/topology.md.
+Starts no processes and needs no GPU. See docs/topology.md. With
+``--search [--memory-budget GiB] [--trial-steps K] [--out DIR]`` it measures
+the layouts of N local ranks and writes the fastest (docs/layout_search.md).
 """
 import os.path as osp
 import sys

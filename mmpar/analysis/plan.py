@@ -135,7 +135,8 @@ def resolved_wrapper_args(wrapper_cls: type, kwargs: dict) -> dict:
     return resolved
 
 
-def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
+def make_plan(cfg: Config, world_size: int, rank: int = 0,
+              baseline: Optional[int] = None) -> Plan:
     """Plan ``cfg`` at ``world_size`` ranks, as seen from ``rank``.
 
     The wrapper and ``parallel`` sections go through the Runner's own checks
@@ -160,7 +161,8 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0) -> Plan:
         dict(cfg.model_wrapper_cfg) if explicit else
         default_wrapper_cfg(parallel))
     dims = parallel.dims(world_size, cfg.get('model_wrapper_cfg'))
-    baseline = current_rss()  # a rank's before its model: imports
+    if baseline is None:
+        baseline = current_rss()  # a rank's before its model: imports
     model = build_model(cfg)
     _fake_world(world_size, rank)
     topology = None

@@ -120,7 +120,40 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         '--memory-budget', type=float, metavar='GiB',
         help='memory per rank; the plan says whether the predicted peak '
-        'fits (exit status 3 if it does not)')
+        'fits (exit status 3 if it does not); with --search, layouts whose '
+        'predicted peak exceeds it are not run')
+    search = parser.add_argument_group(
+        'layout search (--search): measure the layouts of --world-size '
+        'local ranks and write the fastest as a config')
+    search.add_argument('--search', action='store_true',
+                        help='search instead of printing one plan')
+    search.add_argument('--trial-steps', type=int, default=5, metavar='K',
+                        help='timed steps per candidate (default 5)')
+    search.add_argument('--warmup-steps', type=int, default=2, metavar='W',
+                        help='untimed steps before them (default 2)')
+    search.add_argument(
+        '--early-stop', type=float, default=1.3, metavar='X',
+        help='stop a candidate whose first 2 timed steps are all slower '
+        'than X times the best so far (default 1.3; 0: never)')
+    search.add_argument(
+        '--confirm', type=int, default=3, metavar='C',
+        help='run the C fastest candidates a second time and rank them on '
+        'both passes (default 3; 0: one pass)')
+    search.add_argument(
+        '--checkpointing', nargs='+', default=['none', 'selective', 'full'],
+        choices=['none', 'selective', 'full'],
+        help='activation checkpointing modes to try')
+    search.add_argument(
+        '--schedules', nargs='+', default=None, metavar='NAME',
+        help='pipeline schedules to try (default 1F1B GPipe '
+        'Interleaved1F1B)')
+    search.add_argument(
+        '--microbatches', nargs='+', type=int, default=None, metavar='M',
+        help='pipeline micro-batch counts to try (default pp and 2 pp)')
+    search.add_argument(
+        '--out', metavar='DIR',
+        help='where the best config and search.json go (default '
+        'work_dirs/<config name>_search)')
     return parser.parse_args(argv)
 
 
@@ -130,6 +163,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
+    if args.search:
+        from mmpar.analysis.search_report import search_main
+        return search_main(args, cfg)
     try:
         plan = make_plan(cfg, args.world_size, args.rank)
     except (PlanError, ParallelismError, ValueError) as err:

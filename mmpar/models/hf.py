@@ -93,6 +93,10 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         FileNotFoundError: ``pretrained`` is not a directory.
     """
 
+    # The registered tensor-parallel plan for it: transformers' own plan
+    # (tools/plan.py --search tries it for tp > 1 when the config names none).
+    default_tp_plan = 'hf'
+
     def __init__(self,
                  config: Optional[dict] = None,
                  pretrained: Optional[str] = None,

@@ -371,6 +371,10 @@ class Llama(LMPipelineOutputs, BaseModel):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
+    # The registered tensor-parallel plan that splits this model (what
+    # tools/plan.py --search tries for tp > 1 when the config names none).
+    default_tp_plan = 'llama'
+
     # -- the pipeline protocol (docs/pipeline_parallel.md) ------------------
     pipeline_layers = 'layers'
     pipeline_pre = ('tok_embeddings', )

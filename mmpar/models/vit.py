@@ -93,6 +93,10 @@ class DigitsViT(BaseModel):
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
 
+    # The registered tensor-parallel plan that splits this model (what
+    # tools/plan.py --search tries for tp > 1 when the config names none).
+    default_tp_plan = 'digits_vit'
+
     # -- the pipeline protocol (docs/pipeline_parallel.md) ------------------
     pipeline_layers = 'blocks'
     pipeline_pre = ('patch_embed', 'cls_token', 'pos_embed')

@@ -44,3 +44,4 @@ def test_cp_plan_refuses_a_model_without_the_protocol():
                        r"model.type='DigitsViT' has no context-parallel"):
         _plan('configs/vit_digits/vit_digits_iter.py', 2, 0,
               **{'parallel.cp': 2})
+

@@ -1,0 +1,301 @@
+"""The layout search as text and as a config: the ranked table, the message
+when nothing fits the budget, and the winning layout written as a config
+that inherits the user's (``tools/plan.py CONFIG --search``)."""
+import json
+import os
+import os.path as osp
+from collections import defaultdict
+from typing import List, Optional
+
+from mmpar.analysis.search import (FAILED, MEASURED, OVER_BUDGET, REFUSED,
+                                   SKIPPED, STOPPED, Row, SearchResult)
+from mmpar.parallel.dims import AXES
+
+MiB = 2**20
+
+
+def _mib(value: Optional[int]) -> str:
+    return '-' if value is None else f'{value / MiB:,.0f} MiB'
+
+
+def _times(value: Optional[float]) -> str:
+    return '-' if value is None else f'{value:.2f}x'
+
+
+def format_search(result: SearchResult) -> str:
+    """The ranked table, then what was not run and why."""
+    header = ('layout', 'predicted peak/rank', 'measured peak/rank',
+              's/step', result.unit, 'vs best', 'vs as written')
+    lines = []
+    ran = [r for r in result.rows if r.status in (MEASURED, STOPPED)]
+    best = result.best
+    written = result.as_written
+    body = []
+    for row in ran:
+        speed = result.throughput(row)
+        label = row.candidate.label + (' (as written)' if row.as_written
+                                       else '')
+        if row.status == STOPPED:
+            label += ' (stopped early)'
+        body.append((label, _mib(row.predicted_peak),
+                     _mib(row.measured_peak), f'{row.step_time:.3f}',
+                     f'{speed:,.0f}',
+                     _times(_ratio(speed, best, result)),
+                     _times(_ratio(speed, written, result))))
+    if body:
+        widths = [max(len(r[i]) for r in body + [header])
+                  for i in range(len(header))]
+        lines.append('  '.join(h.ljust(w) if i == 0 else h.rjust(w)
+                               for i, (h, w) in enumerate(zip(header,
+                                                              widths))))
+        for cells in body:
+            lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
+                                   for i, (c, w) in enumerate(zip(cells,
+                                                                  widths))))
+    lines += _not_run_lines(result)
+    return '\n'.join(lines)
+
+
+def _ratio(speed, row: Optional[Row], result: SearchResult):
+    reference = result.throughput(row) if row is not None else None
+    if speed is None or not reference:
+        return None
+    return speed / reference
+
+
+def _not_run_lines(result: SearchResult) -> List[str]:
+    lines = []
+    for status, title in ((FAILED, 'failed'), (SKIPPED, 'skipped'),
+                          (OVER_BUDGET, 'over the memory budget')):
+        rows = [r for r in result.rows if r.status == status]
+        if rows:
+            lines += ['', f'{title} ({len(rows)}):']
+            lines += [f'  {r.candidate.label}: {r.message}' for r in rows]
+    by_message = defaultdict(list)
+    for row in result.rows:
+        if row.status == REFUSED:
+            by_message[row.message].append(row.candidate.label)
+    if by_message:
+        total = sum(len(v) for v in by_message.values())
+        lines += ['', f'refused by the validator ({total}):']
+        for message, labels in by_message.items():
+            shown = ', '.join(labels[:3]) + (
+                f' and {len(labels) - 3} more' if len(labels) > 3 else '')
+            lines.append(f'  {shown}: {message}')
+    return lines
+
+
+def nothing_fits(result: SearchResult) -> Optional[str]:
+    """Why no candidate could run (None when some did): the smallest
+    predicted peak, what it is made of and which axis would lower it."""
+    if any(r.status in (MEASURED, STOPPED, FAILED) for r in result.rows):
+        return None
+    fitting = [r for r in result.rows if r.status == OVER_BUDGET]
+    if not fitting:
+        return (f'no layout of {result.world_size} ranks is legal for this '
+                'config (the validator refused every candidate; see above)')
+    smallest = min(fitting, key=lambda r: r.predicted_peak)
+    est = smallest.estimate
+    budget = result.memory_budget * 2**30
+    text = (f'no layout of {result.world_size} ranks fits --memory-budget '
+            f'{result.memory_budget:g} GiB per rank: the smallest predicted '
+            f'peak is {_mib(smallest.predicted_peak)} '
+            f'({smallest.candidate.label}: a rank besides its model '
+            f'{_mib(est.baseline)}, parameters + gradients + optimizer state '
+            f'{_mib(est.steady)}, FSDP gathered unit '
+            f'{_mib(est.gathered_unit)}, activations '
+            f'{_mib(est.activations)}; build {_mib(est.build)}). ')
+    return text + _what_would_help(result, smallest, budget)
+
+
+def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
+    est = row.estimate
+    axes = row.candidate.axes
+    refused = {axis for axis in AXES for r in result.rows
+               if r.status == REFUSED and r.candidate.axes[axis] > 1}
+    if est.baseline >= budget:
+        return ('No layout can help: a rank holds that much before its '
+                'model (imports, process group, data set, logging); the '
+                f'budget must exceed {_mib(est.baseline)}.')
+    terms = dict(activations=est.activations or 0, steady=est.steady,
+                 gathered=est.gathered_unit)
+    largest = max(terms, key=terms.get)
+    if largest == 'activations':
+        hints = [f'more pipeline micro-batches (pp={axes["pp"]}; '
+                 '--microbatches)' if axes['pp'] > 1 else
+                 'pipeline parallelism (pp) with more micro-batches']
+        if row.candidate.checkpointing != 'full':
+            hints.append("activation checkpointing mode 'full'")
+        hints.append('a larger tp' + (' (refused here: see why above)'
+                                      if 'tp' in refused else ''))
+        if 'cp' in AXES:
+            hints.append('context parallelism (cp)')
+        hints.append('a smaller global batch (train_dataloader.batch_size)')
+        return ('Of what a layout changes, activations are the largest '
+                'part; what lowers them: ' +
+                ', '.join(hints) + '.')
+    if largest == 'steady' and not row.estimate.gathered_unit:
+        return ('Of what a layout changes, parameters, gradients and '
+                'optimizer state are the largest part and the wrapper '
+                'replicates them on every data rank: a sharding wrapper '
+                "(model_wrapper_cfg=dict(type='MMFullyShard')) divides them "
+                'over dp_shard; tp and pp split them too, as do more ranks.')
+    return ('Of what a layout changes, parameters, gradients, optimizer '
+            'state and the gathered FSDP unit are the largest part: more '
+            'ranks on dp_shard, tp or pp divide them (a finer wrap policy '
+            'shrinks the gathered unit).')
+
+
+def _py(value) -> str:
+    """``value`` as config source: dicts as ``dict(...)``."""
+    if isinstance(value, dict) and all(
+            isinstance(k, str) and k.isidentifier() for k in value):
+        return 'dict(' + ', '.join(f'{k}={_py(v)}'
+                                   for k, v in value.items()) + ')'
+    if isinstance(value, list):
+        return '[' + ', '.join(_py(v) for v in value) + ']'
+    if isinstance(value, tuple):
+        return '(' + ', '.join(_py(v) for v in value) + \
+            (',)' if len(value) == 1 else ')')
+    return repr(value)
+
+
+def _nested(options: Optional[dict]) -> dict:
+    """``--cfg-options`` (``{'a.b': 1}``) as the dicts a config file writes
+    (``a = dict(b=1)``, merged into the base like the option was)."""
+    nested = {}
+    for dotted, value in (options or {}).items():
+        *parents, leaf = dotted.split('.')
+        node = nested
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return nested
+
+
+def _merged(options: dict, changes: dict) -> dict:
+    out = dict(options)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def best_config_text(result: SearchResult, config_path: str,
+                     out_path: str, cfg_options: Optional[dict] = None
+                     ) -> str:
+    """The fastest layout as a config inheriting ``config_path``: only the
+    keys it changes (a dict replacing a dict says ``_delete_=True``; the
+    per-rank batch merges into the user's loader), after the
+    ``cfg_options`` the search was run with (so that it trains what was
+    measured)."""
+    from mmengine.config import Config
+    best = result.best
+    base = Config.fromfile(config_path)
+    options = _nested(cfg_options)
+    relative = osp.relpath(osp.abspath(config_path),
+                           osp.dirname(osp.abspath(out_path)))
+    speed = result.throughput(best)
+    written = result.as_written
+    versus = '' if written is None or not result.throughput(written) else (
+        f'; {speed / result.throughput(written):.2f}x the config as written')
+    lines = [
+        f'# The fastest layout of {result.world_size} ranks that '
+        'tools/plan.py --search measured',
+        f'# for {osp.basename(config_path)} on the machine it ran on '
+        f'({result.warmup_steps} + {result.trial_steps} steps each, '
+        f'global batch {result.global_batch}):',
+        f'#   {best.candidate.label}: {speed:,.0f} {result.unit}, peak '
+        f'{_mib(best.measured_peak)} per rank{versus}.',
+        f'#   bash tools/dist_train.sh {out_path} {result.world_size}',
+        f'_base_ = [{relative!r}]']
+    if options:
+        lines.append('# --cfg-options of the search: '
+                     + ' '.join(f'{k}={v!r}' for k, v in cfg_options.items()))
+    keys = dict.fromkeys(list(options) + list(best.changes))
+    for key in keys:
+        if key not in best.changes:
+            lines.append(f'{key} = {_py(options[key])}')
+            continue
+        value = best.changes[key]
+        if key == 'train_dataloader':
+            lines.append('# The global batch stays '
+                         f'{result.global_batch} samples per step.')
+            value = _merged(options.get(key, {}), value)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            value = dict(_delete_=True, **value)
+        lines.append(f'{key} = {_py(value)}')
+    return '\n'.join(lines) + '\n'
+
+
+def write_search(result: SearchResult, config_path: str,
+                 out_dir: str, cfg_options: Optional[dict] = None
+                 ) -> Optional[str]:
+    """Write ``search.json`` (the table) and, when a layout was measured,
+    the best layout's config into ``out_dir``; return the config's path."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(osp.join(out_dir, 'search.json'), 'w') as f:
+        json.dump(dict(world_size=result.world_size,
+                       global_batch=result.global_batch,
+                       memory_budget=result.memory_budget,
+                       elapsed_s=result.elapsed_s, rows=result.table()),
+                  f, indent=1, default=str)
+    if result.best is None:
+        return None
+    stem = osp.splitext(osp.basename(config_path))[0]
+    path = osp.join(out_dir, f'{stem}_best_{result.world_size}ranks.py')
+    with open(path, 'w') as f:
+        f.write(best_config_text(result, config_path, path, cfg_options))
+    return path
+
+
+def search_main(args, cfg) -> int:
+    """``tools/plan.py CONFIG --search``: progress on stderr, the table on
+    stdout; exit 0 with a config written, 3 when nothing fits the budget,
+    2 when nothing is legal or every trial failed."""
+    import sys
+
+    from mmpar.analysis.layouts import DEFAULT_SCHEDULES
+    from mmpar.analysis.search import search_layouts
+    checks = [('trial_steps', args.trial_steps >= 1, 'an int >= 1'),
+              ('warmup_steps', args.warmup_steps >= 1, 'an int >= 1'),
+              ('world_size', args.world_size >= 1, 'an int >= 1'),
+              ('memory_budget', args.memory_budget is None or
+               args.memory_budget > 0, 'GiB > 0'),
+              ('early_stop', args.early_stop == 0 or args.early_stop > 1,
+               '0 (never) or a factor > 1'),
+              ('confirm', args.confirm >= 0, 'an int >= 0'),
+              ('microbatches', all(m >= 1 for m in args.microbatches or []),
+               'ints >= 1')]
+    for key, ok, allowed in checks:
+        if not ok:
+            print(f'error: --{key.replace("_", "-")}={getattr(args, key)} '
+                  f'is not allowed; allowed: {allowed}', file=sys.stderr)
+            return 2
+    result = search_layouts(
+        cfg, args.world_size, memory_budget=args.memory_budget,
+        trial_steps=args.trial_steps, warmup_steps=args.warmup_steps,
+        early_stop=args.early_stop or None, confirm=args.confirm,
+        schedules=args.schedules or DEFAULT_SCHEDULES,
+        microbatches=args.microbatches,
+        checkpointing=[None if m == 'none' else m
+                       for m in args.checkpointing])
+    stem = osp.splitext(osp.basename(args.config))[0]
+    out_dir = args.out or osp.join('work_dirs', f'{stem}_search')
+    minutes, seconds = divmod(int(result.elapsed_s), 60)
+    print(f'layout search for {args.config} at {args.world_size} ranks '
+          f'({minutes}m{seconds:02d}s)')
+    print(format_search(result))
+    path = write_search(result, args.config, out_dir, args.cfg_options)
+    message = nothing_fits(result)
+    if message is not None:
+        print(f'\n{message}')
+        return 3 if any(r.status == OVER_BUDGET for r in result.rows) else 2
+    if path is None:
+        print('\nevery candidate failed; no config written')
+        return 2
+    print(f'\nbest: {result.best.candidate.label}; wrote {path}')
+    print(f'train it: bash tools/dist_train.sh {path} {args.world_size}')
+    return 0
