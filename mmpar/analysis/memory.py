@@ -15,9 +15,9 @@ one micro-batch's activations.
 * steady state: this rank's parameters, gradients and optimizer state (the
   plan's table);
 * FSDP's gathered unit: the largest unit's parameters and gradients whole,
-  while it runs forward and backward (under pp, when the stage keeps its
-  parameters gathered through the schedule, FSDP2's stage default: every
-  unit of this rank's stages, plus the largest unit's gradients);
+  while it runs forward and backward (under pp, torch's schedules keep a
+  stage's parameters gathered and its gradients unsharded until the
+  reduction after the last micro-batch: every unit of this rank's stages);
 * activations: one micro-batch's saved tensors (:mod:`.activations`, a
   meta forward under the configured activation checkpointing), times the
   micro-batches a pipeline stage holds at once, divided over tp (split

@@ -478,12 +478,6 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
     return one // (dims.tp * dims.cp)
 
 
-def _stage_keeps_gathered(wrapper_cfg: dict) -> bool:
-    from mmpar.parallelize.pipeline import stage_wrapper_cfg
-    return stage_wrapper_cfg(wrapper_cfg).get(
-        'reshard_after_forward') is False
-
-
 def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
               activations: Optional[int], local_bytes: int):
     from mmpar.parallelize.compose import builds_on_meta
@@ -498,15 +492,16 @@ def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
         build = plan.param_numel * elem + local_bytes
     gathered = 0
     if plan.units:
-        largest = max(u.numel for u in plan.units)
-        # One unit's parameters and gradients at a time; but a pipeline
-        # stage that keeps its parameters gathered through the schedule
-        # (FSDP2's stage default, reshard_after_forward=False) holds every
-        # unit of this rank's stages at once.
-        held = largest
-        if plan.dims.pp_enabled and _stage_keeps_gathered(wrapper_cfg):
+        # One unit's parameters and gradients at a time; but torch's
+        # pipeline schedules keep an FSDP stage's parameters gathered and
+        # its gradients unsharded from the first micro-batch's backward to
+        # the reduction after the last (PipelineStage: no resharding after
+        # backward, no gradient sync until then), whatever
+        # reshard_after_forward says: every unit of this rank's stages, twice.
+        held = max(u.numel for u in plan.units)
+        if plan.dims.pp_enabled:
             held = sum(u.numel for u in plan.units)
-        gathered = (held + largest) * elem // plan.dims.tp
+        gathered = 2 * held * elem // plan.dims.tp
     optimizer = sum(b for name, _, b in plan.memory
                     if name.startswith('optimizer'))
     return MemoryEstimate(baseline=0, build=build, params=local_bytes,
