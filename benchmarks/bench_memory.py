@@ -10,7 +10,7 @@ hold whole, and activation checkpointing.
   FSDP2 at 1, 2, 4 and 8 gloo ranks and under tp=2, pp=2 and
   pp=2 x tp=2 x FSDP2 at 8, built on the meta device and built whole;
   next to full/N + one block.
-* ``big``: a ~0.75 B-parameter Llama (3 GB in fp32: 8 whole copies do not
+* ``big``: a ~0.8 B-parameter Llama (3 GiB in fp32: 8 whole copies do not
   fit this machine's 24 GiB) trained a few steps under FSDP2 at 8 ranks,
   built on the meta device: peak per rank, step time, loss (pp x FSDP2
   does not fit: see big_rows).
@@ -45,7 +45,7 @@ from benchmarks._steps import read_status_kb  # noqa: E402
 SECTION = '## Memory: building on the meta device, big models, activations'
 LLAMA_100M = dict(type='Llama', vocab_size=256, dim=1024, num_layers=8,
                   num_heads=8, max_seq_len=256)
-LLAMA_BIG = dict(type='Llama', vocab_size=256, dim=2048, num_layers=14,
+LLAMA_BIG = dict(type='Llama', vocab_size=256, dim=2048, num_layers=16,
                  num_heads=16, max_seq_len=256)
 FSDP2 = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
     type='module_class', module_classes=['LlamaBlock']))
@@ -266,7 +266,7 @@ def format_report(results: Dict[str, List[dict]], meta: dict) -> str:
         lines += [
             f'**A model no rank holds whole**: Llama {sizes["params"]:,} '
             f'parameters ({sizes["full"] / 2**30:.2f} GiB fp32; 8 whole '
-            f'copies = {8 * sizes["full"] / 2**30:.1f} GiB, more than this '
+            f'copies = {8 * sizes["full"] / 2**30:.1f} GiB, against this '
             "machine's 24 GiB), 8 gloo ranks, built on the meta device, "
             'AdamW, batch 2 x 64 tokens per data rank:', '',
             '| layout | build peak / rank | peak through the steps / rank | '
