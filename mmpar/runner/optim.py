@@ -6,16 +6,17 @@ A config names MMEngine's ``OptimWrapper`` / ``AmpOptimWrapper`` (by name,
 every axis, the gradient-sync policy and the non-finite guard. Each built
 optim wrapper is bound to the model once.
 """
-from typing import Callable
+from typing import Callable, Optional
 
+import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
-from mmengine.optim import OptimWrapperDict
+from mmengine.optim import OptimWrapperDict, build_optim_wrapper
 from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.optim import AmpOptimWrapper, OptimWrapper, ParallelOptimMixin
-from mmpar.wrappers.base import StepMixin
+from mmpar.wrappers.base import StepMixin, describe
 
 # MMEngine's names and classes -> mmpar's classes.
 _OURS = {
@@ -44,9 +45,24 @@ def mmpar_optim_wrapper_cfg(cfg: dict) -> dict:
             for name, sub in cfg.items()}
 
 
+def every_stage(model: nn.Module) -> Optional[nn.Module]:
+    """What the optimizer must hold for a rank with several pipeline stages
+    (virtual stages): all of them. MMEngine's optimizer constructors take a
+    wrapper's ``module``, which for a pipelined model is one stage copy (the
+    model MMEngine's loops and hooks see), so the other stages' parameters
+    would never train. None when the model's ``module`` holds every
+    parameter of this rank."""
+    parts = describe(model).pipeline
+    if parts is None or len(parts.stage_modules) < 2:
+        return None
+    return nn.ModuleList(parts.stage_modules)
+
+
 def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
     """``build(cfg)`` (MMEngine's builder) with mmpar's classes, bound to
-    ``model``.
+    ``model``. A config an optimizer constructor builds (``optimizer`` or
+    ``constructor`` given) gets every parameter of this rank, all pipeline
+    stages included (:func:`every_stage`).
 
     Raises:
         ConfigError: a wrapped model with an optim wrapper class that is
@@ -54,7 +70,15 @@ def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
     """
     if isinstance(cfg, dict):
         cfg = mmpar_optim_wrapper_cfg(cfg)
-    built = build(cfg)
+    stages = every_stage(model)
+    optimizer = cfg.get('optimizer') if isinstance(cfg, dict) else None
+    if stages is not None and isinstance(cfg, dict) and (
+            'constructor' in cfg or (
+                optimizer is not None and
+                not isinstance(optimizer, torch.optim.Optimizer))):
+        built = build_optim_wrapper(stages, cfg)
+    else:
+        built = build(cfg)
     wrappers = list(built.values()) if isinstance(
         built, OptimWrapperDict) else [built]
     for optim_wrapper in wrappers:

@@ -470,22 +470,10 @@ def schedule_run(tmp_path_factory):
     return get
 
 
-# Found by this test (to be fixed in mmpar): with several stages per rank,
-# MMEngine's optimizer constructor builds the optimizer from the wrapper's
-# `.module`, which MMPipelineParallel answers with ONE stage copy: the other
-# local stage's parameters are in no optimizer and never train (rank 0 of
-# Interleaved1F1B steps stage 0 only, not stage 2; the logged grad_norm is
-# 4.02 instead of one process's 4.84). In-pool parity tests build the
-# optimizer from model.parameters() and do not see it. Strict: an XPASS
-# (the fix) fails until this mark is removed.
-VIRTUAL_STAGES_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason='the Runner\'s optimizer holds one of the 2 local stages')
-
-
-@pytest.mark.parametrize('schedule', [
-    pytest.param(name, marks=VIRTUAL_STAGES_BUG) if name != 'GPipe' else name
-    for name in SCHEDULES])
+# (Every schedule: with several stages per rank the Runner's optimizer once
+# held one local stage, MMEngine's constructor taking the wrapper's
+# ``module``; mmpar.runner.optim.every_stage hands it all of them.)
+@pytest.mark.parametrize('schedule', list(SCHEDULES))
 def test_schedule_trains_through_dist_train_like_one_process(
         schedule, schedule_run, one_process):
     work_dir, _, log = schedule_run(schedule)
