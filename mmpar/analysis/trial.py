@@ -181,12 +181,8 @@ def _redirect_output(log_file: str) -> None:
     os.close(fd)
 
 
-def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
-                warmup: int, stop_above: Optional[float], min_steps: int,
-                data_ranks: int, log_dir: str, results) -> None:
-    _fix_mmap_threshold()
-    start_rss = read_status_bytes('VmRSS')
-    _redirect_output(os.path.join(log_dir, f'rank{rank}.log'))
+def _join(rank: int, world_size: int, init_file: str) -> None:
+    """This trial rank's environment, one thread, and its gloo group."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size),
@@ -196,6 +192,15 @@ def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
         'gloo', init_method=f'file://{init_file}', rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
+                warmup: int, stop_above: Optional[float], min_steps: int,
+                data_ranks: int, log_dir: str, results) -> None:
+    _fix_mmap_threshold()
+    start_rss = read_status_bytes('VmRSS')
+    _redirect_output(os.path.join(log_dir, f'rank{rank}.log'))
+    _join(rank, world_size, init_file)
     try:
         runner = Runner.from_cfg(Config(cfg_dict))
         built_rss = read_status_bytes('VmRSS')
@@ -299,15 +304,7 @@ def _baseline_rank(rank: int, world_size: int, init_file: str,
                    cfg_dict: dict, work_dir: str, results) -> None:
     _fix_mmap_threshold()
     _redirect_output(os.path.join(work_dir, f'baseline{rank}.log'))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR='127.0.0.1', OMP_NUM_THREADS='1')
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        'gloo', init_method=f'file://{init_file}', rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    _join(rank, world_size, init_file)
     try:
         cfg = Config(cfg_dict)
         for key in ('parallel', 'model_wrapper_cfg',
