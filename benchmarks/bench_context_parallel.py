@@ -206,6 +206,11 @@ def report(rows: List[dict], plan: dict, conditions: dict) -> str:
         'a rank\'s own queries, keys and values (the gathered keys/values '
         'and chunk masks are made again in backward), so activations fall '
         'as 1/cp; every cp rank computes as many attention scores.',
+        f'The plan\'s estimate is {by[1, longest]["estimate"] / by[1, longest]["saved"]:.1f} x '
+        f'the measurement at T={longest}, cp=1: its meta forward counts '
+        'each attention\'s T x T scores as the math kernel saves them, '
+        'which the fused kernel used here does not keep; it follows cp '
+        '(1/cp) as the measurement does.',
     ]
     if conditions['load_before'] >= LOADED or \
             conditions['load_after'] >= LOADED or max(CPS) > os.cpu_count():
