@@ -30,6 +30,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 
+from mmpar.parallelize.meta import apply_user_mmap_threshold
 from mmpar.registry import MODELS
 from mmpar.runner import Runner
 
@@ -59,16 +60,6 @@ def _context():
     # Read when the server starts (the first trial); harmless later.
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
-
-
-def _fix_mmap_threshold() -> None:
-    # The environment variable reaches glibc only at process start; a rank
-    # forked from the server sets the same threshold itself.
-    from mmpar.parallelize.meta import M_MMAP_THRESHOLD, _glibc
-    value = os.environ.get('MALLOC_MMAP_THRESHOLD_')
-    libc = _glibc()
-    if value and libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, int(value))
 
 
 @contextlib.contextmanager
@@ -197,7 +188,7 @@ def _join(rank: int, world_size: int, init_file: str) -> None:
 def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
                 warmup: int, stop_above: Optional[float], min_steps: int,
                 data_ranks: int, log_dir: str, results) -> None:
-    _fix_mmap_threshold()
+    apply_user_mmap_threshold()
     start_rss = read_status_bytes('VmRSS')
     _redirect_output(os.path.join(log_dir, f'rank{rank}.log'))
     _join(rank, world_size, init_file)
@@ -302,7 +293,7 @@ class _NoModel(BaseModel):
 
 def _baseline_rank(rank: int, world_size: int, init_file: str,
                    cfg_dict: dict, work_dir: str, results) -> None:
-    _fix_mmap_threshold()
+    apply_user_mmap_threshold()
     _redirect_output(os.path.join(work_dir, f'baseline{rank}.log'))
     _join(rank, world_size, init_file)
     try:
