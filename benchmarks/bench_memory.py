@@ -85,22 +85,21 @@ def _batch(model_cfg: dict, batch: int, seq: int, seed: int) -> dict:
     return dict(inputs=tokens[:, :-1], data_samples=tokens[:, 1:])
 
 
-def _build(model_cfg: dict, parallel, meta: bool, wrapper: dict = FSDP2):
+def _build(model_cfg: dict, parallel, meta: bool):
     from mmpar.parallel import setup_parallelism
     from mmpar.parallelize.compose import parallelize
     from mmpar.parallelize.meta import build_on_meta
     from mmpar.registry import MODELS
-    topology = setup_parallelism(parallel, wrapper) \
+    topology = setup_parallelism(parallel, FSDP2) \
         if dist.get_world_size() > 1 else None
     torch.manual_seed(0)
     build = lambda: MODELS.build(dict(model_cfg))  # noqa: E731
     if meta and topology is not None:
         model, init = build_on_meta(build)
-        return parallelize(model, topology, parallel, wrapper,
-                           meta_init=init,
+        return parallelize(model, topology, parallel, FSDP2, meta_init=init,
                            device=torch.device('cpu')), topology
     model = build()
-    return parallelize(model, topology, parallel, wrapper), topology
+    return parallelize(model, topology, parallel, FSDP2), topology
 
 
 def _gather(value) -> List:
@@ -110,14 +109,13 @@ def _gather(value) -> List:
 
 
 def measure_build(model_cfg: dict, parallel, meta: bool, steps: int = 1,
-                  batch: int = 1, seq: int = 64,
-                  wrapper: dict = FSDP2) -> Dict:
+                  batch: int = 1, seq: int = 64) -> Dict:
     """On every rank: build, shard, ``steps`` optimizer steps on one batch
     per data rank (seen again each step, so the loss falls); peaks."""
     from mmpar.optim import OptimWrapper
     start = _reset_peak()
     began = time.perf_counter()
-    model, topology = _build(model_cfg, parallel, meta, wrapper)
+    model, topology = _build(model_cfg, parallel, meta)
     build_s = time.perf_counter() - began
     build_peak = _peak_since(start)
     optim_wrapper = OptimWrapper(torch.optim.AdamW(model.parameters(),
@@ -174,23 +172,21 @@ def build_rows() -> List[dict]:
 
 def big_rows(steps: int) -> List[dict]:
     sizes = _sizes(LLAMA_BIG)
-    rows = []
     # (pp x FSDP2 does not fit here: torch's schedules keep a stage's
     # parameters gathered and its gradients unsharded through the
     # micro-batches, 2.6 GiB a rank for this model; the plan refuses it,
     # tests/analysis/test_plan_memory.py.)
-    for label, parallel, wrapper in (('FSDP2', None, FSDP2), ):
-        result = measure_on_ranks(measure_build, 8, LLAMA_BIG, parallel,
-                                  True, steps, 2, 64, wrapper)
-        ranks = result['ranks']
-        rows.append(dict(
-            layout=label, build=max(r['build'] for r in ranks),
-            step=max(r['step'] for r in ranks),
-            step_s=[max(r['step_s'][i] for r in ranks) for i in range(steps)],
-            losses=ranks[-1]['losses']))
-        print(f'big {label}: step peak {rows[-1]["step"] / MB:.0f} MiB, '
-              f'losses {rows[-1]["losses"]}', file=sys.stderr)
-    return [dict(sizes=sizes)] + rows
+    result = measure_on_ranks(measure_build, 8, LLAMA_BIG, None, True, steps,
+                              2)
+    ranks = result['ranks']
+    row = dict(
+        layout='FSDP2', build=max(r['build'] for r in ranks),
+        step=max(r['step'] for r in ranks),
+        step_s=[max(r['step_s'][i] for r in ranks) for i in range(steps)],
+        losses=ranks[-1]['losses'])
+    print(f'big FSDP2: step peak {row["step"] / MB:.0f} MiB, '
+          f'losses {row["losses"]}', file=sys.stderr)
+    return [dict(sizes=sizes), row]
 
 
 def measure_ac(ac_cfg, batch: int, seq: int, steps: int) -> Dict:
