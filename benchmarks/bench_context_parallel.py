@@ -144,22 +144,24 @@ def measure(plan: dict) -> List[dict]:
     return rows
 
 
-def plan_estimates(plan: dict) -> Dict[int, int]:
-    """``{T: bytes}``: the plan tool's activation estimate at cp=1."""
+def add_plan_estimates(rows: List[dict], plan: dict) -> List[dict]:
+    """Each row with the plan tool's activation estimate for its rank (a
+    meta-device forward of one sequence, divided over cp)."""
     from mmpar.analysis.activations import activation_bytes
-    return {length: activation_bytes(dict(plan['model'], max_seq_len=length),
-                                     1, length)
-            for length in plan['lengths']}
+    estimates = {
+        length: activation_bytes(dict(plan['model'], max_seq_len=length), 1,
+                                 length)
+        for length in plan['lengths']}
+    for row in rows:
+        row['estimate'] = estimates[row['length']] / row['cp']
+    return rows
 
 
 def measure_all(plan: dict) -> List[dict]:
     rows = []
     for cp in CPS:
         rows += measure_on_ranks(measure, cp, plan)
-    estimates = plan_estimates(plan)
-    for row in rows:
-        row['estimate'] = estimates[row['length']] / row['cp']
-    return rows
+    return add_plan_estimates(rows, plan)
 
 
 def _mib(num: float) -> str:

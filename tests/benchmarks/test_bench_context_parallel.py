@@ -7,11 +7,9 @@ from benchmarks import bench_context_parallel as bench
 
 def test_cp2_halves_activations_and_reports(run_dist):
     plan = dict(bench.load_plan(quick=True, steps=1), lengths=(32, 64))
-    rows = run_dist(bench.measure, plan, world_size=1)[0] + \
-        run_dist(bench.measure, plan, world_size=2)[0]
-    estimates = bench.plan_estimates(plan)
-    for row in rows:
-        row['estimate'] = estimates[row['length']] / row['cp']
+    rows = bench.add_plan_estimates(
+        run_dist(bench.measure, plan, world_size=1)[0] +
+        run_dist(bench.measure, plan, world_size=2)[0], plan)
     by = {(r['cp'], r['length']): r for r in rows}
     for length in plan['lengths']:
         one, two = by[1, length], by[2, length]
