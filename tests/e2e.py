@@ -1,7 +1,7 @@
 """Run the real command-line tools in subprocesses, as a user would."""
 import atexit
-import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,91 +20,90 @@ def tool_env(**extra) -> dict:
     env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
     env['PORT'] = str(free_port())
     env['OMP_NUM_THREADS'] = '1'
+    if _served():
+        env.update(fork_server().env)
+        env['PATH'] = fork_server().bin + os.pathsep + env.get('PATH', '')
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
-class _ToolServer:
-    """tests/tool_server.py: forks one process per one-process tool run
-    from an interpreter that imported torch, MMEngine and mmpar once."""
+def _served() -> bool:
+    """Tool processes fork from the fork server unless
+    MMPAR_TEST_FRESH_TOOLS=1, or on CUDA machines, where the GPU checks run
+    every tool exactly as a user does."""
+    return (os.environ.get('MMPAR_TEST_FRESH_TOOLS') != '1'
+            and not torch.cuda.is_available())
+
+
+class _ForkServer:
+    """tests/fork_server.py, and the ``python`` (tests/fork_python.py)
+    that sends it the suite's tool processes."""
 
     def __init__(self):
-        # Each request brings its own environment; the server's own (what
-        # the imports see) is the session's, without a test's rank.
-        env = {k: v for k, v in tool_env().items() if k not in (
+        self.dir = tempfile.mkdtemp(prefix='mmpar_fork_')
+        self.bin = os.path.join(self.dir, 'bin')
+        os.mkdir(self.bin)
+        shim = os.path.join(self.bin, 'python')
+        body = (ROOT / 'tests' / 'fork_python.py').read_text()
+        with open(shim, 'w') as f:
+            f.write(f'#!{sys.executable} -SE\n{body}')
+        os.chmod(shim, 0o755)
+        socket_path = os.path.join(self.dir, 'socket')
+        self.env = dict(MMPAR_FORK_SOCKET=socket_path,
+                        MMPAR_REAL_PYTHON=sys.executable,
+                        MMPAR_FORK_TOOLS=str(ROOT / 'tools'))
+        # The server's own environment (what the imports see) is the
+        # session's, without a test's rank; each request brings its own.
+        env = {k: v for k, v in os.environ.items() if k not in (
             'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',
             'MASTER_ADDR', 'MASTER_PORT')}
+        env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
+        env['OMP_NUM_THREADS'] = '1'
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / 'tests' / 'tool_server.py')],
-            cwd=ROOT, env=env, stdin=subprocess.PIPE,
+            [sys.executable, str(ROOT / 'tests' / 'fork_server.py'),
+             socket_path, shim],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if self.proc.stdout.readline().strip() != 'ready':
-            raise RuntimeError('tests/tool_server.py did not start')
+            raise RuntimeError('tests/fork_server.py did not start')
         atexit.register(self.close)
-
-    def run(self, args, env, timeout) -> subprocess.CompletedProcess:
-        self.proc.stdin.write(json.dumps(dict(
-            args=args, env=env, cwd=str(ROOT), timeout=timeout)) + '\n')
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError('tests/tool_server.py died')
-        reply = json.loads(line)
-        if reply['timed_out']:
-            raise subprocess.TimeoutExpired(args, timeout, reply['stdout'],
-                                            reply['stderr'])
-        return subprocess.CompletedProcess(args, reply['returncode'],
-                                           reply['stdout'], reply['stderr'])
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self.proc.kill()
             self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _server = None
 
 
-def _served(args, fresh: bool) -> bool:
-    """One-process ``python tools/X.py`` runs go to the tool server unless
-    asked ``fresh`` (or MMPAR_TEST_FRESH_TOOLS=1, or on CUDA machines, where
-    the GPU checks run every tool exactly as a user does)."""
-    return (not fresh and len(args) > 1 and args[0] == 'python'
-            and Path(str(args[1])).parent == Path('tools')
-            and os.environ.get('MMPAR_TEST_FRESH_TOOLS') != '1'
-            and not torch.cuda.is_available())
-
-
-def tool_server() -> _ToolServer:
-    """The session's tool server (started on first use)."""
+def fork_server() -> _ForkServer:
+    """The session's fork server (started on first use)."""
     global _server
     if _server is None:
-        _server = _ToolServer()
+        _server = _ForkServer()
     return _server
 
 
 def run_tool(args, timeout=600, check=True, env=None, fresh=False):
     """Run ``args`` (a list; 'python' means this interpreter) in the repo.
 
-    ``python tools/X.py ...`` runs in a process forked from the tool server
-    (tests/tool_server.py: the same tool file as ``__main__``, its own
-    argv, environment, output and exit status; the imports paid once per
-    session); ``fresh=True`` starts a new interpreter as a user's shell
-    does, as every other command (``bash tools/dist_train.sh``) does.
+    ``python tools/X.py ...`` and every tool python that a script such as
+    ``bash tools/dist_train.sh`` starts (torchrun, each rank) fork from the
+    fork server (tests/fork_server.py: the same tool file as ``__main__``,
+    its own argv, environment, streams and exit status; the imports paid
+    once per session); ``fresh=True`` starts new interpreters throughout,
+    as a user's shell does.
     """
-    if _served(args, fresh):
-        proc = tool_server().run([str(a) for a in args[1:]],
-                                 env or tool_env(), timeout)
-        args = [sys.executable] + [str(a) for a in args[1:]]
-    else:
-        args = [sys.executable if a == 'python' else str(a) for a in args]
-        proc = subprocess.run(
-            args,
-            cwd=ROOT,
-            env=env or tool_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout)
+    env = dict(env or tool_env())
+    if fresh:
+        env['MMPAR_TEST_FRESH_TOOLS'] = '1'
+    python = (os.path.join(fork_server().bin, 'python')
+              if _served() and not fresh else sys.executable)
+    args = [python if a == 'python' else str(a) for a in args]
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f'{" ".join(args)} exited {proc.returncode}\n'

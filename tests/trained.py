@@ -109,10 +109,12 @@ class TrainedRuns:
 
 def train_default_two_ranks(work_dir: Path, epochs: int) -> Path:
     """``bash tools/dist_train.sh DEFAULT_CONFIG 2`` for ``epochs`` epochs
-    (every epoch's checkpoint kept)."""
+    (every epoch's checkpoint kept): torchrun and its ranks new
+    interpreters, as in a user's shell (the suite's other tool processes
+    fork from tests/fork_server.py)."""
     run_tool([
         'bash', 'tools/dist_train.sh', DEFAULT_CONFIG, 2, '--work-dir',
         work_dir, '--cfg-options', f'train_cfg.max_epochs={epochs}',
         f'default_hooks.checkpoint.max_keep_ckpts={epochs}'
-    ], timeout=400)
+    ], timeout=400, fresh=True)
     return work_dir

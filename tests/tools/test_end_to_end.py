@@ -72,7 +72,7 @@ def test_resume_two_rank_checkpoint_on_one_process(default_two_rank_run,
     steps_at_save = [s['step'].item() for s in saved['optimizer']['state']
                      .values()]
     # A new interpreter, as a user's shell starts it (the other one-process
-    # tool runs of the suite fork from tests/tool_server.py).
+    # tool runs of the suite fork from tests/fork_server.py).
     run_tool([
         'python', 'tools/train.py', DEFAULT_CONFIG, '--work-dir', tmp_path,
         '--resume', default_two_rank_run / 'epoch_2.pth', '--cfg-options',

@@ -1,0 +1,198 @@
+"""Start the suite's Python tool processes without paying their imports.
+
+Every ``python tools/X.py`` and ``python -m torch.distributed.run`` the
+suite starts (directly, or through ``bash tools/dist_train.sh``, whose
+torchrun starts ``python -u tools/train.py`` per rank) costs seconds of
+imports before it reads its config: torch, MMEngine, mmpar. This server (a
+subprocess the test session starts once, see :mod:`tests.e2e`) imports them
+once, then forks one child per request. The request comes from
+``tests/fork_python.py``, the ``python`` the suite's PATH finds first: it
+sends its argv, environment, working directory and its own stdin, stdout
+and stderr (the file descriptors themselves), then waits for the child's
+exit status and exits with it. So each child is a process started the way
+the shell or torchrun started it: its argv, environment and streams, its
+exit status or signal; a signal sent to the shim reaches the child, and a
+shim that dies takes its child with it. What the child shares with the
+server is only the modules imported before any config was read.
+
+Protocol, one Unix-socket connection per process: the shim sends one JSON
+object (``argv``, ``env``, ``cwd``) with its fds 0, 1, 2; the server answers
+``pid N`` once forked and ``exit STATUS`` (a wait status) when the child
+ends.
+"""
+import io
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+
+def _streams(unbuffered: bool) -> None:
+    """Fresh sys.stdin/stdout/stderr on fds 0/1/2, buffered as python's."""
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, 'r', closefd=False))
+    for fd, name in ((1, 'stdout'), (2, 'stderr')):
+        raw = io.FileIO(fd, 'w', closefd=False)
+        tty = raw.isatty()
+        stream = io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw),
+            line_buffering=tty or name == 'stderr',
+            write_through=unbuffered, errors='backslashreplace'
+            if name == 'stderr' else 'strict')
+        setattr(sys, name, stream)
+        setattr(sys, f'__{name}__', stream)
+
+
+def _run(request: dict, fds: list, shim: str) -> int:
+    """In the forked child: become ``python ARGV`` and return its status."""
+    os.setsid()  # its own group: the server can end what it started
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request['cwd'])
+    os.environ.clear()
+    os.environ.update(request['env'])
+    # A tool that starts python (torchrun its ranks) starts the shim again.
+    sys.executable = shim
+    args = list(request['argv'])
+    unbuffered = bool(os.environ.get('PYTHONUNBUFFERED'))
+    if args and args[0] == '-u':
+        unbuffered, args = True, args[1:]
+    _streams(unbuffered)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL
+                      if sig != signal.SIGPIPE else signal.SIG_IGN)
+    import runpy
+    try:
+        if args[0] == '-m':
+            sys.argv = [args[1], *args[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name='__main__', alter_sys=True)
+        else:
+            sys.argv = args
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            runpy.run_path(args[0], run_name='__main__')
+        code = 0
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:  # noqa: B902 - what the interpreter would do
+        traceback.print_exc()
+        code = 1
+    return code
+
+
+def _child(conn: socket.socket, request: dict, fds: list, shim: str,
+           listener: socket.socket, others: list) -> None:
+    """The forked child: never returns."""
+    code = 1
+    try:
+        listener.close()
+        for other in others:
+            other.close()
+        conn.close()
+        code = _run(request, fds, shim)
+        import atexit
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: B902
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _receive(conn: socket.socket):
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not data.endswith(b'\n'):
+        more = conn.recv(1 << 20)
+        if not more:
+            raise ConnectionError('shim closed before its request ended')
+        data += more
+    return json.loads(data), fds
+
+
+def serve(path: str, shim: str) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    children = {}  # pid -> connection
+    print('ready', flush=True)
+    sys.stdout = sys.stderr  # nothing else on the ready line's stream
+    while True:
+        for key, _ in selector.select(timeout=0.02):
+            sock = key.fileobj
+            if sock is listener:
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (ConnectionError, ValueError, OSError):
+                    conn.close()
+                    continue
+                for stream in (sys.stdout, sys.stderr, sys.__stdout__):
+                    stream.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(conn, request, fds, shim, listener,
+                           list(children.values()))
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                conn.sendall(f'pid {pid}\n'.encode())
+                selector.register(conn, selectors.EVENT_READ, pid)
+            elif not sock.recv(1):  # the shim died: so does its child
+                try:
+                    os.killpg(key.data, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                selector.unregister(sock)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is None:
+                continue
+            try:
+                conn.sendall(f'exit {status}\n'.encode())
+            except OSError:
+                pass
+            try:
+                selector.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            conn.close()
+
+
+def main() -> None:
+    path, shim = sys.argv[1:3]
+    # What every tool imports before reading its config: paid once here.
+    # Not torch.distributed.run itself: a child runs it as __main__.
+    import torch  # noqa: F401
+    import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa
+    import torch.distributed.launcher.api  # noqa: F401
+    import mmengine.runner  # noqa: F401
+    import mmpar.cli  # noqa: F401
+    import mmpar.runner  # noqa: F401
+    serve(path, shim)
+
+
+if __name__ == '__main__':
+    main()
