@@ -146,7 +146,7 @@ def activation_bytes(model_cfg: dict, batch: int, seq: int,
     from mmpar.parallelize.meta import build_on_meta
     from mmpar.registry import MODELS
     model, _ = build_on_meta(lambda: MODELS.build(dict(model_cfg)),
-                             init_weights=False)
+                             init_weights=False, shapes_only=True)
     model.to('meta')  # buffers too: nothing is computed
     tokens = torch.zeros(batch, seq, dtype=torch.long, device='meta')
     data = dict(inputs=tokens, data_samples=tokens)

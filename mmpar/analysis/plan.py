@@ -95,7 +95,7 @@ def build_model(cfg: Config) -> nn.Module:
 
     try:
         model, _ = build_on_meta(build, init_weights=False,
-                                 rank0_states=False)
+                                 rank0_states=False, shapes_only=True)
     except ConfigError:
         model = build()  # a model that cannot be built on meta: whole
     return model

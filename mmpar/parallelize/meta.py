@@ -112,10 +112,13 @@ class _Recorder(TorchDispatchMode):
     """Records in-place ops on meta parameters (by storage); runs random
     ones on a real tensor too, so the generator advances as it would."""
 
-    def __init__(self):
+    def __init__(self, draw: bool = True):
         super().__init__()
         self.records: Dict[int, _Record] = {}  # meta storage -> record
         self.passthrough = False  # while a parameter moves to meta
+        # False: random ops are recorded without their draw (shapes only:
+        # the generator does not advance and nothing can be materialised).
+        self.draw = draw
 
     def track(self, param: torch.Tensor, initial: torch.Tensor) -> None:
         self.records[param.untyped_storage()._cdata] = _Record(
@@ -188,12 +191,13 @@ class _Recorder(TorchDispatchMode):
         if record is None:
             return False
         state = torch.get_rng_state()
-        self.passthrough = True
-        try:
-            function(torch.empty(target.shape, dtype=target.dtype), *args,
-                     **kwargs)
-        finally:
-            self.passthrough = False
+        if self.draw:
+            self.passthrough = True
+            try:
+                function(torch.empty(target.shape, dtype=target.dtype),
+                         *args, **kwargs)
+            finally:
+                self.passthrough = False
         view = None if tuple(target.shape) == record.shape else (
             tuple(target.shape), target.stride(), target.storage_offset())
         op = _Op(function, (None, ) + tuple(args), dict(kwargs), view, state)
@@ -222,11 +226,12 @@ class _Recorder(TorchDispatchMode):
                 record.unsupported = f'{func} with its own generator'
                 return
             state = torch.get_rng_state()
-            # The draw a one-process build makes: the same op on a real
-            # tensor of the same shape (then dropped).
-            real = torch.empty(target.shape, dtype=target.dtype)
-            func(real, *args[1:], **kwargs)
-            del real
+            if self.draw:
+                # The draw a one-process build makes: the same op on a real
+                # tensor of the same shape (then dropped).
+                real = torch.empty(target.shape, dtype=target.dtype)
+                func(real, *args[1:], **kwargs)
+                del real
         op = _Op(func, (None, ) + tuple(args[1:]), dict(kwargs), view, state)
         if op.overwrites():
             # Earlier ops (and the tensor nn.Parameter was given) no longer
@@ -430,19 +435,23 @@ class MetaInit:
 
 def build_on_meta(build: Callable[[], nn.Module],
                   init_weights: bool = True,
-                  rank0_states: bool = True) -> Tuple[nn.Module, MetaInit]:
+                  rank0_states: bool = True,
+                  shapes_only: bool = False) -> Tuple[nn.Module, MetaInit]:
     """``build()`` with parameters on the meta device, recording how each is
     initialised (then ``init_weights()``, as MMEngine's Runner runs it).
 
     Every rank records; with ``rank0_states`` the generator states are
     rank 0's (broadcast: a collective), so ranks seeded differently still
-    agree, as the broadcast after a whole build made them.
+    agree, as the broadcast after a whole build made them. ``shapes_only``
+    skips the random draws that leave the generator where a real build
+    leaves it (seconds per GB of parameters): for a model that is only
+    inspected, never materialised (the plan tool).
 
     Raises:
         ConfigError: the constructor fails on the meta device, naming the
             switch ``meta_init=False``.
     """
-    recorder = _Recorder()
+    recorder = _Recorder(draw=not shapes_only)
     try:
         with _temporaries_returned(), _parameters_on_meta(recorder), recorder:
             model = build()

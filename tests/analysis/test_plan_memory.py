@@ -95,6 +95,16 @@ def test_a_model_no_rank_holds_whole_fits_only_built_on_meta():
 
 
 
+def test_the_plan_draws_no_random_numbers():
+    """Planning builds shapes only: it neither spends seconds per GB on the
+    draws a real build makes nor moves the caller's generator."""
+    import torch
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    _plan(**{f'model.{k}': v for k, v in BIG.items()})
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_a_pipeline_stage_holds_all_its_units_gathered():
     """torch's schedules keep an FSDP2 stage's parameters gathered and its
     gradients unsharded through the micro-batches, whatever
