@@ -23,12 +23,11 @@ pipeline schedule and micro-batches, activation checkpointing mode), then
 
 The table and the written config are :mod:`.search_report`'s.
 """
+import itertools
 import os
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from mmengine.config import Config
@@ -38,130 +37,19 @@ from mmpar.analysis.layouts import (CHECKPOINTING_MODES, DEFAULT_SCHEDULES,
                                     candidate_config, enumerate_candidates,
                                     global_batch, wrapper_replicates,
                                     written_candidate)
-from mmpar.analysis.memory import MemoryEstimate
 from mmpar.analysis.plan import PlanError, build_model, make_plan
+from mmpar.analysis.search_rounds import (TrialRunner, measure_rows, prior,
+                                          ranked)
+from mmpar.analysis.search_table import (FAILED, GiB, MEASURED, OVER_BUDGET,
+                                         REFUSED, SKIPPED, STOPPED, Row,
+                                         SearchResult)
 from mmpar.analysis.trial import TrialResult, measure_baseline, run_trial
 from mmpar.failures import ConfigError
 from mmpar.parallel.dims import AXES, ParallelismError
 
-GiB = 2**30
-# Row states, in the order the report lists them.
-MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
-    'measured', 'stopped early', 'failed', 'skipped', 'over budget',
-    'refused')
-
-
-@dataclass
-class Row:
-    """One candidate and what the search learnt about it.
-
-    Attributes:
-        candidate: the layout.
-        status: one of ``measured``, ``stopped early``, ``failed``,
-            ``skipped``, ``over budget``, ``refused``.
-        message: why it was refused, skipped or failed.
-        predicted: ``(rank, predicted peak bytes)`` of each planned rank
-            (one per pipeline stage).
-        estimate: the plan's memory terms for the rank with the highest
-            predicted peak.
-        changes: the config keys the layout sets (see
-            :func:`~mmpar.analysis.layouts.candidate_config`).
-        trial: the measurements, for candidates that ran.
-        as_written: this is the config's own layout.
-        config: the full config that trains it (None when refused early).
-    """
-    candidate: Candidate
-    status: str = ''
-    message: str = ''
-    predicted: List[Tuple[int, int]] = field(default_factory=list)
-    estimate: Optional[MemoryEstimate] = None
-    changes: dict = field(default_factory=dict)
-    trial: Optional[TrialResult] = None
-    as_written: bool = False
-    config: Optional[Config] = field(default=None, repr=False)
-
-    @property
-    def predicted_peak(self) -> Optional[int]:
-        return max((p for _, p in self.predicted), default=None)
-
-    @property
-    def measured_peak(self) -> Optional[int]:
-        if self.trial is None or not self.trial.peak_rss:
-            return None
-        return max(self.trial.peak_rss)
-
-    @property
-    def step_time(self) -> Optional[float]:
-        """Median seconds per timed step."""
-        if self.trial is None or not self.trial.step_times:
-            return None
-        return statistics.median(self.trial.step_times)
-
-
-@dataclass
-class SearchResult:
-    """Everything :func:`search_layouts` found (``rows`` ranked: measured
-    fastest first, then the rest)."""
-    world_size: int
-    global_batch: int
-    rows: List[Row]
-    memory_budget: Optional[float]
-    trial_steps: int
-    warmup_steps: int
-    elapsed_s: float = 0.0
-    tokens_per_sample: Optional[int] = None
-    notes: List[str] = field(default_factory=list)
-
-    @property
-    def measured(self) -> List[Row]:
-        return [r for r in self.rows if r.status == MEASURED]
-
-    @property
-    def best(self) -> Optional[Row]:
-        """The fastest candidate measured to the end, or None."""
-        measured = self.measured
-        return measured[0] if measured else None
-
-    @property
-    def as_written(self) -> Optional[Row]:
-        return next((r for r in self.rows if r.as_written), None)
-
-    def throughput(self, row: Row) -> Optional[float]:
-        """Samples (or tokens, when batches hold tokens) per second."""
-        if row.step_time is None:
-            return None
-        per_step = self.global_batch * (self.tokens_per_sample or 1)
-        return per_step / row.step_time
-
-    @property
-    def unit(self) -> str:
-        return 'tokens/s' if self.tokens_per_sample else 'samples/s'
-
-    def table(self) -> List[dict]:
-        """The rows as plain data (one dict per candidate) for scripts."""
-        best = self.best
-        written = self.as_written
-        rows = []
-        for row in self.rows:
-            speed = self.throughput(row)
-            rows.append(dict(
-                layout=row.candidate.label, status=row.status,
-                message=row.message, as_written=row.as_written,
-                predicted_peak=row.predicted_peak,
-                measured_peak=row.measured_peak,
-                step_time=row.step_time, throughput=speed, unit=self.unit,
-                vs_best=_ratio(speed, best and self.throughput(best)),
-                vs_written=_ratio(speed,
-                                  written and self.throughput(written)),
-                changes=row.changes))
-        return rows
-
-
-def _ratio(value, reference) -> Optional[float]:
-    if value is None or not reference:
-        return None
-    return value / reference
-
+__all__ = ['FAILED', 'MEASURED', 'OVER_BUDGET', 'REFUSED', 'SKIPPED',
+           'STOPPED', 'Row', 'SearchResult', 'plan_candidates',
+           'search_layouts', 'trial_config']
 
 def stderr_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -293,18 +181,6 @@ def _prune_checkpointing(rows: List[Row]) -> None:
                        'checkpointing more never makes a step faster')
 
 
-def _prior(row: Row) -> tuple:
-    # Run likely-fast layouts first, so the early stop has a bar to use:
-    # the config as written, then fewer model-parallel ranks, fewer
-    # micro-batches.
-    axes = row.candidate.axes
-    split = 1
-    for axis in AXES:
-        if not axis.startswith('dp'):
-            split *= axes[axis]
-    return (not row.as_written, split, row.candidate.num_microbatches or 0)
-
-
 def search_layouts(cfg: Config, world_size: int, *,
                    memory_budget: Optional[float] = None,
                    trial_steps: int = 5,
@@ -362,7 +238,7 @@ def search_layouts(cfg: Config, world_size: int, *,
         prune_checkpointing=prune_checkpointing, baseline=baseline)
     result = SearchResult(world_size, batch, rows, memory_budget,
                           trial_steps, warmup_steps)
-    todo = sorted((r for r in rows if not r.status), key=_prior)
+    todo = sorted((r for r in rows if not r.status), key=prior)
     counts = {s: sum(r.status == s for r in rows)
               for s in (REFUSED, OVER_BUDGET, SKIPPED)}
     say(f'{len(rows)} candidates: {counts[REFUSED]} refused, '
@@ -372,53 +248,16 @@ def search_layouts(cfg: Config, world_size: int, *,
     owned = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix='mmpar_search_')
     try:
-        for index, row in enumerate(todo):
-            best = min((r.step_time for r in todo[:index]
-                        if r.status == MEASURED), default=None)
-            stop_above = early_stop * best if early_stop and best else None
-            say(f'[{index + 1}/{len(todo)} {_clock(start)}] '
-                f'{row.candidate.label} ...')
-            _run(row, result, world_size, log_dir, index, stop_above)
-            say(f'[{index + 1}/{len(todo)} {_clock(start)}] '
-                f'{row.candidate.label}: {_outcome(row, result)}')
-        _confirm(todo, result, world_size, log_dir, confirm, early_stop,
-                 say, start)
+        measure_rows(todo, result, trial_runner(result, world_size, log_dir),
+                     early_stop=early_stop, confirm=confirm, say=say,
+                     start=start)
     finally:
         if owned:
             import shutil
             shutil.rmtree(log_dir, ignore_errors=True)
-    result.rows = _ranked(rows, result)
+    result.rows = ranked(rows, result)
     result.elapsed_s = time.time() - start
     return result
-
-
-def _confirm(todo: List[Row], result: SearchResult, world_size: int,
-             log_dir: str, confirm: int, early_stop: Optional[float],
-             say: Callable[[str], None], start: float) -> None:
-    """Run the ``confirm`` fastest candidates (those within ``early_stop``
-    of the best) once more, slowest first, and rank them on all their
-    timed steps: one pass on a shared machine misorders close layouts."""
-    measured = sorted((r for r in todo if r.status == MEASURED),
-                      key=lambda r: r.step_time)
-    if not measured or confirm < 1:
-        return
-    bar = measured[0].step_time * (early_stop or float('inf'))
-    close = [r for r in measured[:confirm] if r.step_time <= bar]
-    if len(close) < 2:
-        return
-    for index, row in enumerate(reversed(close)):
-        first = row.trial
-        say(f'[confirm {index + 1}/{len(close)} {_clock(start)}] '
-            f'{row.candidate.label} ...')
-        _run(row, result, world_size, log_dir, len(todo) + index, None)
-        if row.status != MEASURED:
-            row.trial, row.status, row.message = first, MEASURED, ''
-            continue  # keep the first pass
-        row.trial.step_times = first.step_times + row.trial.step_times
-        row.trial.peak_rss = [max(a, b) for a, b in
-                              zip(first.peak_rss, row.trial.peak_rss)]
-        say(f'[confirm {index + 1}/{len(close)} {_clock(start)}] '
-            f'{row.candidate.label}: {_outcome(row, result)} (both passes)')
 
 
 def _check_arguments(**values) -> None:
@@ -437,48 +276,19 @@ def _check_arguments(**values) -> None:
                              f'allowed; allowed: {allowed}')
 
 
-def _run(row: Row, result: SearchResult, world_size: int, log_dir: str,
-         index: int, stop_above: Optional[float]) -> None:
-    work_dir = os.path.join(log_dir, f'candidate{index}')
-    trial = trial_config(row.config,
-                         result.warmup_steps + result.trial_steps, work_dir)
-    row.trial = run_trial(trial, world_size, result.warmup_steps,
-                          result.trial_steps, row.candidate.data_ranks,
-                          stop_above=stop_above, log_dir=work_dir)
-    if row.trial.error:
-        row.status = FAILED
-        row.message = row.trial.error.strip().splitlines()[-1]
-        return
-    row.status = STOPPED if row.trial.stopped_early else MEASURED
-    if row.trial.stopped_early:
-        row.message = (f'stopped after {len(row.trial.step_times)} steps: '
-                       f'slower than {stop_above:.2f} s/step')
-    if row.trial.tokens_per_step and result.tokens_per_sample is None:
-        result.tokens_per_sample = \
-            row.trial.tokens_per_step // result.global_batch
+def trial_runner(result: SearchResult, world_size: int,
+                 log_dir: str) -> TrialRunner:
+    """Trials of ``result``'s rows on ``world_size`` fresh local ranks, each
+    logging under its own folder of ``log_dir``."""
+    count = itertools.count()
 
+    def run(row: Row, steps: int, stop_above: Optional[float]
+            ) -> TrialResult:
+        work_dir = os.path.join(log_dir, f'trial{next(count)}')
+        trial = trial_config(row.config, result.warmup_steps + steps,
+                             work_dir)
+        return run_trial(trial, world_size, result.warmup_steps, steps,
+                         row.candidate.data_ranks, stop_above=stop_above,
+                         log_dir=work_dir)
 
-def _outcome(row: Row, result: SearchResult) -> str:
-    if row.status == FAILED:
-        return f'failed: {row.message}'
-    peak = row.measured_peak / 2**20
-    predicted = row.predicted_peak / 2**20
-    text = (f'{row.step_time:.3f} s/step, {result.throughput(row):,.0f} '
-            f'{result.unit}, peak {peak:,.0f} MiB per rank (predicted '
-            f'{predicted:,.0f} MiB)')
-    return text + (f'; {row.message}' if row.status == STOPPED else '')
-
-
-def _ranked(rows: List[Row], result: SearchResult) -> List[Row]:
-    order = [MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED]
-
-    def key(row):
-        speed = result.throughput(row) or 0.0
-        return (order.index(row.status), -speed)
-
-    return sorted(rows, key=key)
-
-
-def _clock(start: float) -> str:
-    minutes, seconds = divmod(int(time.time() - start), 60)
-    return f'{minutes}m{seconds:02d}s'
+    return run
