@@ -76,6 +76,17 @@ class MemoryEstimate:
         ]
 
 
+def within_budget(peak: Optional[int], memory_budget: Optional[float]
+                  ) -> bool:
+    """The one memory-budget rule (the plan tool, the layout search and its
+    benchmark apply it): a predicted peak per rank of ``peak`` bytes fits
+    ``memory_budget`` GiB when it is at most that; everything fits no
+    budget, nothing without a prediction fits one."""
+    if memory_budget is None:
+        return True
+    return peak is not None and peak <= memory_budget * GiB
+
+
 def current_rss() -> int:
     """This process's resident memory in bytes (0 where unknown)."""
     try:

@@ -18,8 +18,9 @@ pipeline schedule and micro-batches, activation checkpointing mode), then
    config as written first, with the same data and global batch for all,
    stopping a trial early once its steps are all slower than
    ``early_stop`` times the best candidate's so far;
-5. runs the (up to 3) fastest again, slowest first, and ranks the
-   measured candidates by throughput (those on both passes' steps).
+5. runs the (up to 3) fastest within 1.5x of the best (stopped early or
+   not) 2 more times, interleaved, and ranks the measured candidates by
+   their least disturbed trial (:mod:`.search_rounds`: why).
 
 The table and the written config are :mod:`.search_report`'s.
 """
@@ -37,8 +38,10 @@ from mmpar.analysis.layouts import (CHECKPOINTING_MODES, DEFAULT_SCHEDULES,
                                     candidate_config, enumerate_candidates,
                                     global_batch, wrapper_replicates,
                                     written_candidate)
+from mmpar.analysis.memory import within_budget
 from mmpar.analysis.plan import PlanError, build_model, make_plan
-from mmpar.analysis.search_rounds import (TrialRunner, measure_rows, prior,
+from mmpar.analysis.search_rounds import (CONFIRM_ROUNDS, CONFIRM_WITHIN,
+                                          TrialRunner, measure_rows, prior,
                                           ranked)
 from mmpar.analysis.search_table import (FAILED, GiB, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
@@ -130,8 +133,8 @@ def plan_candidates(cfg: Config, world_size: int, *,
     for candidate in candidates:
         row = Row(candidate, as_written=candidate == written)
         _check(row, cfg, world_size, batch, tp_plan, blocks, baseline)
-        if not row.status and memory_budget is not None and \
-                row.predicted_peak > memory_budget * GiB:
+        if not row.status and \
+                not within_budget(row.predicted_peak, memory_budget):
             row.status = OVER_BUDGET
             row.message = (f'predicted peak {row.predicted_peak / GiB:.2f} '
                            f'GiB > --memory-budget {memory_budget:g} GiB')
@@ -192,9 +195,12 @@ def search_layouts(cfg: Config, world_size: int, *,
                    CHECKPOINTING_MODES,
                    prune_checkpointing: bool = True,
                    confirm: int = 3,
+                   confirm_within: float = CONFIRM_WITHIN,
+                   confirm_rounds: int = CONFIRM_ROUNDS,
                    progress: Optional[Callable[[str], None]] =
                    stderr_progress,
-                   log_dir: Optional[str] = None) -> SearchResult:
+                   log_dir: Optional[str] = None,
+                   baseline: Optional[int] = None) -> SearchResult:
     """Measure the layouts of ``world_size`` ranks that fit and rank them.
 
     Args:
@@ -213,11 +219,17 @@ def search_layouts(cfg: Config, world_size: int, *,
         prune_checkpointing: run only the lightest fitting checkpointing
             mode of each layout (False: run them all).
         confirm: run this many of the fastest candidates (within
-            ``early_stop`` of the best) a second time and rank them on both
-            passes (0: one pass).
+            ``confirm_within`` of the best, those stopped early included)
+            ``confirm_rounds`` more times, interleaved; a candidate's speed
+            is its fastest trial's (0 or 1: one pass).
+        confirm_within: the factor over the best median within which a
+            candidate is confirmed.
+        confirm_rounds: trials each confirmed candidate runs again.
         progress: called with one line per event; None for silence.
         log_dir: keep each trial's rank logs under it (else a temporary
             directory, removed).
+        baseline: bytes a rank holds besides its model, for the memory
+            predictions (None: measured on ``world_size`` fresh ranks).
 
     Returns:
         The ranked table; ``result.best`` is the fastest layout measured,
@@ -225,13 +237,18 @@ def search_layouts(cfg: Config, world_size: int, *,
     """
     _check_arguments(world_size=world_size, trial_steps=trial_steps,
                      warmup_steps=warmup_steps, memory_budget=memory_budget,
-                     early_stop=early_stop)
+                     early_stop=early_stop, confirm=confirm,
+                     confirm_within=confirm_within,
+                     confirm_rounds=confirm_rounds)
     start = time.time()
     say = progress or (lambda message: None)
     say(f'planning the layouts of {world_size} ranks ...')
-    baseline = measure_baseline(cfg, world_size)
+    how = 'given'
+    if baseline is None:
+        baseline = measure_baseline(cfg, world_size)
+        how = f'measured on {world_size} fresh ranks'
     say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
-        f'(measured on {world_size} fresh ranks)')
+        f'({how})')
     rows, batch = plan_candidates(
         cfg, world_size, memory_budget=memory_budget, schedules=schedules,
         microbatches=microbatches, checkpointing=checkpointing,
@@ -249,8 +266,9 @@ def search_layouts(cfg: Config, world_size: int, *,
     log_dir = log_dir or tempfile.mkdtemp(prefix='mmpar_search_')
     try:
         measure_rows(todo, result, trial_runner(result, world_size, log_dir),
-                     early_stop=early_stop, confirm=confirm, say=say,
-                     start=start)
+                     early_stop=early_stop, confirm=confirm,
+                     confirm_within=confirm_within,
+                     confirm_rounds=confirm_rounds, say=say, start=start)
     finally:
         if owned:
             import shutil
@@ -268,7 +286,11 @@ def _check_arguments(**values) -> None:
         warmup_steps=(lambda v: isinstance(v, int) and v >= 1,
                       'an int >= 1'),
         memory_budget=(lambda v: v is None or v > 0, 'None or GiB > 0'),
-        early_stop=(lambda v: v is None or v > 1, 'None or a factor > 1'))
+        early_stop=(lambda v: v is None or v > 1, 'None or a factor > 1'),
+        confirm=(lambda v: isinstance(v, int) and v >= 0, 'an int >= 0'),
+        confirm_within=(lambda v: v >= 1, 'a factor >= 1'),
+        confirm_rounds=(lambda v: isinstance(v, int) and v >= 0,
+                        'an int >= 0'))
     for key, value in values.items():
         ok, allowed = rules[key]
         if not ok(value):

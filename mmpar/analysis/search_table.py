@@ -32,7 +32,11 @@ class Row:
             predicted peak.
         changes: the config keys the layout sets (see
             :func:`~mmpar.analysis.layouts.candidate_config`).
-        trial: the measurements, for candidates that ran.
+        trial: the measurements, for candidates that ran: the fastest of
+            ``passes`` (the smallest median step), else the one trial that
+            stopped early or failed.
+        passes: every trial of this candidate run to the end (the first
+            pass and the confirm rounds').
         as_written: this is the config's own layout.
         config: the full config that trains it (None when refused early).
     """
@@ -43,6 +47,7 @@ class Row:
     estimate: Optional[MemoryEstimate] = None
     changes: dict = field(default_factory=dict)
     trial: Optional[TrialResult] = None
+    passes: List[TrialResult] = field(default_factory=list)
     as_written: bool = False
     config: Optional[Config] = field(default=None, repr=False)
 
@@ -52,13 +57,15 @@ class Row:
 
     @property
     def measured_peak(self) -> Optional[int]:
-        if self.trial is None or not self.trial.peak_rss:
-            return None
-        return max(self.trial.peak_rss)
+        """The largest rank's peak over every trial (memory does not depend
+        on load)."""
+        peaks = [p for t in self.passes or [self.trial] if t is not None
+                 for p in t.peak_rss]
+        return max(peaks, default=None)
 
     @property
     def step_time(self) -> Optional[float]:
-        """Median seconds per timed step."""
+        """Median seconds per timed step (of ``trial``)."""
         if self.trial is None or not self.trial.step_times:
             return None
         return statistics.median(self.trial.step_times)
@@ -75,6 +82,7 @@ class SearchResult:
     trial_steps: int
     warmup_steps: int
     elapsed_s: float = 0.0
+    num_trials: int = 0  # trials run: the first pass and the confirm rounds
     tokens_per_sample: Optional[int] = None
     notes: List[str] = field(default_factory=list)
 
@@ -115,7 +123,10 @@ class SearchResult:
                 message=row.message, as_written=row.as_written,
                 predicted_peak=row.predicted_peak,
                 measured_peak=row.measured_peak,
-                step_time=row.step_time, throughput=speed, unit=self.unit,
+                step_time=row.step_time,
+                trial_medians=[statistics.median(t.step_times)
+                               for t in row.passes],
+                throughput=speed, unit=self.unit,
                 vs_best=_ratio(speed, best and self.throughput(best)),
                 vs_written=_ratio(speed,
                                   written and self.throughput(written)),
