@@ -143,7 +143,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         'and rank them on their fastest trial (default 3; 0: one pass)')
     search.add_argument(
         '--confirm-rounds', type=int, default=2, metavar='R',
-        help='trials each confirmed candidate runs again (default 2)')
+        help='confirm rounds: each close candidate runs up to R more '
+        'trials; after the first round only those within 5%% of the '
+        'fastest (default 2)')
     search.add_argument(
         '--checkpointing', nargs='+', default=['none', 'selective', 'full'],
         choices=['none', 'selective', 'full'],

@@ -19,8 +19,8 @@ pipeline schedule and micro-batches, activation checkpointing mode), then
    stopping a trial early once its steps are all slower than
    ``early_stop`` times the best candidate's so far;
 5. runs the (up to 3) fastest within 1.5x of the best (stopped early or
-   not) 2 more times, interleaved, and ranks the measured candidates by
-   their least disturbed trial (:mod:`.search_rounds`: why).
+   not) up to 2 more times, interleaved, and ranks the measured candidates
+   by their least disturbed trial (:mod:`.search_rounds`: why).
 
 The table and the written config are :mod:`.search_report`'s.
 """
@@ -224,7 +224,9 @@ def search_layouts(cfg: Config, world_size: int, *,
             is its fastest trial's (0 or 1: one pass).
         confirm_within: the factor over the best median within which a
             candidate is confirmed.
-        confirm_rounds: trials each confirmed candidate runs again.
+        confirm_rounds: at most this many more trials per confirmed
+            candidate; after the first round only those within 5 % of the
+            fastest run again.
         progress: called with one line per event; None for silence.
         log_dir: keep each trial's rank logs under it (else a temporary
             directory, removed).

@@ -12,8 +12,9 @@ ever slows a trial down. So:
 2. **Confirm**: the ``confirm`` fastest candidates within ``confirm_within``
    of the best (by the median step of a trial run to the end; by the
    fastest step of one stopped early, since a burst of load may be what
-   stopped it) run ``confirm_rounds`` more trials, interleaved (each round
-   in the reverse order of the one before), without the early stop.
+   stopped it) run up to ``confirm_rounds`` more trials, interleaved (each
+   round in the reverse order of the one before), without the early stop;
+   after the first round only those within 5 % of the leader go on.
 3. **Speed**: a candidate's speed is that of its least disturbed trial, the
    smallest median step over the trials it ran to the end: one disturbed
    trial, first pass or confirm, does not decide.
@@ -42,6 +43,11 @@ TrialRunner = Callable[[Row, int, Optional[float]], TrialResult]
 # just over the bar gets another look), in 2 more rounds.
 CONFIRM_WITHIN = 1.5
 CONFIRM_ROUNDS = 2
+# After the first confirm round, only candidates whose fastest trial is
+# within 5 % of the leader's run again (the pick is to be within 5 % of the
+# fastest): another look at a clearly slower one costs a trial (a few
+# seconds of start-up each) and changes nothing.
+CONFIRM_MARGIN = 1.05
 
 
 def prior(row: Row) -> tuple:
@@ -75,7 +81,11 @@ def measure_rows(todo: List[Row], result: SearchResult, run: TrialRunner, *,
         say(f'[{index + 1}/{len(todo)} {clock(start)}] '
             f'{row.candidate.label}: {outcome(row, result)}')
     close = contenders(todo, result.memory_budget, confirm, confirm_within)
-    for round_index in range(confirm_rounds if len(close) > 1 else 0):
+    for round_index in range(confirm_rounds):
+        if round_index:
+            close = still_close(close)
+        if len(close) < 2:
+            break
         order = close if round_index % 2 == 0 else close[::-1]
         for index, row in enumerate(order):
             step = f'[confirm {round_index + 1}.{index + 1} {clock(start)}]'
@@ -99,6 +109,16 @@ def contenders(todo: List[Row], memory_budget: Optional[float],
                     and within_budget(r.predicted_peak, memory_budget)
                     and _estimate(r) <= bar), key=_estimate)[:confirm]
     return close if len(close) > 1 else []
+
+
+def still_close(rows: List[Row]) -> List[Row]:
+    """The rows (in their order) measured within :data:`CONFIRM_MARGIN` of
+    the fastest: the others sit out the next confirm round."""
+    measured = [r for r in rows if r.status == MEASURED]
+    if not measured:
+        return []
+    bar = min(r.step_time for r in measured) * CONFIRM_MARGIN
+    return [r for r in measured if r.step_time <= bar]
 
 
 def _estimate(row: Row) -> float:

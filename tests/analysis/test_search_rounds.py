@@ -76,9 +76,9 @@ def _best(rows, result):
 def test_one_disturbed_confirm_trial_does_not_decide_the_pick():
     # dp_shard=4 is the fastest, but its first confirm trial runs during a
     # burst of load (3x slower): the old confirm round pooled that trial's
-    # steps with the first pass (median 0.20 s) and picked tp=4 (0.11 s).
+    # steps with the first pass (median 0.20 s) and picked tp=4 (0.103 s).
     rows = [_row(True, dp_shard=4), _row(tp=4), _row(pp=4)]
-    trials = FakeTrials({'dp_shard=4': 0.10, 'tp=4': 0.11, 'pp=4': 0.30},
+    trials = FakeTrials({'dp_shard=4': 0.10, 'tp=4': 0.103, 'pp=4': 0.30},
                         bursts={'dp_shard=4': {1: 3.0}})
     result = _measure(rows, trials)
     best = _best(rows, result)
@@ -90,19 +90,31 @@ def test_one_disturbed_confirm_trial_does_not_decide_the_pick():
 def test_confirm_rounds_rerun_close_candidates_interleaved():
     rows = [_row(True, dp_shard=4), _row(dp_shard=2, tp=2), _row(tp=4),
             _row(cp=4), _row(pp=4)]
-    speeds = {'dp_shard=4': 0.10, 'dp_shard=2 tp=2': 0.11, 'tp=4': 0.12,
+    speeds = {'dp_shard=4': 0.10, 'dp_shard=2 tp=2': 0.102, 'tp=4': 0.104,
               'cp=4': 0.125, 'pp=4': 0.40}
     trials = FakeTrials(speeds)
     _measure(rows, trials, confirm=3, confirm_rounds=2)
     first, confirm = trials.labels()[:5], trials.labels()[5:]
     assert first == [r.candidate.label for r in rows]
     # The 3 fastest within 1.5x of the best (cp=4 is 4th; pp=4 4x slower),
-    # twice, the second round in the reverse order; no early stop there.
+    # twice (all within 5 % of the leader), the second round in the reverse
+    # order; no early stop there.
     close = ['dp_shard=4', 'dp_shard=2 tp=2', 'tp=4']
     assert confirm == close + close[::-1]
     assert all(stop is None for _, stop in trials.calls[5:])
     assert rows[4].status == STOPPED and rows[3].status == MEASURED
     assert len(rows[3].passes) == 1  # measured once, not confirmed
+
+
+def test_after_one_confirm_round_only_candidates_within_5_percent_go_on():
+    rows = [_row(True, dp_shard=4), _row(tp=4), _row(pp=4)]
+    trials = FakeTrials({'dp_shard=4': 0.10, 'tp=4': 0.104, 'pp=4': 0.12})
+    result = _measure(rows, trials, confirm_rounds=3)
+    confirm = trials.labels()[3:]
+    assert confirm == ['dp_shard=4', 'tp=4', 'pp=4',  # round 1: all
+                       'tp=4', 'dp_shard=4',  # pp=4 20 % behind: out
+                       'dp_shard=4', 'tp=4']
+    assert _best(rows, result).candidate.label == 'dp_shard=4'
 
 
 def test_a_candidate_stopped_by_a_burst_is_rescued_by_the_confirm_round():
