@@ -11,15 +11,18 @@ their products; pp with the 1F1B schedule and 4 micro-batches), each with
 activation checkpointing off and ``full``.
 
 1. **search**: ``mmpar.analysis.search_layouts`` as ``tools/plan.py
-   --search`` runs it (one trial per candidate it runs, early stop, the
-   lightest fitting checkpointing mode per layout only);
+   --search`` runs it (a first pass with early stop, then the close
+   candidates' confirm rounds; the lightest fitting checkpointing mode per
+   layout only);
 2. **sweep**: every legal candidate of the same set, timed the same way
    (same warm-up and timed steps, fresh ranks, no early stop), repeated,
    the repeats interleaved (candidate order rotated each round); a
    candidate's throughput is the median of all its timed steps;
 3. **budget**: the search again with a ``--memory-budget`` just below the
-   predicted peak of the sweep's fastest layout: its pick should be the
-   sweep's fastest among the candidates predicted to fit;
+   predicted peak of the sweep's fastest layout (the search handed the
+   sweep's baseline, so both predict the same peaks and apply the same
+   rule): its pick should be the sweep's fastest among the candidates
+   predicted to fit; the report shows both sides' per-trial medians;
 4. **impossible budget**: below every candidate's predicted peak: no
    trials, the message of ``tools/plan.py --search`` (smallest predicted
    peak, which axis would help).
@@ -37,7 +40,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -138,6 +141,7 @@ def sweep(cfg, plan: dict) -> dict:
         baseline=baseline)
     todo = [r for r in rows if not r.status]
     times: Dict[str, List[float]] = {r.candidate.label: [] for r in todo}
+    medians: Dict[str, List[float]] = {r.candidate.label: [] for r in todo}
     peaks: Dict[str, List[int]] = {r.candidate.label: [] for r in todo}
     tokens = {}
     log_dir = tempfile.mkdtemp(prefix='mmpar_sweep_')
@@ -154,6 +158,7 @@ def sweep(cfg, plan: dict) -> dict:
             if trial.error:
                 raise RuntimeError(f'sweep: {label} failed:\n{trial.error}')
             times[label] += trial.step_times
+            medians[label].append(statistics.median(trial.step_times))
             peaks[label].append(max(trial.peak_rss))
             tokens[label] = trial.tokens_per_step
             _say(f'[sweep {repeat + 1}/{plan["repeats"]} '
@@ -161,12 +166,13 @@ def sweep(cfg, plan: dict) -> dict:
                  f'{label}: {statistics.median(trial.step_times):.3f} s/step')
     speed = {label: tokens[label] / statistics.median(times[label])
              for label in times}
-    return dict(rows=todo, speed=speed, peaks=peaks,
+    return dict(rows=todo, speed=speed, peaks=peaks, medians=medians,
                 elapsed=time.time() - start, baseline=baseline)
 
 
 def measure(plan: dict) -> dict:
     from mmpar.analysis import search_layouts
+    from mmpar.analysis.memory import within_budget
     from mmpar.analysis.search_report import nothing_fits
     cfg = _cfg(plan)
     n = plan['world_size']
@@ -175,12 +181,15 @@ def measure(plan: dict) -> dict:
     speed = swept['speed']
     fastest = max(speed, key=speed.get)
     predicted = {r.candidate.label: r.predicted_peak for r in swept['rows']}
-    # A budget just below the fastest layout's predicted peak.
+    # A budget just below the fastest layout's predicted peak. The search
+    # is handed the sweep's baseline: the same predictions, the same rule
+    # (within_budget), so the same candidates fit for both.
     budget = (predicted[fastest] - MiB) / GiB
     fitting = {label: s for label, s in speed.items()
-               if predicted[label] <= budget * GiB}
-    budgeted = search_layouts(cfg, n, memory_budget=budget,
-                              **_search_kwargs(plan)) if fitting else None
+               if within_budget(predicted[label], budget)}
+    budgeted = search_layouts(
+        cfg, n, memory_budget=budget, baseline=swept['baseline'],
+        **_search_kwargs(plan)) if fitting else None
     low = (min(predicted.values()) * 0.9) / GiB
     impossible = search_layouts(cfg, n, memory_budget=low,
                                 **_search_kwargs(plan))
@@ -212,6 +221,21 @@ def _memory_lines(memory: dict, plan: dict) -> list:
               f'{"met" if worst <= 0.15 else "missed"}); a rank\'s baseline '
               f'{memory["baseline"] / MiB:.0f} MiB.']
     return lines
+
+
+def _repeats(swept: dict, label: Optional[str]) -> str:
+    values = swept['medians'].get(label) or []
+    return '[' + ', '.join(f'{v:.3f}' for v in values) + ']'
+
+
+def _passes(result, label: Optional[str]) -> str:
+    row = next((r for r in result.rows if r.candidate.label == label), None)
+    if row is None or row.trial is None:
+        return 'not run'
+    if not row.passes:
+        return row.status
+    return '[' + ', '.join(f'{statistics.median(t.step_times):.3f}'
+                           for t in row.passes) + ']'
 
 
 def _pick_speed(result, speed: dict):
@@ -266,7 +290,7 @@ def report(out: dict, plan: dict, conditions: dict) -> str:
         f'(`{out["fastest"]}`) — goal >= 0.95: '
         f'{"met" if ratio >= 0.95 else "missed"}.',
         f'- **Time**: search {found.elapsed_s:.0f} s (planning, baseline and '
-        f'{sum(r.trial is not None for r in found.rows)} trials), sweep '
+        f'{found.num_trials} trials), sweep '
         f'{swept["elapsed"]:.0f} s ({len(swept["rows"])} candidates x '
         f'{plan["repeats"]}): {time_ratio:.2f} — goal <= 0.33: '
         f'{"met" if time_ratio <= 1 / 3 else "missed"}.',
@@ -292,7 +316,11 @@ def report(out: dict, plan: dict, conditions: dict) -> str:
             f'`{out["fastest"]}`\'s predicted peak): the search picked '
             f'`{got}`; the sweep\'s fastest of the {len(out["fitting"])} '
             f'candidates predicted to fit is `{fit_best}` ({same}) — '
-            f'{"met" if within else "missed"}.')
+            f'{"met" if within else "missed"}. The sweep\'s median s/step '
+            f'of each repeat: `{got}` {_repeats(swept, got)}, '
+            f'`{fit_best}` {_repeats(swept, fit_best)}; the search\'s '
+            f'trials (medians): `{got}` {_passes(out["budgeted"], got)}, '
+            f'`{fit_best}` {_passes(out["budgeted"], fit_best)}.')
     lines += [
         f'- **Impossible budget** {out["low"]:.3f} GiB: '
         f'{out["impossible"].elapsed_s:.0f} s, no trial run; the message:',

@@ -41,9 +41,15 @@ class _SaveOpOutputs(TorchDispatchMode):
             for value in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(value, torch.Tensor):
                     block = self.current[0]
+                    value = _local(value)
                     self.bytes[block] = self.bytes.get(block, 0) + \
                         value.numel() * value.element_size()
         return out
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # A DTensor (a tensor-parallel model's) holds this rank's shard.
+    return getattr(tensor, '_local_tensor', tensor)
 
 
 def _blocks(model: nn.Module, ac_cfg: Optional[dict]) -> List[nn.Module]:
@@ -73,8 +79,8 @@ def activation_profile(model: nn.Module, data: Any,
     inputs: Dict[int, int] = {}
     # Parameters (and views of them, such as a transposed weight) are saved
     # too, but are no activations.
-    seen = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen |= {b.untyped_storage()._cdata for b in model.buffers()}
+    seen = {_local(p).untyped_storage()._cdata for p in model.parameters()}
+    seen |= {_local(b).untyped_storage()._cdata for b in model.buffers()}
     handles = []
     for index, block in enumerate(blocks):
 
@@ -90,7 +96,7 @@ def activation_profile(model: nn.Module, data: Any,
                     block.register_forward_hook(leave)]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         key = storage._cdata  # each storage once (views share it)
         if key not in seen:
             seen.add(key)

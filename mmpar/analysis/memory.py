@@ -19,13 +19,18 @@ one micro-batch's activations.
   stage's parameters gathered and its gradients unsharded until the
   reduction after the last micro-batch: every unit of this rank's stages);
 * activations: one micro-batch's saved tensors (:mod:`.activations`, a
-  meta forward under the configured activation checkpointing), times the
-  micro-batches a pipeline stage holds at once, divided over tp (split
-  layers) and cp (split sequences).
+  meta forward under the configured activation checkpointing; under tp on
+  the split model, so that what the plan gathers whole, the input of the
+  column-split projections and logits gathered whole, counts whole), times
+  the micro-batches a pipeline stage holds at once, divided over cp (split
+  sequences).
 
-What it does not know: allocator overhead and fragmentation, communication
-buffers, data-loader workers (separate processes), and anything a model
-allocates outside its parameters and saved activations.
+What it does not know: allocator overhead and fragmentation (under pipeline
+micro-batches and activation checkpointing, glibc keeps freed tensors below
+the mmap threshold resident: 10-20 MiB a rank in the layout benchmark at 4x
+batch), communication buffers, data-loader workers (separate processes),
+and anything a model allocates outside its parameters and saved
+activations.
 """
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -74,6 +79,17 @@ class MemoryEstimate:
             ('activations in flight', acts),
             ('predicted peak per rank', self.peak),
         ]
+
+
+def within_budget(peak: Optional[int], memory_budget: Optional[float]
+                  ) -> bool:
+    """The one memory-budget rule (the plan tool, the layout search and its
+    benchmark apply it): a predicted peak per rank of ``peak`` bytes fits
+    ``memory_budget`` GiB when it is at most that; everything fits no
+    budget, nothing without a prediction fits one."""
+    if memory_budget is None:
+        return True
+    return peak is not None and peak <= memory_budget * GiB
 
 
 def current_rss() -> int:

@@ -397,6 +397,15 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
     activations = _activations(cfg, model, parallel, topology)
     # compose's order: TP, CP, PP, then the data-parallel wrapper.
     model = plan_tensor_parallel(plan, model, topology, parallel)
+    if topology.dims.tp_enabled:
+        # Measured again on the split model: a tp rank holds whole what the
+        # plan all-gathers (the input of column-split projections, logits
+        # gathered whole), which the plain model's share (1/tp) misses.
+        split = _activations(cfg, model, parallel, topology, tp_split=True)
+        if split is None:
+            plan.notes.append('activations: the split model\'s meta forward '
+                              'failed; the plain model\'s divided by tp')
+        activations = split if split is not None else activations
     plan_context_parallel(plan, model, topology, cfg)
     # Under pp each of this rank's stages gets its own wrapper, as in
     # training; without pp the one "stage" is the whole model.
@@ -443,8 +452,11 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
 
 
 def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
-                 topology: ParallelTopology) -> Optional[int]:
-    """One micro-batch's activations on this rank, in flight."""
+                 topology: ParallelTopology,
+                 tp_split: bool = False) -> Optional[int]:
+    """One micro-batch's activations on this rank, in flight (``model``
+    already split by tp when ``tp_split``: its DTensors' local shards are
+    what is counted)."""
     from mmpar.analysis.activations import (_block_class, activation_profile,
                                             estimate_from_profile)
     from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -474,8 +486,8 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
         # This rank's share of the blocks, for each micro-batch it holds.
         one = one * per_rank // (dims.pp * per_rank)
         one *= in_flight(schedule, dims.pp, microbatches, per_rank)
-    # tp splits each layer's activations, cp each sequence.
-    return one // (dims.tp * dims.cp)
+    # cp splits each sequence; tp (on the plain model) each layer's.
+    return one // (dims.cp * (1 if tp_split else dims.tp))
 
 
 def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 from mmengine.config import Config, DictAction
 
+from mmpar.analysis.memory import within_budget
 from mmpar.analysis.plan import Plan, PlanError, make_plan
 from mmpar.parallel.dims import AXES, ParallelismError
 
@@ -95,7 +96,7 @@ def _estimate_lines(plan: Plan, budget: Optional[float]) -> List[str]:
 
 def fits(plan: Plan, budget_gib: float) -> bool:
     """Whether the predicted peak per rank is within ``budget_gib``."""
-    return plan.estimate.peak <= budget_gib * 2**30
+    return within_budget(plan.estimate.peak, budget_gib)
 
 
 def format_plan(plan: Plan, budget: Optional[float] = None) -> str:
@@ -137,8 +138,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         'than X times the best so far (default 1.3; 0: never)')
     search.add_argument(
         '--confirm', type=int, default=3, metavar='C',
-        help='run the C fastest candidates a second time and rank them on '
-        'both passes (default 3; 0: one pass)')
+        help='run the C fastest candidates within 1.5x of the best '
+        '(stopped early or not) --confirm-rounds more times, interleaved, '
+        'and rank them on their fastest trial (default 3; 0: one pass)')
+    search.add_argument(
+        '--confirm-rounds', type=int, default=2, metavar='R',
+        help='confirm rounds: each close candidate runs up to R more '
+        'trials; after the first round only those within 5%% of the '
+        'fastest (default 2)')
     search.add_argument(
         '--checkpointing', nargs='+', default=['none', 'selective', 'full'],
         choices=['none', 'selective', 'full'],

@@ -18,17 +18,17 @@ pipeline schedule and micro-batches, activation checkpointing mode), then
    config as written first, with the same data and global batch for all,
    stopping a trial early once its steps are all slower than
    ``early_stop`` times the best candidate's so far;
-5. runs the (up to 3) fastest again, slowest first, and ranks the
-   measured candidates by throughput (those on both passes' steps).
+5. runs the (up to 3) fastest within 1.5x of the best (stopped early or
+   not) up to 2 more times, interleaved, and ranks the measured candidates
+   by their least disturbed trial (:mod:`.search_rounds`: why).
 
 The table and the written config are :mod:`.search_report`'s.
 """
+import itertools
 import os
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from mmengine.config import Config
@@ -38,130 +38,21 @@ from mmpar.analysis.layouts import (CHECKPOINTING_MODES, DEFAULT_SCHEDULES,
                                     candidate_config, enumerate_candidates,
                                     global_batch, wrapper_replicates,
                                     written_candidate)
-from mmpar.analysis.memory import MemoryEstimate
+from mmpar.analysis.memory import within_budget
 from mmpar.analysis.plan import PlanError, build_model, make_plan
+from mmpar.analysis.search_rounds import (CONFIRM_ROUNDS, CONFIRM_WITHIN,
+                                          TrialRunner, measure_rows, prior,
+                                          ranked)
+from mmpar.analysis.search_table import (FAILED, GiB, MEASURED, OVER_BUDGET,
+                                         REFUSED, SKIPPED, STOPPED, Row,
+                                         SearchResult)
 from mmpar.analysis.trial import TrialResult, measure_baseline, run_trial
 from mmpar.failures import ConfigError
 from mmpar.parallel.dims import AXES, ParallelismError
 
-GiB = 2**30
-# Row states, in the order the report lists them.
-MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
-    'measured', 'stopped early', 'failed', 'skipped', 'over budget',
-    'refused')
-
-
-@dataclass
-class Row:
-    """One candidate and what the search learnt about it.
-
-    Attributes:
-        candidate: the layout.
-        status: one of ``measured``, ``stopped early``, ``failed``,
-            ``skipped``, ``over budget``, ``refused``.
-        message: why it was refused, skipped or failed.
-        predicted: ``(rank, predicted peak bytes)`` of each planned rank
-            (one per pipeline stage).
-        estimate: the plan's memory terms for the rank with the highest
-            predicted peak.
-        changes: the config keys the layout sets (see
-            :func:`~mmpar.analysis.layouts.candidate_config`).
-        trial: the measurements, for candidates that ran.
-        as_written: this is the config's own layout.
-        config: the full config that trains it (None when refused early).
-    """
-    candidate: Candidate
-    status: str = ''
-    message: str = ''
-    predicted: List[Tuple[int, int]] = field(default_factory=list)
-    estimate: Optional[MemoryEstimate] = None
-    changes: dict = field(default_factory=dict)
-    trial: Optional[TrialResult] = None
-    as_written: bool = False
-    config: Optional[Config] = field(default=None, repr=False)
-
-    @property
-    def predicted_peak(self) -> Optional[int]:
-        return max((p for _, p in self.predicted), default=None)
-
-    @property
-    def measured_peak(self) -> Optional[int]:
-        if self.trial is None or not self.trial.peak_rss:
-            return None
-        return max(self.trial.peak_rss)
-
-    @property
-    def step_time(self) -> Optional[float]:
-        """Median seconds per timed step."""
-        if self.trial is None or not self.trial.step_times:
-            return None
-        return statistics.median(self.trial.step_times)
-
-
-@dataclass
-class SearchResult:
-    """Everything :func:`search_layouts` found (``rows`` ranked: measured
-    fastest first, then the rest)."""
-    world_size: int
-    global_batch: int
-    rows: List[Row]
-    memory_budget: Optional[float]
-    trial_steps: int
-    warmup_steps: int
-    elapsed_s: float = 0.0
-    tokens_per_sample: Optional[int] = None
-    notes: List[str] = field(default_factory=list)
-
-    @property
-    def measured(self) -> List[Row]:
-        return [r for r in self.rows if r.status == MEASURED]
-
-    @property
-    def best(self) -> Optional[Row]:
-        """The fastest candidate measured to the end, or None."""
-        measured = self.measured
-        return measured[0] if measured else None
-
-    @property
-    def as_written(self) -> Optional[Row]:
-        return next((r for r in self.rows if r.as_written), None)
-
-    def throughput(self, row: Row) -> Optional[float]:
-        """Samples (or tokens, when batches hold tokens) per second."""
-        if row.step_time is None:
-            return None
-        per_step = self.global_batch * (self.tokens_per_sample or 1)
-        return per_step / row.step_time
-
-    @property
-    def unit(self) -> str:
-        return 'tokens/s' if self.tokens_per_sample else 'samples/s'
-
-    def table(self) -> List[dict]:
-        """The rows as plain data (one dict per candidate) for scripts."""
-        best = self.best
-        written = self.as_written
-        rows = []
-        for row in self.rows:
-            speed = self.throughput(row)
-            rows.append(dict(
-                layout=row.candidate.label, status=row.status,
-                message=row.message, as_written=row.as_written,
-                predicted_peak=row.predicted_peak,
-                measured_peak=row.measured_peak,
-                step_time=row.step_time, throughput=speed, unit=self.unit,
-                vs_best=_ratio(speed, best and self.throughput(best)),
-                vs_written=_ratio(speed,
-                                  written and self.throughput(written)),
-                changes=row.changes))
-        return rows
-
-
-def _ratio(value, reference) -> Optional[float]:
-    if value is None or not reference:
-        return None
-    return value / reference
-
+__all__ = ['FAILED', 'MEASURED', 'OVER_BUDGET', 'REFUSED', 'SKIPPED',
+           'STOPPED', 'Row', 'SearchResult', 'plan_candidates',
+           'search_layouts', 'trial_config']
 
 def stderr_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -242,8 +133,8 @@ def plan_candidates(cfg: Config, world_size: int, *,
     for candidate in candidates:
         row = Row(candidate, as_written=candidate == written)
         _check(row, cfg, world_size, batch, tp_plan, blocks, baseline)
-        if not row.status and memory_budget is not None and \
-                row.predicted_peak > memory_budget * GiB:
+        if not row.status and \
+                not within_budget(row.predicted_peak, memory_budget):
             row.status = OVER_BUDGET
             row.message = (f'predicted peak {row.predicted_peak / GiB:.2f} '
                            f'GiB > --memory-budget {memory_budget:g} GiB')
@@ -293,18 +184,6 @@ def _prune_checkpointing(rows: List[Row]) -> None:
                        'checkpointing more never makes a step faster')
 
 
-def _prior(row: Row) -> tuple:
-    # Run likely-fast layouts first, so the early stop has a bar to use:
-    # the config as written, then fewer model-parallel ranks, fewer
-    # micro-batches.
-    axes = row.candidate.axes
-    split = 1
-    for axis in AXES:
-        if not axis.startswith('dp'):
-            split *= axes[axis]
-    return (not row.as_written, split, row.candidate.num_microbatches or 0)
-
-
 def search_layouts(cfg: Config, world_size: int, *,
                    memory_budget: Optional[float] = None,
                    trial_steps: int = 5,
@@ -316,9 +195,12 @@ def search_layouts(cfg: Config, world_size: int, *,
                    CHECKPOINTING_MODES,
                    prune_checkpointing: bool = True,
                    confirm: int = 3,
+                   confirm_within: float = CONFIRM_WITHIN,
+                   confirm_rounds: int = CONFIRM_ROUNDS,
                    progress: Optional[Callable[[str], None]] =
                    stderr_progress,
-                   log_dir: Optional[str] = None) -> SearchResult:
+                   log_dir: Optional[str] = None,
+                   baseline: Optional[int] = None) -> SearchResult:
     """Measure the layouts of ``world_size`` ranks that fit and rank them.
 
     Args:
@@ -337,11 +219,19 @@ def search_layouts(cfg: Config, world_size: int, *,
         prune_checkpointing: run only the lightest fitting checkpointing
             mode of each layout (False: run them all).
         confirm: run this many of the fastest candidates (within
-            ``early_stop`` of the best) a second time and rank them on both
-            passes (0: one pass).
+            ``confirm_within`` of the best, those stopped early included)
+            ``confirm_rounds`` more times, interleaved; a candidate's speed
+            is its fastest trial's (0 or 1: one pass).
+        confirm_within: the factor over the best median within which a
+            candidate is confirmed.
+        confirm_rounds: at most this many more trials per confirmed
+            candidate; after the first round only those within 5 % of the
+            fastest run again.
         progress: called with one line per event; None for silence.
         log_dir: keep each trial's rank logs under it (else a temporary
             directory, removed).
+        baseline: bytes a rank holds besides its model, for the memory
+            predictions (None: measured on ``world_size`` fresh ranks).
 
     Returns:
         The ranked table; ``result.best`` is the fastest layout measured,
@@ -349,20 +239,25 @@ def search_layouts(cfg: Config, world_size: int, *,
     """
     _check_arguments(world_size=world_size, trial_steps=trial_steps,
                      warmup_steps=warmup_steps, memory_budget=memory_budget,
-                     early_stop=early_stop)
+                     early_stop=early_stop, confirm=confirm,
+                     confirm_within=confirm_within,
+                     confirm_rounds=confirm_rounds)
     start = time.time()
     say = progress or (lambda message: None)
     say(f'planning the layouts of {world_size} ranks ...')
-    baseline = measure_baseline(cfg, world_size)
+    how = 'given'
+    if baseline is None:
+        baseline = measure_baseline(cfg, world_size)
+        how = f'measured on {world_size} fresh ranks'
     say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
-        f'(measured on {world_size} fresh ranks)')
+        f'({how})')
     rows, batch = plan_candidates(
         cfg, world_size, memory_budget=memory_budget, schedules=schedules,
         microbatches=microbatches, checkpointing=checkpointing,
         prune_checkpointing=prune_checkpointing, baseline=baseline)
     result = SearchResult(world_size, batch, rows, memory_budget,
                           trial_steps, warmup_steps)
-    todo = sorted((r for r in rows if not r.status), key=_prior)
+    todo = sorted((r for r in rows if not r.status), key=prior)
     counts = {s: sum(r.status == s for r in rows)
               for s in (REFUSED, OVER_BUDGET, SKIPPED)}
     say(f'{len(rows)} candidates: {counts[REFUSED]} refused, '
@@ -372,53 +267,17 @@ def search_layouts(cfg: Config, world_size: int, *,
     owned = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix='mmpar_search_')
     try:
-        for index, row in enumerate(todo):
-            best = min((r.step_time for r in todo[:index]
-                        if r.status == MEASURED), default=None)
-            stop_above = early_stop * best if early_stop and best else None
-            say(f'[{index + 1}/{len(todo)} {_clock(start)}] '
-                f'{row.candidate.label} ...')
-            _run(row, result, world_size, log_dir, index, stop_above)
-            say(f'[{index + 1}/{len(todo)} {_clock(start)}] '
-                f'{row.candidate.label}: {_outcome(row, result)}')
-        _confirm(todo, result, world_size, log_dir, confirm, early_stop,
-                 say, start)
+        measure_rows(todo, result, trial_runner(result, world_size, log_dir),
+                     early_stop=early_stop, confirm=confirm,
+                     confirm_within=confirm_within,
+                     confirm_rounds=confirm_rounds, say=say, start=start)
     finally:
         if owned:
             import shutil
             shutil.rmtree(log_dir, ignore_errors=True)
-    result.rows = _ranked(rows, result)
+    result.rows = ranked(rows, result)
     result.elapsed_s = time.time() - start
     return result
-
-
-def _confirm(todo: List[Row], result: SearchResult, world_size: int,
-             log_dir: str, confirm: int, early_stop: Optional[float],
-             say: Callable[[str], None], start: float) -> None:
-    """Run the ``confirm`` fastest candidates (those within ``early_stop``
-    of the best) once more, slowest first, and rank them on all their
-    timed steps: one pass on a shared machine misorders close layouts."""
-    measured = sorted((r for r in todo if r.status == MEASURED),
-                      key=lambda r: r.step_time)
-    if not measured or confirm < 1:
-        return
-    bar = measured[0].step_time * (early_stop or float('inf'))
-    close = [r for r in measured[:confirm] if r.step_time <= bar]
-    if len(close) < 2:
-        return
-    for index, row in enumerate(reversed(close)):
-        first = row.trial
-        say(f'[confirm {index + 1}/{len(close)} {_clock(start)}] '
-            f'{row.candidate.label} ...')
-        _run(row, result, world_size, log_dir, len(todo) + index, None)
-        if row.status != MEASURED:
-            row.trial, row.status, row.message = first, MEASURED, ''
-            continue  # keep the first pass
-        row.trial.step_times = first.step_times + row.trial.step_times
-        row.trial.peak_rss = [max(a, b) for a, b in
-                              zip(first.peak_rss, row.trial.peak_rss)]
-        say(f'[confirm {index + 1}/{len(close)} {_clock(start)}] '
-            f'{row.candidate.label}: {_outcome(row, result)} (both passes)')
 
 
 def _check_arguments(**values) -> None:
@@ -429,7 +288,11 @@ def _check_arguments(**values) -> None:
         warmup_steps=(lambda v: isinstance(v, int) and v >= 1,
                       'an int >= 1'),
         memory_budget=(lambda v: v is None or v > 0, 'None or GiB > 0'),
-        early_stop=(lambda v: v is None or v > 1, 'None or a factor > 1'))
+        early_stop=(lambda v: v is None or v > 1, 'None or a factor > 1'),
+        confirm=(lambda v: isinstance(v, int) and v >= 0, 'an int >= 0'),
+        confirm_within=(lambda v: v >= 1, 'a factor >= 1'),
+        confirm_rounds=(lambda v: isinstance(v, int) and v >= 0,
+                        'an int >= 0'))
     for key, value in values.items():
         ok, allowed = rules[key]
         if not ok(value):
@@ -437,48 +300,19 @@ def _check_arguments(**values) -> None:
                              f'allowed; allowed: {allowed}')
 
 
-def _run(row: Row, result: SearchResult, world_size: int, log_dir: str,
-         index: int, stop_above: Optional[float]) -> None:
-    work_dir = os.path.join(log_dir, f'candidate{index}')
-    trial = trial_config(row.config,
-                         result.warmup_steps + result.trial_steps, work_dir)
-    row.trial = run_trial(trial, world_size, result.warmup_steps,
-                          result.trial_steps, row.candidate.data_ranks,
-                          stop_above=stop_above, log_dir=work_dir)
-    if row.trial.error:
-        row.status = FAILED
-        row.message = row.trial.error.strip().splitlines()[-1]
-        return
-    row.status = STOPPED if row.trial.stopped_early else MEASURED
-    if row.trial.stopped_early:
-        row.message = (f'stopped after {len(row.trial.step_times)} steps: '
-                       f'slower than {stop_above:.2f} s/step')
-    if row.trial.tokens_per_step and result.tokens_per_sample is None:
-        result.tokens_per_sample = \
-            row.trial.tokens_per_step // result.global_batch
+def trial_runner(result: SearchResult, world_size: int,
+                 log_dir: str) -> TrialRunner:
+    """Trials of ``result``'s rows on ``world_size`` fresh local ranks, each
+    logging under its own folder of ``log_dir``."""
+    count = itertools.count()
 
+    def run(row: Row, steps: int, stop_above: Optional[float]
+            ) -> TrialResult:
+        work_dir = os.path.join(log_dir, f'trial{next(count)}')
+        trial = trial_config(row.config, result.warmup_steps + steps,
+                             work_dir)
+        return run_trial(trial, world_size, result.warmup_steps, steps,
+                         row.candidate.data_ranks, stop_above=stop_above,
+                         log_dir=work_dir)
 
-def _outcome(row: Row, result: SearchResult) -> str:
-    if row.status == FAILED:
-        return f'failed: {row.message}'
-    peak = row.measured_peak / 2**20
-    predicted = row.predicted_peak / 2**20
-    text = (f'{row.step_time:.3f} s/step, {result.throughput(row):,.0f} '
-            f'{result.unit}, peak {peak:,.0f} MiB per rank (predicted '
-            f'{predicted:,.0f} MiB)')
-    return text + (f'; {row.message}' if row.status == STOPPED else '')
-
-
-def _ranked(rows: List[Row], result: SearchResult) -> List[Row]:
-    order = [MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED]
-
-    def key(row):
-        speed = result.throughput(row) or 0.0
-        return (order.index(row.status), -speed)
-
-    return sorted(rows, key=key)
-
-
-def _clock(start: float) -> str:
-    minutes, seconds = divmod(int(time.time() - start), 60)
-    return f'{minutes}m{seconds:02d}s'
+    return run

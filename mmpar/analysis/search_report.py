@@ -25,7 +25,7 @@ def _times(value: Optional[float]) -> str:
 def format_search(result: SearchResult) -> str:
     """The ranked table, then what was not run and why."""
     header = ('layout', 'predicted peak/rank', 'measured peak/rank',
-              's/step', result.unit, 'vs best', 'vs as written')
+              's/step', 'trials', result.unit, 'vs best', 'vs as written')
     lines = []
     ran = [r for r in result.rows if r.status in (MEASURED, STOPPED)]
     best = result.best
@@ -39,7 +39,7 @@ def format_search(result: SearchResult) -> str:
             label += ' (stopped early)'
         body.append((label, _mib(row.predicted_peak),
                      _mib(row.measured_peak), f'{row.step_time:.3f}',
-                     f'{speed:,.0f}',
+                     str(len(row.passes) or 1), f'{speed:,.0f}',
                      _times(_ratio(speed, best, result)),
                      _times(_ratio(speed, written, result))))
     if body:
@@ -52,6 +52,8 @@ def format_search(result: SearchResult) -> str:
             lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
                                    for i, (c, w) in enumerate(zip(cells,
                                                                   widths))))
+        lines.append('s/step: the median step of the candidate\'s least '
+                     'disturbed trial (load only slows a trial down)')
     lines += _not_run_lines(result)
     return '\n'.join(lines)
 
@@ -267,6 +269,7 @@ def search_main(args, cfg) -> int:
               ('early_stop', args.early_stop == 0 or args.early_stop > 1,
                '0 (never) or a factor > 1'),
               ('confirm', args.confirm >= 0, 'an int >= 0'),
+              ('confirm_rounds', args.confirm_rounds >= 0, 'an int >= 0'),
               ('microbatches', all(m >= 1 for m in args.microbatches or []),
                'ints >= 1')]
     for key, ok, allowed in checks:
@@ -278,6 +281,7 @@ def search_main(args, cfg) -> int:
         cfg, args.world_size, memory_budget=args.memory_budget,
         trial_steps=args.trial_steps, warmup_steps=args.warmup_steps,
         early_stop=args.early_stop or None, confirm=args.confirm,
+        confirm_rounds=args.confirm_rounds,
         schedules=args.schedules or DEFAULT_SCHEDULES,
         microbatches=args.microbatches,
         checkpointing=[None if m == 'none' else m

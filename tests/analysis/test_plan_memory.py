@@ -60,6 +60,24 @@ def test_terms_follow_the_layout_and_settings(base):
         base.estimate.activations / 2, rel=0.05)
 
 
+def test_tp_ranks_hold_the_gathered_inputs_whole():
+    # Megatron's split gathers each attention's and MLP's input (sequence-
+    # parallel norms) before the column-split projections save it for
+    # backward: every tp rank holds those whole, not 1/tp of them (the
+    # plan divided all activations by tp and ran 13 % under the measured
+    # peak at tp=4, docs/benchmarks.md). Same per-rank batch for both.
+    cfg = Config.fromfile(str(FSDP2))
+    data_parallel = make_plan(cfg, 2).estimate.activations
+    cfg.merge_from_dict({'parallel.tp': 2, 'parallel.tp_plan': 'llama'})
+    split = make_plan(cfg, 2).estimate.activations
+    model, loader = cfg.model, cfg.train_dataloader
+    hidden = loader.batch_size * loader.dataset.context_length * \
+        model.dim * 4  # fp32
+    gathered = model.num_layers * 2 * hidden
+    assert split >= data_parallel / 2 + gathered / 2
+    assert split < data_parallel  # the rest is still split
+
+
 def _plan_tool(*args):
     env = dict(PYTHONPATH=str(ROOT))
     return subprocess.run(

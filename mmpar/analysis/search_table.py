@@ -1,0 +1,140 @@
+"""What the layout search knows about each candidate (:class:`Row`) and the
+ranked whole (:class:`SearchResult`)."""
+import statistics
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from mmengine.config import Config
+
+from mmpar.analysis.layouts import Candidate
+from mmpar.analysis.memory import MemoryEstimate
+from mmpar.analysis.trial import TrialResult
+
+GiB = 2**30
+# Row states, in the order the report lists them.
+MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
+    'measured', 'stopped early', 'failed', 'skipped', 'over budget',
+    'refused')
+
+
+@dataclass
+class Row:
+    """One candidate and what the search learnt about it.
+
+    Attributes:
+        candidate: the layout.
+        status: one of ``measured``, ``stopped early``, ``failed``,
+            ``skipped``, ``over budget``, ``refused``.
+        message: why it was refused, skipped or failed.
+        predicted: ``(rank, predicted peak bytes)`` of each planned rank
+            (one per pipeline stage).
+        estimate: the plan's memory terms for the rank with the highest
+            predicted peak.
+        changes: the config keys the layout sets (see
+            :func:`~mmpar.analysis.layouts.candidate_config`).
+        trial: the measurements, for candidates that ran: the fastest of
+            ``passes`` (the smallest median step), else the one trial that
+            stopped early or failed.
+        passes: every trial of this candidate run to the end (the first
+            pass and the confirm rounds').
+        as_written: this is the config's own layout.
+        config: the full config that trains it (None when refused early).
+    """
+    candidate: Candidate
+    status: str = ''
+    message: str = ''
+    predicted: List[Tuple[int, int]] = field(default_factory=list)
+    estimate: Optional[MemoryEstimate] = None
+    changes: dict = field(default_factory=dict)
+    trial: Optional[TrialResult] = None
+    passes: List[TrialResult] = field(default_factory=list)
+    as_written: bool = False
+    config: Optional[Config] = field(default=None, repr=False)
+
+    @property
+    def predicted_peak(self) -> Optional[int]:
+        return max((p for _, p in self.predicted), default=None)
+
+    @property
+    def measured_peak(self) -> Optional[int]:
+        """The largest rank's peak over every trial (memory does not depend
+        on load)."""
+        peaks = [p for t in self.passes or [self.trial] if t is not None
+                 for p in t.peak_rss]
+        return max(peaks, default=None)
+
+    @property
+    def step_time(self) -> Optional[float]:
+        """Median seconds per timed step (of ``trial``)."""
+        if self.trial is None or not self.trial.step_times:
+            return None
+        return statistics.median(self.trial.step_times)
+
+
+@dataclass
+class SearchResult:
+    """Everything :func:`search_layouts` found (``rows`` ranked: measured
+    fastest first, then the rest)."""
+    world_size: int
+    global_batch: int
+    rows: List[Row]
+    memory_budget: Optional[float]
+    trial_steps: int
+    warmup_steps: int
+    elapsed_s: float = 0.0
+    num_trials: int = 0  # trials run: the first pass and the confirm rounds
+    tokens_per_sample: Optional[int] = None
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def measured(self) -> List[Row]:
+        return [r for r in self.rows if r.status == MEASURED]
+
+    @property
+    def best(self) -> Optional[Row]:
+        """The fastest candidate measured to the end, or None."""
+        measured = self.measured
+        return measured[0] if measured else None
+
+    @property
+    def as_written(self) -> Optional[Row]:
+        return next((r for r in self.rows if r.as_written), None)
+
+    def throughput(self, row: Row) -> Optional[float]:
+        """Samples (or tokens, when batches hold tokens) per second."""
+        if row.step_time is None:
+            return None
+        per_step = self.global_batch * (self.tokens_per_sample or 1)
+        return per_step / row.step_time
+
+    @property
+    def unit(self) -> str:
+        return 'tokens/s' if self.tokens_per_sample else 'samples/s'
+
+    def table(self) -> List[dict]:
+        """The rows as plain data (one dict per candidate) for scripts."""
+        best = self.best
+        written = self.as_written
+        rows = []
+        for row in self.rows:
+            speed = self.throughput(row)
+            rows.append(dict(
+                layout=row.candidate.label, status=row.status,
+                message=row.message, as_written=row.as_written,
+                predicted_peak=row.predicted_peak,
+                measured_peak=row.measured_peak,
+                step_time=row.step_time,
+                trial_medians=[statistics.median(t.step_times)
+                               for t in row.passes],
+                throughput=speed, unit=self.unit,
+                vs_best=_ratio(speed, best and self.throughput(best)),
+                vs_written=_ratio(speed,
+                                  written and self.throughput(written)),
+                changes=row.changes))
+        return rows
+
+
+def _ratio(value, reference) -> Optional[float]:
+    if value is None or not reference:
+        return None
+    return value / reference
