@@ -410,7 +410,7 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         units_stages = [copy.deepcopy(stage) for stage in stages]
     if topology.dims.pp_enabled:
         from mmpar.parallelize.pipeline import stage_wrapper_cfg
-        wrapper_cfg = stage_wrapper_cfg(wrapper_cfg)
+        wrapper_cfg = stage_wrapper_cfg(wrapper_cfg, parallel.pipeline)
     built = [_build_wrapper(plan, wrapper_cfg, stage, topology)
              for stage in stages]
     plan.axes = _replicated_axes(wrapper_cfg, topology) if built[0] is None \
