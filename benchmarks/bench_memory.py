@@ -11,9 +11,9 @@ hold whole, and activation checkpointing.
   pp=2 x tp=2 x FSDP2 at 8, built on the meta device and built whole;
   next to full/N + one block.
 * ``big``: a ~0.8 B-parameter Llama (3 GiB in fp32: 8 whole copies do not
-  fit this machine's 24 GiB) trained a few steps under FSDP2 at 8 ranks,
-  built on the meta device: peak per rank, step time, loss (pp x FSDP2
-  does not fit: see big_rows).
+  fit this machine's 24 GiB) trained a few steps under FSDP2 and under
+  pp=2 x FSDP2 at 8 ranks, built on the meta device: peak per rank, step
+  time, loss.
 * ``ac``: activation memory of one micro-batch (peak RSS during forward and
   backward, above the RSS before) and step time for activation
   checkpointing none / full / every 2nd block / selective, on one process
@@ -50,6 +50,12 @@ LLAMA_BIG = dict(type='Llama', vocab_size=256, dim=2048, num_layers=16,
 FSDP2 = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
     type='module_class', module_classes=['LlamaBlock']))
 PIPE = dict(schedule='1F1B', num_microbatches=2)
+# The big model's layouts at 8 ranks: (label, parallel section). Under pp
+# each FSDP2 stage reshards and reduce-scatters after every micro-batch
+# (parallel.pipeline.reshard_per_microbatch, the default); with torch's
+# schedule behaviour the stage stays gathered twice and 8 ranks do not fit
+# (docs/pipeline_parallel.md).
+BIG_ROWS = [('FSDP2', None), ('pp=2 x FSDP2', dict(pp=2, pipeline=PIPE))]
 # (label, world size, parallel section)
 BUILD_ROWS = [
     ('FSDP2', 1, None),
@@ -170,23 +176,31 @@ def build_rows() -> List[dict]:
     return [dict(sizes=sizes)] + rows
 
 
-def big_rows(steps: int) -> List[dict]:
+def big_rows(steps: int, layouts: Optional[List[str]] = None
+             ) -> List[dict]:
+    """The big model's rows (``layouts``: labels of BIG_ROWS, all if
+    None); the loss is the last rank's (under pp: the last stage's)."""
     sizes = _sizes(LLAMA_BIG)
-    # (pp x FSDP2 does not fit here: torch's schedules keep a stage's
-    # parameters gathered and its gradients unsharded through the
-    # micro-batches, 2.6 GiB a rank for this model; the plan refuses it,
-    # tests/analysis/test_plan_memory.py.)
-    result = measure_on_ranks(measure_build, 8, LLAMA_BIG, None, True, steps,
-                              2)
-    ranks = result['ranks']
-    row = dict(
-        layout='FSDP2', build=max(r['build'] for r in ranks),
-        step=max(r['step'] for r in ranks),
-        step_s=[max(r['step_s'][i] for r in ranks) for i in range(steps)],
-        losses=ranks[-1]['losses'])
-    print(f'big FSDP2: step peak {row["step"] / MB:.0f} MiB, '
-          f'losses {row["losses"]}', file=sys.stderr)
-    return [dict(sizes=sizes), row]
+    rows = []
+    for label, parallel in BIG_ROWS:
+        if layouts is not None and label not in layouts:
+            continue
+        result = measure_on_ranks(measure_build, 8, LLAMA_BIG, parallel,
+                                  True, steps, 2)
+        ranks = result['ranks']
+        rows.append(dict(
+            layout=label, build=max(r['build'] for r in ranks),
+            step=max(r['step'] for r in ranks),
+            peaks=[r['step'] for r in ranks],
+            step_s=[max(r['step_s'][i] for r in ranks)
+                    for i in range(steps)],
+            losses=ranks[-1]['losses']))
+        print(f'big {label}: step peak {rows[-1]["step"] / MB:.0f} MiB '
+              f'(ranks: {[round(p / MB) for p in rows[-1]["peaks"]]}), '
+              f'build {rows[-1]["build"] / MB:.0f} MiB, steps '
+              f'{rows[-1]["step_s"]}, losses {rows[-1]["losses"]}',
+              file=sys.stderr)
+    return [dict(sizes=sizes)] + rows
 
 
 def measure_ac(ac_cfg, batch: int, seq: int, steps: int) -> Dict:
@@ -265,13 +279,16 @@ def format_report(results: Dict[str, List[dict]], meta: dict) -> str:
             f'copies = {8 * sizes["full"] / 2**30:.1f} GiB, against this '
             "machine's 24 GiB), 8 gloo ranks, built on the meta device, "
             'AdamW, batch 2 x 64 tokens per data rank:', '',
-            '| layout | build peak / rank | peak through the steps / rank | '
-            'step times | loss |', '|---|---:|---:|---|---|']
+            '| layout | build peak / rank | peak through the steps / rank '
+            '(ranks: lowest-highest) | step times | loss |',
+            '|---|---:|---:|---|---|']
         for r in rows:
             times = ', '.join(f'{t:.1f} s' for t in r['step_s'])
             losses = ' -> '.join(f'{x:.3f}' for x in r['losses'])
             lines.append(f'| {r["layout"]} | {r["build"] / MB:.0f} MiB | '
-                         f'{r["step"] / MB:.0f} MiB | {times} | {losses} |')
+                         f'{r["step"] / MB:.0f} MiB ({min(r["peaks"]) / MB:.0f}'
+                         f'-{max(r["peaks"]) / MB:.0f}) | {times} | '
+                         f'{losses} |')
         lines.append('')
     if 'ac' in results:
         lines += [
@@ -296,6 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--out', help='write the section of OUT/benchmarks.md')
     parser.add_argument('--sections', default='build,big,ac')
     parser.add_argument('--big-steps', type=int, default=3)
+    parser.add_argument('--big-layouts', default=None,
+                        help='comma-separated labels of BIG_ROWS (default: '
+                        'all), e.g. "pp=2 x FSDP2"')
     parser.add_argument('--ac-batch', type=int, default=4)
     parser.add_argument('--ac-seq', type=int, default=256)
     parser.add_argument('--ac-steps', type=int, default=2)
@@ -312,7 +332,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if 'build' in wanted:
             results['build'] = build_rows()
         if 'big' in wanted:
-            results['big'] = big_rows(args.big_steps)
+            results['big'] = big_rows(
+                args.big_steps, args.big_layouts and
+                args.big_layouts.split(','))
         if 'ac' in wanted:
             results['ac'] = ac_rows(args.ac_batch, args.ac_seq,
                                     args.ac_steps)

@@ -15,9 +15,14 @@ one micro-batch's activations.
 * steady state: this rank's parameters, gradients and optimizer state (the
   plan's table);
 * FSDP's gathered unit: the largest unit's parameters and gradients whole,
-  while it runs forward and backward (under pp, torch's schedules keep a
-  stage's parameters gathered and its gradients unsharded until the
-  reduction after the last micro-batch: every unit of this rank's stages);
+  while it runs forward and backward; under pp the same (mmpar's stage
+  reshards and reduce-scatters after every micro-batch), but every unit of
+  this rank's stages twice where torch's schedules keep a stage's
+  parameters gathered and its gradients unsharded until the reduction
+  after the last micro-batch (``parallel.pipeline.
+  reshard_per_microbatch=False``, the zero-bubble schedules), and at least
+  every unit's parameters under the virtual-stage schedules, which gather
+  a rank's stages as a step starts (``plan._gathered_numel``);
 * activations: one micro-batch's saved tensors (:mod:`.activations`, a
   meta forward under the configured activation checkpointing; under tp on
   the split model, so that what the plan gathers whole, the input of the

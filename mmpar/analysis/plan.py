@@ -419,7 +419,7 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         units_stages = [copy.deepcopy(stage) for stage in stages]
     if topology.dims.pp_enabled:
         from mmpar.parallelize.pipeline import stage_wrapper_cfg
-        wrapper_cfg = stage_wrapper_cfg(wrapper_cfg)
+        wrapper_cfg = stage_wrapper_cfg(wrapper_cfg, parallel.pipeline)
     built = [_build_wrapper(plan, wrapper_cfg, stage, topology)
              for stage in stages]
     plan.axes = _replicated_axes(wrapper_cfg, topology) if built[0] is None \
@@ -446,8 +446,23 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         state = factor * per_rank
         plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
                             'params)', state, state * elem))
+    pipe = None
+    if topology.dims.pp_enabled:
+        from mmpar.parallelize.pipeline.config import PipelineConfig
+        pipe = PipelineConfig.from_cfg(parallel.pipeline, topology.dims.pp)
+        if plan.units and pipe.reshards_per_microbatch:
+            plan.notes.append(
+                'FSDP stages reshard and reduce-scatter after every '
+                'micro-batch (parallel.pipeline.reshard_per_microbatch)')
+        elif plan.units:
+            plan.notes.append(
+                'FSDP stages stay gathered, gradients unsharded, from the '
+                'first micro-batch\'s backward to the step\'s end (torch\'s '
+                'schedule: ' + ('reshard_per_microbatch=False)'
+                                if not pipe.reshard_per_microbatch else
+                                f'{pipe.schedule} splits backward)'))
     plan.estimate = _estimate(cfg, plan, stages, wrapper_cfg, activations,
-                              per_rank * elem)
+                              per_rank * elem, pipe)
     return plan
 
 
@@ -490,8 +505,33 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
     return one // (dims.cp * (1 if tp_split else dims.tp))
 
 
+def _gathered_numel(plan: Plan, pipe) -> int:
+    """Elements FSDP holds whole at the peak, parameters and gradients.
+
+    One unit's parameters and gradients at a time, as FSDP2 runs a whole
+    model and as mmpar's pipeline stage runs an FSDP2 stage (it reshards
+    and reduce-scatters after every micro-batch); but where torch's
+    schedule keeps a stage's parameters gathered and its gradients
+    unsharded from the first micro-batch's backward to the reduction after
+    the last (``reshard_per_microbatch=False``, the zero-bubble schedules:
+    PipelineStage turns resharding after backward and gradient sync off),
+    every unit of this rank's stages, twice. The virtual-stage schedules
+    also gather every unit of this rank's stages at the start of a step
+    (torch's UNSHARD action), parameters only.
+    """
+    largest = 2 * max(u.numel for u in plan.units)
+    if pipe is None:
+        return largest
+    stages = sum(u.numel for u in plan.units)
+    if not pipe.reshards_per_microbatch:
+        return 2 * stages
+    if pipe.stages_per_rank > 1:
+        return max(stages, largest)
+    return largest
+
+
 def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
-              activations: Optional[int], local_bytes: int):
+              activations: Optional[int], local_bytes: int, pipe=None):
     from mmpar.parallelize.compose import builds_on_meta
     elem = plan.param_bytes_per_elem
     meta = bool(cfg.get('meta_init', True)) and \
@@ -504,16 +544,7 @@ def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
         build = plan.param_numel * elem + local_bytes
     gathered = 0
     if plan.units:
-        # One unit's parameters and gradients at a time; but torch's
-        # pipeline schedules keep an FSDP stage's parameters gathered and
-        # its gradients unsharded from the first micro-batch's backward to
-        # the reduction after the last (PipelineStage: no resharding after
-        # backward, no gradient sync until then), whatever
-        # reshard_after_forward says: every unit of this rank's stages, twice.
-        held = max(u.numel for u in plan.units)
-        if plan.dims.pp_enabled:
-            held = sum(u.numel for u in plan.units)
-        gathered = 2 * held * elem // plan.dims.tp
+        gathered = _gathered_numel(plan, pipe) * elem // plan.dims.tp
     optimizer = sum(b for name, _, b in plan.memory
                     if name.startswith('optimizer'))
     return MemoryEstimate(baseline=0, build=build, params=local_bytes,

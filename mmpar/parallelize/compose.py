@@ -213,7 +213,7 @@ def parallelize(model: nn.Module,
     if dims.pp_enabled:
         from mmpar.parallelize.pipeline import (pipeline_parallelize,
                                                 stage_wrapper_cfg)
-        stage_cfg = stage_wrapper_cfg(wrapper_cfg)
+        stage_cfg = stage_wrapper_cfg(wrapper_cfg, parallel.pipeline)
         model = pipeline_parallelize(
             model, topology, parallel,
             lambda stage: _finish(stage, topology, stage_cfg, ac_cfg, None,

@@ -60,6 +60,10 @@ class StepMixin:
     tensor_parallel_refusal: ClassVar[str] = ''
     #: None: cannot wrap a pipeline stage; else the arguments a stage needs.
     pipeline_stage_args: ClassVar[Optional[dict]] = None
+    #: More arguments for a stage whose parameters the schedule keeps
+    #: gathered through the step (``parallel.pipeline.
+    #: reshard_per_microbatch=False``, or a zero-bubble schedule).
+    pipeline_held_stage_args: ClassVar[dict] = {}
     #: When a model built on the meta device gets real parameters:
     #: ``'before'`` the wrapper is built (it needs them: buckets,
     #: broadcasts), ``'after'`` (FSDP2 shards meta parameters, then only the

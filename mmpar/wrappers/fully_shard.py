@@ -89,9 +89,14 @@ class MMFullyShard(StepMixin, nn.Module):
     data_axis_arg = 'device_mesh'
     tensor_parallel_wrapper = 'MMFullyShard'
     meta_materialize = 'after'
-    # The schedule interleaves micro-batches' forward and backward:
-    # parameters stay gathered between them.
-    pipeline_stage_args = dict(reshard_after_forward=False)
+    # A stage is sharded as a whole model is: mmpar's pipeline stage
+    # reshards and reduce-scatters after every micro-batch's backward
+    # (parallel.pipeline.reshard_per_microbatch).
+    pipeline_stage_args = {}
+    # Where torch's schedule keeps the stage gathered from the first
+    # backward to the step's end anyway, resharding after each forward
+    # would only add all-gathers.
+    pipeline_held_stage_args = dict(reshard_after_forward=False)
 
     def __init__(self,
                  module: nn.Module,

@@ -123,27 +123,81 @@ def test_the_plan_draws_no_random_numbers():
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_a_pipeline_stage_holds_all_its_units_gathered():
+PP_FSDP2 = ROOT / 'configs/llama_shakespeare/llama_shakespeare_pp_fsdp2.py'
+BLOCK_UNITS = {'model_wrapper_cfg.fsdp_auto_wrap_policy': dict(
+    type='module_class', module_classes=['LlamaBlock'])}
+
+
+def _plan_of(config, world_size, **options):
+    cfg = Config.fromfile(str(config))
+    cfg.merge_from_dict(options)
+    return make_plan(cfg, world_size)
+
+
+@pytest.mark.parametrize('more', [
+    {}, {'model_wrapper_cfg.reshard_after_forward': True}])
+def test_a_pipeline_stage_gathers_one_unit_at_a_time(more):
+    """mmpar's pipeline stage reshards an FSDP2 stage and reduce-scatters
+    its gradients after every micro-batch (parallel.pipeline.
+    reshard_per_microbatch, default True): one unit gathered with its
+    gradients, as FSDP2 without pp."""
+    opts = {**{f'model.{k}': v for k, v in BIG.items()}, **BLOCK_UNITS,
+            **more}
+    staged = _plan_of(PP_FSDP2, 8, **opts)
+    assert len(staged.units) > 2  # the blocks are units of their own
+    assert staged.estimate.gathered_unit == \
+        2 * max(u.numel for u in staged.units) * 4
+    flat = _plan_of(FSDP2, 8, **opts)  # no pp: one unit at a time
+    assert flat.estimate.gathered_unit == \
+        2 * max(u.numel for u in flat.units) * 4
+
+
+@pytest.mark.parametrize('pipeline', [
+    dict(reshard_per_microbatch=False),
+    # Whatever the key says: the weight pass needs the gathered stage.
+    dict(schedule='InterleavedZeroBubble', stages_per_rank=2)])
+@pytest.mark.parametrize('more', [
+    {}, {'model_wrapper_cfg.reshard_after_forward': True}])
+def test_torchs_schedule_holds_all_a_stages_units_gathered(pipeline, more):
     """torch's schedules keep an FSDP2 stage's parameters gathered and its
     gradients unsharded through the micro-batches, whatever
     reshard_after_forward says (measured: a 0.7 B Llama at pp=2 x FSDP2
-    ran out of 24 GiB at 8 ranks either way): the whole stage counts."""
-    pp = ROOT / 'configs/llama_shakespeare/llama_shakespeare_pp_fsdp2.py'
-    opts = {**{f'model.{k}': v for k, v in BIG.items()},
-            'model_wrapper_cfg.fsdp_auto_wrap_policy': dict(
-                type='module_class', module_classes=['LlamaBlock'])}
+    ran out of 24 GiB at 8 ranks either way): the whole stage, twice."""
+    opts = {**{f'model.{k}': v for k, v in BIG.items()}, **BLOCK_UNITS,
+            **{f'parallel.pipeline.{k}': v for k, v in pipeline.items()},
+            **more}
+    staged = _plan_of(PP_FSDP2, 8, **opts)
+    assert len(staged.units) > 2
+    assert staged.estimate.gathered_unit == \
+        2 * sum(u.numel for u in staged.units) * 4
 
-    def plan(config, world_size, **more):
-        cfg = Config.fromfile(str(config))
-        cfg.merge_from_dict({**opts, **more})
-        return make_plan(cfg, world_size)
 
-    for more in ({}, {'model_wrapper_cfg.reshard_after_forward': True}):
-        staged = plan(pp, 8, **more)
-        units = staged.units
-        assert len(units) > 2  # the blocks are units of their own
-        assert staged.estimate.gathered_unit == \
-            2 * sum(u.numel for u in units) * 4
-    flat = plan(FSDP2, 8)  # no pp: one unit at a time
-    assert flat.estimate.gathered_unit == \
-        2 * max(u.numel for u in flat.units) * 4
+def test_virtual_stages_are_gathered_as_a_step_starts():
+    """torch's virtual-stage schedules gather every unit of a rank's
+    stages before its first forward (their UNSHARD action): at least all
+    parameters, once."""
+    opts = {**{f'model.{k}': v for k, v in BIG.items()}, **BLOCK_UNITS,
+            'parallel.pipeline.schedule': 'Interleaved1F1B',
+            'parallel.pipeline.stages_per_rank': 2}
+    staged = _plan_of(PP_FSDP2, 8, **opts)
+    numels = [u.numel for u in staged.units]
+    assert sum(numels) > 2 * max(numels)  # 4 units: the sum counts
+    assert staged.estimate.gathered_unit == sum(numels) * 4
+
+
+def test_the_big_model_fits_at_pp2_x_fsdp2_only_resharding_per_microbatch():
+    """The ~0.8 B Llama of benchmarks/bench_memory.py at pp=2 x FSDP2 on 8
+    ranks under 3 GiB a rank: built on the meta device with mmpar's stage
+    (the default) it fits; with torch's (the whole stage gathered twice),
+    or built whole, it does not."""
+    big = {'model.dim': 2048, 'model.num_layers': 16, 'model.num_heads': 16,
+           'train_dataloader.batch_size': 2,
+           'train_dataloader.dataset.context_length': 64, **BLOCK_UNITS}
+    budget = 3 * 2**30
+    assert _plan_of(PP_FSDP2, 8, **big).estimate.peak < budget
+    held = _plan_of(PP_FSDP2, 8, **big,
+                    **{'parallel.pipeline.reshard_per_microbatch': False})
+    assert held.estimate.peak > budget
+    whole = _plan_of(PP_FSDP2, 8, meta_init=False, **big).estimate
+    assert whole.build > 2.9 * 2**30  # the whole model on every rank
+    assert whole.peak > budget

@@ -39,3 +39,13 @@ def test_build_rows_and_report(_pools):
         machine='m', date='d', load_before=1.0, load_after=1.0))
     assert report.count('| FSDP2 | 2 |') == 2
     assert '| meta |' in report and '| whole |' in report
+    # The big table: one row per layout, each rank's peak range.
+    big = [dict(sizes=sizes)] + [
+        dict(layout=label, build=runs[True][0]['build'],
+             step=max(r['step'] for r in runs[True]),
+             peaks=[r['step'] for r in runs[True]],
+             step_s=runs[True][0]['step_s'], losses=runs[True][0]['losses'])
+        for label, _ in bench_memory.BIG_ROWS]
+    report = bench_memory.format_report(dict(big=big), dict(
+        machine='m', date='d', load_before=1.0, load_after=1.0))
+    assert '| FSDP2 |' in report and '| pp=2 x FSDP2 |' in report

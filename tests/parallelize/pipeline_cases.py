@@ -1,6 +1,7 @@
 """A pipelined model written outside mmpar's package, and the runs the
 pipeline tests share (module level: spawned workers unpickle them)."""
 import copy
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -132,3 +133,67 @@ def stage_state(model):
             part = getattr(stage, 'module', stage).state_dict()
         state.update({k: v.detach().clone() for k, v in part.items()})
     return state
+
+
+def _units_with_parameters(module):
+    """FSDP2 units in ``module`` that manage parameters of their own (a
+    middle stage's root manages none: its layers are units)."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    count = 0
+    for unit in units:
+        own = {id(p) for p in unit.parameters()}
+        for inner in unit.modules():
+            if inner is not unit and isinstance(inner, FSDPModule):
+                own -= {id(p) for p in inner.parameters()}
+        count += bool(own)
+    return count
+
+
+def train_recording_fsdp_backwards(parallel, wrapper_cfg, batches,
+                                   optim_kwargs):
+    """:func:`train_pipelined`, recording after each micro-batch's backward
+    of every FSDP2 stage: ``(stage index, whether every parameter of the
+    stage is sharded again, reduce-scatters during that backward, FSDP2
+    units of the stage with parameters of their own)``, and the reduce-scatters of each stage's
+    end-of-step reduction (torch's ``perform_reduce_grad``)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor
+    count = [0]
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return reduce_scatter(*args, **kwargs)
+
+    backward, reduce_grad = (PipelineStage.backward_one_chunk,
+                             PipelineStage.perform_reduce_grad)
+    backwards, reductions = [], []
+
+    def recorded(stage, *args, **kwargs):
+        before = count[0]
+        backward(stage, *args, **kwargs)
+        if isinstance(stage.submod, FSDPModule):
+            # FSDP2 swaps a gathered parameter in as a plain tensor and
+            # the sharded DTensor back in when it reshards.
+            sharded = all(isinstance(p, DTensor)
+                          for p in stage.submod.parameters())
+            units = _units_with_parameters(stage.submod)
+            backwards.append((stage.stage_index, sharded, count[0] - before,
+                              units))
+
+    def reduced(stage, *args, **kwargs):
+        before = count[0]
+        reduce_grad(stage, *args, **kwargs)
+        reductions.append((stage.stage_index, count[0] - before))
+
+    # Patched on torch's class: mmpar's stage inherits both methods.
+    with mock.patch.object(dist, 'reduce_scatter_single', counted), \
+            mock.patch.object(PipelineStage, 'backward_one_chunk',
+                              recorded), \
+            mock.patch.object(PipelineStage, 'perform_reduce_grad', reduced):
+        result = train_pipelined(parallel, wrapper_cfg, batches,
+                                 optim_kwargs)
+    return result + (backwards, reductions)

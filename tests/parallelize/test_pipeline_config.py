@@ -67,6 +67,9 @@ def test_theoretical_bubble_of_an_unknown_schedule_lists_the_known():
      r'names \(pp=2 x stages_per_rank=1'),
     (dict(split_points='layers.2'), r"split_points='layers.2'"),
     (dict(num_stages=2), r'parallel.pipeline.num_stages=2 is not allowed'),
+    (dict(reshard_per_microbatch=1),
+     r'parallel.pipeline.reshard_per_microbatch=1 is not allowed; allowed: '
+     r'True \(FSDP2 stages .*\) or False'),
 ])
 def test_bad_pipeline_sections_fail_at_start_up(pipeline, named):
     with pytest.raises(ConfigError, match=named):
@@ -113,3 +116,25 @@ def test_stages_keep_the_original_names_and_together_are_the_model():
     for stage in stages:
         x = stage(x)
     torch.testing.assert_close(x, model(inputs))
+
+
+@pytest.mark.parametrize('pipeline,expected', [
+    # mmpar's stage reshards per micro-batch: shard as a whole model.
+    (dict(schedule='1F1B'), {}),
+    # torch's schedule keeps the stage gathered from the first backward on:
+    # resharding after forward would only add all-gathers.
+    (dict(schedule='1F1B', reshard_per_microbatch=False),
+     dict(reshard_after_forward=False)),
+    (dict(schedule='InterleavedZeroBubble', stages_per_rank=2),
+     dict(reshard_after_forward=False)),
+])
+def test_fsdp2_stage_arguments_follow_the_schedules_resharding(pipeline,
+                                                               expected):
+    from mmpar.parallelize.pipeline import stage_wrapper_cfg
+    cfg = dict(type='MMFullyShard')
+    assert stage_wrapper_cfg(cfg, pipeline) == dict(cfg, **expected)
+    # What the user set wins.
+    assert stage_wrapper_cfg(dict(cfg, reshard_after_forward=True),
+                             pipeline)['reshard_after_forward'] is True
+    ddp = dict(type='MMDistributedDataParallel')
+    assert stage_wrapper_cfg(ddp, pipeline) == ddp

@@ -4,9 +4,9 @@ Each registered pipeline schedule and each documented ``parallel`` /
 ``model_wrapper_cfg`` key (and the top-level ``activation_checkpointing``
 and ``model_compile``) runs at least once through ``tools/dist_train.sh``,
 as a user runs it: a config file naming the options, 4 iterations of the
-tiny ViT of ``tests/data/options_vit.py`` on 2 processes. Several options
-share a launch where they combine, so the whole coverage costs a few
-launches. ``test_every_documented_option_is_launched`` derives the keys from
+tiny ViT of ``tests/data/options_vit.py`` on 2 processes (4 for pp x FSDP2,
+``NPROC``). Several options share a launch where they combine, so the whole
+coverage costs a few launches. ``test_every_documented_option_is_launched`` derives the keys from
 docs/ (the tables of docs/wrappers.md, docs/wrappers/naive_bucket.md,
 docs/fsdp.md; the ``parallel`` and ``pipeline`` blocks of docs/topology.md
 and docs/pipeline_parallel.md) and from the code's own key lists (each
@@ -48,6 +48,10 @@ schedule                       one ``pp_*`` launch per registered schedule;
                                (configs/vit_digits/vit_digits_pp.py)
 num_microbatches               every ``pp_*`` launch [2 or 4]
 stages_per_rank                ``pp_GPipe`` [1], virtual-stage launches [2]
+reshard_per_microbatch         ``pp_fsdp2`` [False; pp=2 x dp_shard=2 on 4
+                               processes]; True (the default) in
+                               tests/parallelize/
+                               test_pipeline_fsdp_reshard.py
 ``MMDistributedDataParallel``  ``ddp``: sync_strategy [forced_sync],
                                buffer_sync [average], bucket_cap_mb [1],
                                find_unused_parameters, static_graph,
@@ -166,6 +170,17 @@ LAUNCHES = {
         activation_checkpointing=dict(module_classes=[BLOCK],
                                       mode='selective',
                                       save_ops=['aten.max.default'])),
+    # pp=2 x FSDP2 over dp_shard=2 (4 processes, NPROC): torch's schedule
+    # behaviour, each block its own unit.
+    'pp_fsdp2': dict(
+        parallel=dict(pp=2, pipeline=dict(
+            schedule='1F1B', num_microbatches=2,
+            reshard_per_microbatch=False)),
+        model_wrapper_cfg=dict(
+            type='MMFullyShard',
+            fsdp_auto_wrap_policy=dict(type='module_class',
+                                       module_classes=[BLOCK])),
+        **ACCUMULATE),
     'tp': dict(
         parallel=dict(
             tp=2, model_parallelism=2,
@@ -175,6 +190,10 @@ LAUNCHES = {
         model_wrapper_cfg=dict(type='MMBucketDataParallel', bucket_cap_mb=1,
                                sync_strategy='multi_auto_sync')),
 }
+
+
+# Launches on more than 2 processes.
+NPROC = {'pp_fsdp2': 4}
 
 
 def _pipeline(schedule, num_microbatches=4, **pipeline):
@@ -430,7 +449,7 @@ def _assert_trained_with(work_dir: Path, name: str, entries: dict, proc):
 def test_options_train_through_dist_train(name, tmp_path):
     entries = LAUNCHES[name]
     config = write_config(tmp_path / f'{name}.py', entries)
-    proc = dist_train(config, tmp_path / 'work')
+    proc = dist_train(config, tmp_path / 'work', nproc=NPROC.get(name, 2))
     _assert_trained_with(tmp_path / 'work', name, entries, proc)
 
 

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from mmpar.dist import local_rank, uses_cuda
 from mmpar.failures import ConfigError
@@ -18,6 +19,7 @@ from mmpar.parallelize.pipeline.schedules import (schedule_class,
                                                   stage_indices)
 from mmpar.parallelize.pipeline.split import (check_protocol, layer_names,
                                               split_stage, stage_starts)
+from mmpar.parallelize.pipeline.stage import MicrobatchReshardStage
 from mmpar.parallelize.pipeline.step import MMPipelineParallel
 from mmpar.wrappers.base import StepMixin
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, declared,
@@ -50,13 +52,22 @@ def check_pipeline_wrapper(model_wrapper_cfg: Optional[dict],
             f'(parallel.pp > 1 with dp={dp}); allowed: {", ".join(allowed)}')
 
 
-def stage_wrapper_cfg(model_wrapper_cfg: dict) -> dict:
-    """The wrapper config for one stage: the class's stage arguments (e.g.
-    FSDP2 keeps parameters gathered between the micro-batches' forward and
-    backward, which the schedule interleaves) unless the user set them."""
+def stage_wrapper_cfg(model_wrapper_cfg: dict, pipeline) -> dict:
+    """The wrapper config for one stage: the class's stage arguments, and
+    where the schedule keeps a stage's parameters gathered through the step
+    its held-stage ones (FSDP2: no resharding after forward), unless the
+    user set them.
+
+    Args:
+        model_wrapper_cfg: the data-parallel wrapper's config.
+        pipeline: the ``parallel.pipeline`` section (a dict or a
+            :class:`PipelineConfig`).
+    """
     cfg = dict(model_wrapper_cfg)
-    stage_args = declared(cfg.get('type', DEFAULT_WRAPPER)) \
-        .pipeline_stage_args or {}
+    cls = declared(cfg.get('type', DEFAULT_WRAPPER))
+    stage_args = dict(cls.pipeline_stage_args or {})
+    if not PipelineConfig.from_cfg(pipeline or {}).reshards_per_microbatch:
+        stage_args.update(cls.pipeline_held_stage_args)
     for key, value in stage_args.items():
         cfg.setdefault(key, value)
     return cfg
@@ -113,4 +124,6 @@ def pipeline_parallelize(model: nn.Module, topology, parallel,
         schedule_class(config.schedule), config.num_microbatches,
         topology.pp.group, topology.pp.global_ranks, holders[0], device,
         stage_modules=[_unwrap(stage) for stage in stages],
-        clip_groups=clip_groups)
+        clip_groups=clip_groups,
+        stage_cls=MicrobatchReshardStage
+        if config.reshards_per_microbatch else PipelineStage)

@@ -6,9 +6,18 @@
         split_points=['blocks.2'],   # where stages 1, 2, ... begin
         schedule='1F1B',             # a PIPELINE_SCHEDULES name
         num_microbatches=4,          # must divide the per-rank batch size
-        stages_per_rank=1))          # > 1 for the virtual-stage schedules
+        stages_per_rank=1,           # > 1 for the virtual-stage schedules
+        reshard_per_microbatch=True))  # FSDP2 stages: see below
 
 ``split_points`` may be left out: the layers are then split evenly.
+``reshard_per_microbatch`` (default True): an FSDP2 stage reshards its
+parameters and reduce-scatters its gradients after every micro-batch's
+backward, as FSDP2 does outside a pipeline (:mod:`.stage`); False keeps
+torch's schedule behaviour (gathered parameters and unsharded gradients
+through the step, one reduction after the last micro-batch: fewer
+collectives, the whole stage in memory twice). The zero-bubble schedules
+always keep torch's behaviour.
+
 What needs the model (do the split points name its layers?) is checked when
 the model is split (:mod:`mmpar.parallelize.pipeline.split`).
 """
@@ -16,7 +25,8 @@ from dataclasses import dataclass, fields
 from typing import Mapping, Optional, Tuple
 
 from mmpar.checks import check_int
-from mmpar.parallelize.pipeline.schedules import is_multi_stage
+from mmpar.parallelize.pipeline.schedules import (ZERO_BUBBLE_SCHEDULES,
+                                                  is_multi_stage)
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -34,11 +44,15 @@ class PipelineConfig:
         schedule: a :data:`~mmpar.registry.PIPELINE_SCHEDULES` name.
         num_microbatches: micro-batches each batch is split into.
         stages_per_rank: (virtual) stages each pp rank holds.
+        reshard_per_microbatch: FSDP2 stages reshard and reduce-scatter
+            after every micro-batch's backward (not under the zero-bubble
+            schedules: :attr:`reshards_per_microbatch`).
     """
     split_points: Optional[Tuple[str, ...]] = None
     schedule: str = '1F1B'
     num_microbatches: int = 4
     stages_per_rank: int = 1
+    reshard_per_microbatch: bool = True
 
     @classmethod
     def from_cfg(cls, cfg: Mapping, pp: Optional[int] = None,
@@ -80,6 +94,11 @@ class PipelineConfig:
         multi = is_multi_stage(self.schedule)  # unknown names raise here
         for key in ('num_microbatches', 'stages_per_rank'):
             check_int(f'parallel.pipeline.{key}', getattr(self, key))
+        if not isinstance(self.reshard_per_microbatch, bool):
+            _fail('reshard_per_microbatch', self.reshard_per_microbatch,
+                  'True (FSDP2 stages reshard and reduce-scatter after '
+                  "every micro-batch) or False (torch's schedule "
+                  'behaviour: once after the last)')
         if multi and self.stages_per_rank < 2:
             _fail('stages_per_rank', self.stages_per_rank,
                   f'an int >= 2 with schedule={self.schedule!r} (a '
@@ -107,3 +126,12 @@ class PipelineConfig:
 
     def num_stages(self, pp: int) -> int:
         return pp * self.stages_per_rank
+
+    @property
+    def reshards_per_microbatch(self) -> bool:
+        """Whether FSDP2 stages reshard and reduce-scatter after every
+        micro-batch: asked for, and a schedule whose backward is whole (the
+        zero-bubble schedules compute weight gradients in a later pass
+        that needs the gathered parameters: torch's behaviour stays)."""
+        return self.reshard_per_microbatch and \
+            self.schedule not in ZERO_BUBBLE_SCHEDULES

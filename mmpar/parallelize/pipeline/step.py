@@ -106,6 +106,9 @@ class MMPipelineParallel(StepMixin, nn.Module):
         stage_modules: the stages unwrapped (what torch's stages run).
         clip_groups: groups over which ranks hold different parameters
             besides the pp group (from the data wrapper).
+        stage_cls: torch's ``PipelineStage`` or mmpar's
+            :class:`~.stage.MicrobatchReshardStage` (FSDP2 stages reshard
+            and reduce-scatter after every micro-batch).
     """
 
     # Data-parallel sync happens in the stages (FSDP2) or at the step
@@ -117,7 +120,8 @@ class MMPipelineParallel(StepMixin, nn.Module):
                  num_microbatches: int, pp_group, pp_ranks: List[int],
                  last_holder: int, device: torch.device,
                  stage_modules: Sequence[nn.Module],
-                 clip_groups: tuple = ()):
+                 clip_groups: tuple = (),
+                 stage_cls: type = PipelineStage):
         super().__init__()
         self._init_steps('multi_auto_sync', None)
         self.stages = nn.ModuleList(stages)
@@ -134,6 +138,7 @@ class MMPipelineParallel(StepMixin, nn.Module):
         self.clip_groups = tuple(clip_groups) + (pp_group, )
         self.has_first = 0 in self.stage_indices
         self.has_last = num_stages - 1 in self.stage_indices
+        self.stage_cls = stage_cls
         self._schedules: Dict[tuple, Any] = {}
         self._step_state: Dict[str, Any] = {}
 
@@ -211,8 +216,8 @@ class MMPipelineParallel(StepMixin, nn.Module):
         key = (train, microbatches, batch)
         if key not in self._schedules:
             stages = [
-                PipelineStage(module, index, self.num_stages, self.device,
-                              group=self.pp_group)
+                self.stage_cls(module, index, self.num_stages, self.device,
+                               group=self.pp_group)
                 for module, index in zip(self.stage_modules,
                                          self.stage_indices)
             ]
