@@ -2,9 +2,9 @@
 
 Starting a process and importing torch and MMEngine costs seconds, so each
 world size gets one pool of workers, started on first use and shared by every
-test, forked from a forkserver that imported them once. A rank that raises, or
-a job that hangs, fails the calling test with the failing rank's traceback;
-the pool is then torn down and the next test starts a fresh one.
+test. A rank that raises, or a job that hangs, fails the calling test with
+the failing rank's traceback; the pool is then torn down and the next test
+starts a fresh one.
 """
 import datetime
 import os
@@ -18,10 +18,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TASK_TIMEOUT_S = 300
-# What the workers' functions import: paid once per session, in the
-# forkserver the workers fork from.
-PRELOAD = ['torch', 'torch.distributed.fsdp', 'torch.distributed.tensor',
-           'torch.distributed.pipelining', 'mmengine.runner', 'mmpar.runner']
 # After one rank fails, how long the others get to finish before the pool is
 # killed (they are usually blocked in a collective the failed rank never
 # joined).
@@ -68,22 +64,16 @@ def _reset_topology() -> None:
     reset_parallelism()
 
 
-def forkserver():
-    """multiprocessing's forkserver context, its server preloading
-    ``PRELOAD`` (one per session, started on first use)."""
-    ctx = mp.get_context('forkserver')
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 class DistPool:
     """``world_size`` gloo processes that run one function at a time."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        # Forked from one server that imported these once (a spawned worker
-        # paid ~3 s of imports; 14 of them for the pools of 2, 4 and 8).
-        ctx = forkserver()
+        # Spawned: forked from a forkserver that preloaded torch, MMEngine
+        # and mmpar, a gloo group of the 4-rank pool once failed to connect
+        # (connectFullMesh: connection closed by peer) in a clean-clone run;
+        # never seen with new interpreters.
+        ctx = mp.get_context('spawn')
         fd, self._init_file = tempfile.mkstemp(prefix='mmpar_rdzv_')
         os.close(fd)
         os.unlink(self._init_file)

@@ -34,18 +34,14 @@ def write_config(path, *lines) -> str:
     return str(path)
 
 
-def dist_train(config, work_dir) -> subprocess.CompletedProcess:
+def dist_train(config, work_dir, fresh=False) -> subprocess.CompletedProcess:
     """``dist_train.sh`` on 2 processes; a hung job fails the test and is
     killed with all its workers (its own session), leaving no orphans."""
     args = ['bash', 'tools/dist_train.sh', config, '2', '--work-dir',
             str(work_dir)]
-    # New interpreters, not forked ones (tests/fork_server.py): torchrun
-    # names as root cause the failure with the smallest timestamp in whole
-    # seconds, and a real interpreter's exit (~1 s of finalisation, which a
-    # forked child skips) is part of what puts the surviving rank's failure
-    # in a later second than the failing rank's, as users see it.
+    env = tool_env(MMPAR_TEST_FRESH_TOOLS=1) if fresh else tool_env()
     proc = subprocess.Popen(
-        args, cwd=ROOT, env=tool_env(MMPAR_TEST_FRESH_TOOLS=1),
+        args, cwd=ROOT, env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -61,7 +57,12 @@ def dist_train(config, work_dir) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize('where', sorted(FAULTS))
 def test_raising_rank_ends_job_with_one_traceback(where, tmp_path):
     config = write_config(tmp_path / 'cfg.py', FAULTS[where])
-    proc = dist_train(config, tmp_path / 'work')
+    # New interpreters, not forked ones (tests/fork_server.py): torchrun
+    # names as root cause the failure with the smallest timestamp in whole
+    # seconds, and a real interpreter's exit (~1 s of finalisation, which a
+    # forked child skips) is part of what puts the surviving rank's failure
+    # in a later second than the failing rank's, as users see it.
+    proc = dist_train(config, tmp_path / 'work', fresh=True)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     # The failing rank's traceback, once: its raising line appears once.
