@@ -10,7 +10,10 @@ say what happened, once:
   logger (console and the work-dir log file), and records a one-line summary
   in torchrun's error file so the launcher's "Root Cause" names it;
 * a rank that only failed because a peer went away prints one line instead
-  of a second, misleading traceback ("Connection closed by peer");
+  of a second, misleading traceback ("Connection closed by peer"), and waits
+  a moment before it exits, so that torchrun (which names as root cause the
+  failure with the smallest timestamp in whole seconds, the lower rank on a
+  tie) sees the failed rank's exit first and stops this one;
 * every rank tears its process group down, and the process exits non-zero.
 """
 import contextlib
@@ -29,6 +32,11 @@ PEER_FAILURE_MARKERS = (
     'NCCL communicator was aborted',
 )
 TIMEOUT_MARKERS = ('Timed out', 'timed out', 'Watchdog caught collective')
+# How long a rank stopped by a peer's failure waits before exiting: more than
+# one whole second after the peer recorded its failure (it records before its
+# sockets close, which is what this rank noticed), and far above torchrun's
+# monitor interval (0.1 s).
+PEER_FAILURE_EXIT_DELAY_S = 1.5
 
 
 class ConfigError(ValueError):
@@ -128,6 +136,7 @@ def fail_fast() -> Iterator[None]:
             _log_error(f'rank {rank}: stopping because another rank failed '
                        f'({first_line}); its traceback is above or in its '
                        'log')
+            time.sleep(PEER_FAILURE_EXIT_DELAY_S)
         else:
             hint = ''
             if any(marker in str(err) for marker in TIMEOUT_MARKERS):

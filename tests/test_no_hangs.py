@@ -4,9 +4,11 @@ Each test injects a fault on rank 1 of a 2-process ``tools/dist_train.sh``
 run (tests/fault_injection.py, loaded through ``custom_imports``). A job that
 hung would hit the subprocess timeout and fail the test.
 """
+import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -34,14 +36,13 @@ def write_config(path, *lines) -> str:
     return str(path)
 
 
-def dist_train(config, work_dir, fresh=False) -> subprocess.CompletedProcess:
+def dist_train(config, work_dir) -> subprocess.CompletedProcess:
     """``dist_train.sh`` on 2 processes; a hung job fails the test and is
     killed with all its workers (its own session), leaving no orphans."""
     args = ['bash', 'tools/dist_train.sh', config, '2', '--work-dir',
             str(work_dir)]
-    env = tool_env(MMPAR_TEST_FRESH_TOOLS=1) if fresh else tool_env()
     proc = subprocess.Popen(
-        args, cwd=ROOT, env=env,
+        args, cwd=ROOT, env=tool_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -57,12 +58,12 @@ def dist_train(config, work_dir, fresh=False) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize('where', sorted(FAULTS))
 def test_raising_rank_ends_job_with_one_traceback(where, tmp_path):
     config = write_config(tmp_path / 'cfg.py', FAULTS[where])
-    # New interpreters, not forked ones (tests/fork_server.py): torchrun
-    # names as root cause the failure with the smallest timestamp in whole
-    # seconds, and a real interpreter's exit (~1 s of finalisation, which a
-    # forked child skips) is part of what puts the surviving rank's failure
-    # in a later second than the failing rank's, as users see it.
-    proc = dist_train(config, tmp_path / 'work', fresh=True)
+    # Forked ranks (tests/fork_server.py) exit at once, without the ~1 s of
+    # interpreter teardown a real rank has: what keeps the surviving rank's
+    # failure out of the failing rank's second (torchrun names the earliest
+    # whole second, the lower rank on a tie) is mmpar's own delay
+    # (failures.PEER_FAILURE_EXIT_DELAY_S), tested below.
+    proc = dist_train(config, tmp_path / 'work')
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     # The failing rank's traceback, once: its raising line appears once.
@@ -75,6 +76,29 @@ def test_raising_rank_ends_job_with_one_traceback(where, tmp_path):
     # No second traceback from the surviving rank (it prints one line, if
     # torchrun has not stopped it first): rank 1's and torchrun's own.
     assert output.count('Traceback (most recent call last)') == 2
+
+
+def test_a_rank_stopped_by_a_peer_exits_later_and_records_nothing(
+        tmp_path, monkeypatch):
+    """The failing rank records its failure (with its second) for torchrun;
+    a rank that only lost its peer records nothing and exits more than a
+    second later, so torchrun cannot name it root cause on a tie."""
+    from mmpar.failures import fail_fast
+    error_file = tmp_path / 'error.json'
+    monkeypatch.setenv('TORCHELASTIC_ERROR_FILE', str(error_file))
+    with pytest.raises(SystemExit):
+        with fail_fast():
+            raise ValueError('the injected failure')
+    recorded = json.loads(error_file.read_text())['message']
+    assert recorded['message'] == 'ValueError: the injected failure'
+    failed_at = int(recorded['extraInfo']['timestamp'])
+    error_file.unlink()
+    with pytest.raises(SystemExit):
+        with fail_fast():
+            raise RuntimeError('[../gloo/transport/tcp/pair.cc:534] '
+                               'Connection closed by peer [127.0.0.1]:4242')
+    assert int(time.time()) > failed_at
+    assert not error_file.exists()
 
 
 def test_hanging_rank_ends_job_after_collective_timeout(tmp_path):
