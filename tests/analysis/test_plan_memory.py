@@ -1,13 +1,12 @@
 """The plan's memory prediction: each term reacts to what changes it, and
 --memory-budget says whether the peak fits (exit status 3 if not)."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mmengine.config import Config
 
 from mmpar.analysis.plan import make_plan
+from tests.e2e import run_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP2 = ROOT / 'configs/llama_shakespeare/llama_shakespeare_fsdp2.py'
@@ -79,10 +78,8 @@ def test_tp_ranks_hold_the_gathered_inputs_whole():
 
 
 def _plan_tool(*args):
-    env = dict(PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'plan.py'), str(FSDP2), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_tool(['python', 'tools/plan.py', FSDP2, *args], timeout=300,
+                    check=False)
 
 
 def test_memory_budget_through_the_tool():

@@ -1,8 +1,5 @@
 """Parallel topology: layout, validation, gloo groups, config, plan tool."""
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ from mmpar.parallel import (AXES, DIMS, ParallelDims, ParallelismError, check_si
                             init_parallelism, layout_of, parallel_group_info,
                             parallel_layout, parallelism_is_initialized,
                             reset_parallelism)
+from tests.e2e import run_tool
 from tests.parallel.grid import (MESH_ORDER, VARYING, VIEWS, layouts,
                                  rank_coordinates)
 from tests.parallel.grid import brute_force_groups as grid_groups
@@ -371,10 +369,8 @@ DATA = ROOT / 'tests' / 'data'
 
 
 def run_plan_tool(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'plan.py'), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return run_tool(['python', 'tools/plan.py', *args], timeout=120,
+                    check=False)
 
 
 def test_plan_tool_fsdp_at_world_8():
