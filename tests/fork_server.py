@@ -13,7 +13,8 @@ exit status and exits with it. So each child is a process started the way
 the shell or torchrun started it: its argv, environment and streams, its
 exit status or signal; a signal sent to the shim reaches the child, and a
 shim that dies takes its child with it. What the child shares with the
-server is only the modules imported before any config was read.
+server is only modules: those imported before any config was read, and a
+few that every run imports after, whatever its config (``main``).
 
 Protocol, one Unix-socket connection per process: the shim sends one JSON
 object (``argv``, ``env``, ``cwd``) with its fds 0, 1, 2; the server answers
@@ -191,6 +192,15 @@ def main() -> None:
     import mmengine.runner  # noqa: F401
     import mmpar.cli  # noqa: F401
     import mmpar.runner  # noqa: F401
+    # Imported by every training run after its config is read, whatever the
+    # config says (~0.8 s a process): the parallel section's check imports
+    # the pipeline schedules (torch._dynamo), and MMEngine's Visualizer, when
+    # built, matplotlib's Figure and Agg canvas (matplotlib reads its
+    # settings, matplotlibrc and MPL* variables, at import: the suite sets
+    # none).
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.figure  # noqa: F401
+    import mmpar.parallelize.pipeline  # noqa: F401
     serve(path, shim)
 
 
