@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmpar.parallel.dtensor import local_tensor
 from mmpar.parallelize.activation import (SAVE_OPS, _op,
                                           check_activation_checkpointing)
 from mmpar.wrappers.policies import resolve_module_classes
@@ -41,15 +42,11 @@ class _SaveOpOutputs(TorchDispatchMode):
             for value in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(value, torch.Tensor):
                     block = self.current[0]
-                    value = _local(value)
+                    # A tp model's DTensor: this rank's shard.
+                    value = local_tensor(value)
                     self.bytes[block] = self.bytes.get(block, 0) + \
                         value.numel() * value.element_size()
         return out
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor (a tensor-parallel model's) holds this rank's shard.
-    return getattr(tensor, '_local_tensor', tensor)
 
 
 def _blocks(model: nn.Module, ac_cfg: Optional[dict]) -> List[nn.Module]:
@@ -79,8 +76,10 @@ def activation_profile(model: nn.Module, data: Any,
     inputs: Dict[int, int] = {}
     # Parameters (and views of them, such as a transposed weight) are saved
     # too, but are no activations.
-    seen = {_local(p).untyped_storage()._cdata for p in model.parameters()}
-    seen |= {_local(b).untyped_storage()._cdata for b in model.buffers()}
+    seen = {local_tensor(p).untyped_storage()._cdata
+            for p in model.parameters()}
+    seen |= {local_tensor(b).untyped_storage()._cdata
+             for b in model.buffers()}
     handles = []
     for index, block in enumerate(blocks):
 
@@ -96,7 +95,7 @@ def activation_profile(model: nn.Module, data: Any,
                     block.register_forward_hook(leave)]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = _local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         key = storage._cdata  # each storage once (views share it)
         if key not in seen:
             seen.add(key)

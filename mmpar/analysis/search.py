@@ -38,12 +38,12 @@ from mmpar.analysis.layouts import (CHECKPOINTING_MODES, DEFAULT_SCHEDULES,
                                     candidate_config, enumerate_candidates,
                                     global_batch, wrapper_replicates,
                                     written_candidate)
-from mmpar.analysis.memory import within_budget
+from mmpar.analysis.memory import GiB, within_budget
 from mmpar.analysis.plan import PlanError, build_model, make_plan
 from mmpar.analysis.search_rounds import (CONFIRM_ROUNDS, CONFIRM_WITHIN,
                                           TrialRunner, measure_rows, prior,
                                           ranked)
-from mmpar.analysis.search_table import (FAILED, GiB, MEASURED, OVER_BUDGET,
+from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
                                          SearchResult)
 from mmpar.analysis.trial import TrialResult, measure_baseline, run_trial

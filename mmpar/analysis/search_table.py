@@ -10,7 +10,6 @@ from mmpar.analysis.layouts import Candidate
 from mmpar.analysis.memory import MemoryEstimate
 from mmpar.analysis.trial import TrialResult
 
-GiB = 2**30
 # Row states, in the order the report lists them.
 MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
     'measured', 'stopped early', 'failed', 'skipped', 'over budget',
