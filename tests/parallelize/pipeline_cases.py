@@ -155,8 +155,9 @@ def train_recording_fsdp_backwards(parallel, wrapper_cfg, batches,
     """:func:`train_pipelined`, recording after each micro-batch's backward
     of every FSDP2 stage: ``(stage index, whether every parameter of the
     stage is sharded again, reduce-scatters during that backward, FSDP2
-    units of the stage with parameters of their own)``, and the reduce-scatters of each stage's
-    end-of-step reduction (torch's ``perform_reduce_grad``)."""
+    units of the stage with parameters of their own)``, and the
+    reduce-scatters of each stage's end-of-step reduction (torch's
+    ``perform_reduce_grad``)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage

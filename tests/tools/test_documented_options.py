@@ -6,10 +6,10 @@ and ``model_compile``) runs at least once through ``tools/dist_train.sh``,
 as a user runs it: a config file naming the options, 4 iterations of the
 tiny ViT of ``tests/data/options_vit.py`` on 2 processes (4 for pp x FSDP2,
 ``NPROC``). Several options share a launch where they combine, so the whole
-coverage costs a few launches. ``test_every_documented_option_is_launched`` derives the keys from
-docs/ (the tables of docs/wrappers.md, docs/wrappers/naive_bucket.md,
-docs/fsdp.md; the ``parallel`` and ``pipeline`` blocks of docs/topology.md
-and docs/pipeline_parallel.md) and from the code's own key lists (each
+coverage costs a few launches. ``test_every_documented_option_is_launched``
+derives the keys from docs/ (the tables of docs/wrappers.md,
+docs/wrappers/naive_bucket.md, docs/fsdp.md; the ``parallel`` and
+``pipeline`` blocks of docs/topology.md and docs/pipeline_parallel.md) and from the code's own key lists (each
 wrapper's arguments, ``ParallelConfig`` / ``PipelineConfig`` fields, the
 activation-checkpointing and compile keys), and fails when one of them is in
 no launch below and not exempted with its reason; each launch checks that
@@ -48,8 +48,9 @@ schedule                       one ``pp_*`` launch per registered schedule;
                                (configs/vit_digits/vit_digits_pp.py)
 num_microbatches               every ``pp_*`` launch [2 or 4]
 stages_per_rank                ``pp_GPipe`` [1], virtual-stage launches [2]
-reshard_per_microbatch         ``pp_fsdp2`` [False; pp=2 x dp_shard=2 on 4
-                               processes]; True (the default) in
+reshard_per_microbatch         ``pp_fsdp2`` [True, the default],
+                               ``pp_fsdp2_held`` [False] (pp=2 x dp_shard=2
+                               on 4 processes); parity with one process:
                                tests/parallelize/
                                test_pipeline_fsdp_reshard.py
 ``MMDistributedDataParallel``  ``ddp``: sync_strategy [forced_sync],
@@ -112,6 +113,19 @@ BLOCK = 'TransformerBlock'
 FOUR_STAGES = ['blocks.1', 'blocks.2', 'blocks.3']
 ACCUMULATE = dict(optim_wrapper=dict(accumulative_counts=2))
 
+
+
+def _pp_fsdp2(**pipeline) -> dict:
+    return dict(
+        parallel=dict(pp=2, pipeline=dict(schedule='1F1B',
+                                          num_microbatches=2, **pipeline)),
+        model_wrapper_cfg=dict(
+            type='MMFullyShard',
+            fsdp_auto_wrap_policy=dict(type='module_class',
+                                       module_classes=[BLOCK])),
+        **ACCUMULATE)
+
+
 # Launches of wrapper and layout options: name -> config entries.
 LAUNCHES = {
     'ddp': dict(
@@ -170,17 +184,11 @@ LAUNCHES = {
         activation_checkpointing=dict(module_classes=[BLOCK],
                                       mode='selective',
                                       save_ops=['aten.max.default'])),
-    # pp=2 x FSDP2 over dp_shard=2 (4 processes, NPROC): torch's schedule
-    # behaviour, each block its own unit.
-    'pp_fsdp2': dict(
-        parallel=dict(pp=2, pipeline=dict(
-            schedule='1F1B', num_microbatches=2,
-            reshard_per_microbatch=False)),
-        model_wrapper_cfg=dict(
-            type='MMFullyShard',
-            fsdp_auto_wrap_policy=dict(type='module_class',
-                                       module_classes=[BLOCK])),
-        **ACCUMULATE),
+    # pp=2 x FSDP2 over dp_shard=2 (4 processes, NPROC), each block its own
+    # unit: mmpar's stage (resharding after every micro-batch), and torch's
+    # schedule behaviour.
+    'pp_fsdp2': _pp_fsdp2(reshard_per_microbatch=True),
+    'pp_fsdp2_held': _pp_fsdp2(reshard_per_microbatch=False),
     'tp': dict(
         parallel=dict(
             tp=2, model_parallelism=2,
@@ -193,7 +201,7 @@ LAUNCHES = {
 
 
 # Launches on more than 2 processes.
-NPROC = {'pp_fsdp2': 4}
+NPROC = {'pp_fsdp2': 4, 'pp_fsdp2_held': 4}
 
 
 def _pipeline(schedule, num_microbatches=4, **pipeline):
