@@ -8,12 +8,13 @@ tiny ViT of ``tests/data/options_vit.py`` on 2 processes (4 for pp x FSDP2,
 ``NPROC``). Several options share a launch where they combine, so the whole
 coverage costs a few launches. ``test_every_documented_option_is_launched``
 derives the keys from docs/ (the tables of docs/wrappers.md,
-docs/wrappers/naive_bucket.md, docs/fsdp.md; the ``parallel`` and
-``pipeline`` blocks of docs/topology.md and docs/pipeline_parallel.md) and
-from the code's own key lists (each wrapper's arguments, ``ParallelConfig`` / ``PipelineConfig`` fields, the
-activation-checkpointing and compile keys), and fails when one of them is in
-no launch below and not exempted with its reason; each launch checks that
-the run saw its options (the config MMEngine dumps into the work dir).
+docs/wrappers/naive_bucket.md, docs/fsdp.md; the ``parallel`` and ``pipeline``
+blocks of docs/topology.md and docs/pipeline_parallel.md) and from the code's
+own key lists (each wrapper's arguments, ``ParallelConfig`` /
+``PipelineConfig`` fields, the activation-checkpointing and compile keys), and
+fails when one of them is in no launch below and not exempted with its reason;
+each launch checks that the run saw its options (the config MMEngine dumps
+into the work dir).
 
 The pipeline launches are also checked against one process: every schedule
 ends with the weights ``tools/train.py`` reaches on one process on the same
