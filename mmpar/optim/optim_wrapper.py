@@ -26,6 +26,8 @@ that span the model wrapper and the optimizer, set up once:
 wrapper's first ``train_step`` does it for scripts). Configs keep naming
 ``OptimWrapper`` / ``AmpOptimWrapper``: in the ``mmpar`` scope these names
 are the classes here, and the Runner builds them for MMEngine's names too.
+Any other MMEngine optim wrapper a model wrapper is handed gets the same
+parts around it (:mod:`mmpar.optim.adopt`).
 """
 import contextlib
 from typing import ContextManager, Optional, Protocol

@@ -16,6 +16,7 @@ from mmpar.optim.nonfinite import (NonFiniteGuard, NonFiniteLossError,
                                    check_guard_args)
 from mmpar.optim.optim_wrapper import ParallelOptimMixin
 from mmpar.registry import HOOKS
+from mmpar.wrappers.base import StepMixin
 
 __all__ = ['NonFiniteLossHook', 'NonFiniteLossError']
 
@@ -83,10 +84,15 @@ class NonFiniteLossHook(Hook):
         optim_wrapper = runner.optim_wrapper
         wrappers = (list(optim_wrapper.values()) if isinstance(
             optim_wrapper, OptimWrapperDict) else [optim_wrapper])
+        if isinstance(runner.model, StepMixin):
+            # An MMEngine optim wrapper: the adapter the model steps with.
+            return [runner.model.parallel_optim_wrapper(wrapper)
+                    for wrapper in wrappers]
         for wrapper in wrappers:
             if not isinstance(wrapper, ParallelOptimMixin):
                 raise TypeError(
-                    'NonFiniteLossHook needs an mmpar optim wrapper '
-                    f'(mmpar.optim.OptimWrapper); got {type(wrapper).__name__}'
-                    '. mmpar.Runner builds one for OptimWrapper configs')
+                    'NonFiniteLossHook on an unwrapped model (world size 1) '
+                    'needs an mmpar optim wrapper (mmpar.optim.OptimWrapper); '
+                    f'got {type(wrapper).__name__}. mmpar.Runner builds one '
+                    'for OptimWrapper configs')
         return wrappers

@@ -15,7 +15,7 @@ from mmengine.optim import OptimWrapperDict, build_optim_wrapper
 from torch import nn
 
 from mmpar.failures import ConfigError
-from mmpar.optim import AmpOptimWrapper, OptimWrapper, ParallelOptimMixin
+from mmpar.optim import AmpOptimWrapper, OptimWrapper
 from mmpar.wrappers.base import StepMixin, describe
 
 # MMEngine's names and classes -> mmpar's classes.
@@ -64,9 +64,12 @@ def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
     ``constructor`` given) gets every parameter of this rank, all pipeline
     stages included (:func:`every_stage`).
 
+    An optim wrapper class that is not mmpar's (a downstream project's
+    subclass of MMEngine's) is adopted, not replaced
+    (:mod:`mmpar.optim.adopt`).
+
     Raises:
-        ConfigError: a wrapped model with an optim wrapper class that is
-            not mmpar's (it could not clip or sync correctly).
+        ConfigError: a wrapped model with an ``OptimWrapperDict``.
     """
     if isinstance(cfg, dict):
         cfg = mmpar_optim_wrapper_cfg(cfg)
@@ -81,15 +84,15 @@ def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
         built = build(cfg)
     wrappers = list(built.values()) if isinstance(
         built, OptimWrapperDict) else [built]
-    for optim_wrapper in wrappers:
-        if isinstance(optim_wrapper, ParallelOptimMixin):
-            if isinstance(model, StepMixin):
-                optim_wrapper.bind(model)
-        elif isinstance(model, StepMixin):
+    if isinstance(model, StepMixin):
+        if isinstance(built, OptimWrapperDict):
             raise ConfigError(
-                f'optim_wrapper.type={type(optim_wrapper).__name__!r} is not '
-                'one of mmpar\'s optim wrappers, which a parallel layout '
-                'needs (the global-norm clip over every axis, the gradient-'
-                "sync policy); allowed: 'OptimWrapper', 'AmpOptimWrapper' or "
-                'a subclass of mmpar.optim.OptimWrapper')
+                'optim_wrapper: a dict of several optim wrappers (an '
+                'OptimWrapperDict) trains only at world size 1: a model '
+                'stepping several optimizers runs its own train_step, which '
+                "no parallel wrapper can sync; allowed: one optim wrapper")
+        for optim_wrapper in wrappers:
+            # mmpar's bound as they are; MMEngine's (a downstream subclass)
+            # adopted, as the model's train_step would on first use.
+            model.parallel_optim_wrapper(optim_wrapper)
     return built

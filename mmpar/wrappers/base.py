@@ -13,9 +13,11 @@ from typing import Any, ClassVar, Dict, Optional, Tuple, Union
 import torch
 from mmengine.model import is_model_wrapper
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
+from mmengine.optim import OptimWrapperDict
 from torch import nn
 
 from mmpar.optim import ParallelOptimMixin
+from mmpar.optim.adopt import AdoptedOptimWrapper
 from mmpar.parallel.sequence import shard_batch
 from mmpar.wrappers import full_state
 from mmpar.wrappers.buffers import check_buffer_sync, sync_buffers
@@ -251,17 +253,19 @@ class StepMixin:
 
         Args:
             data: a batch from the dataloader.
-            optim_wrapper: one of mmpar's optim wrappers
-                (:mod:`mmpar.optim`); with ``accumulative_counts = k`` it
-                steps every k calls. Bound to this model on first use.
+            optim_wrapper: what MMEngine's wrappers take: an MMEngine
+                ``OptimWrapper`` / ``AmpOptimWrapper`` or any subclass
+                (adopted, :meth:`parallel_optim_wrapper`), or one of
+                mmpar's; with ``accumulative_counts = k`` it steps every k
+                calls.
 
         Returns:
             The log variables from ``parse_losses``.
 
         Raises:
-            TypeError: an optim wrapper that is not mmpar's.
+            TypeError: not an optim wrapper, or an ``OptimWrapperDict``.
         """
-        self._bind(optim_wrapper)
+        optim_wrapper = self.parallel_optim_wrapper(optim_wrapper)
         self._buffers_in_sync = False
         with optim_wrapper.grad_sync_context():
             log_vars = self.forward_backward(data, optim_wrapper)
@@ -270,17 +274,34 @@ class StepMixin:
             optim_wrapper.zero_grad()
         return log_vars
 
-    def _bind(self, optim_wrapper) -> None:
-        if not isinstance(optim_wrapper, ParallelOptimMixin):
+    def parallel_optim_wrapper(self, optim_wrapper) -> ParallelOptimMixin:
+        """``optim_wrapper`` with mmpar's parallel parts, bound to this
+        model: mmpar's own as it is; an MMEngine one adopted
+        (:class:`~mmpar.optim.adopt.AdoptedOptimWrapper`), the same adapter
+        on every call, so its token window and guard persist.
+
+        Raises:
+            TypeError: an ``OptimWrapperDict`` (a model stepping several
+                optimizers runs its own ``train_step``; MMEngine's wrappers
+                refuse it too), or not an optim wrapper.
+        """
+        if isinstance(optim_wrapper, ParallelOptimMixin):
+            if optim_wrapper.model is not self:
+                optim_wrapper.bind(self)
+            return optim_wrapper
+        if isinstance(optim_wrapper, OptimWrapperDict):
             raise TypeError(
-                f'{type(self).__name__}.train_step needs an mmpar optim '
-                'wrapper (mmpar.optim.OptimWrapper or AmpOptimWrapper: they '
-                'clip by the global norm over every axis and own the '
-                f'gradient-sync policy); got {type(optim_wrapper).__name__}. '
-                "Configs: optim_wrapper=dict(type='OptimWrapper', ...) "
-                'through mmpar.Runner')
-        if optim_wrapper.model is not self:
-            optim_wrapper.bind(self)
+                f'{type(self).__name__}.train_step takes one optim wrapper, '
+                'not an OptimWrapperDict: a model that steps several '
+                'optimizers (a GAN) implements its own train_step, which '
+                'runs unwrapped (world size 1); mmpar does not wrap it')
+        adopted = self.__dict__.setdefault('_adopted_optim_wrappers', {})
+        entry = adopted.get(id(optim_wrapper))
+        if entry is None or entry.inner is not optim_wrapper:
+            entry = AdoptedOptimWrapper(optim_wrapper)
+            entry.bind(self)
+            adopted[id(optim_wrapper)] = entry
+        return entry
 
     def val_step(self, data: Union[dict, tuple, list]) -> list:
         """Predictions for a validation batch (``mode='predict'``)."""

@@ -165,7 +165,12 @@ LAUNCHES = {
             activation_checkpointing=[BLOCK], sync_module_states=True,
             buffer_sync='average', use_orig_params=True,
             limit_all_gathers=True, forward_prefetch=True),
-        **ACCUMULATE),
+        # A downstream project's optim wrapper (MMEngine's registry): the
+        # wrapper adopts it, and its own step runs (STEP_MARKERS).
+        custom_imports=dict(imports=['tests.data.downstream_optim'],
+                            allow_failed_imports=False),
+        optim_wrapper=dict(type='DownstreamOptimWrapper',
+                           accumulative_counts=2)),
     'fsdp2': dict(
         model_wrapper_cfg=dict(
             type='MMFullyShard', sync_strategy='multi_auto_sync',
@@ -200,6 +205,9 @@ LAUNCHES = {
                                sync_strategy='multi_auto_sync')),
 }
 
+
+# Lines a launch's own code prints, and how often (every rank's together).
+STEP_MARKERS = {'fsdp1': ('DownstreamOptimWrapper.step', 2 * ITERS // 2)}
 
 # Launches on more than 2 processes.
 NPROC = {'pp_fsdp2': 4, 'pp_fsdp2_held': 4}
@@ -460,6 +468,9 @@ def test_options_train_through_dist_train(name, tmp_path):
     config = write_config(tmp_path / f'{name}.py', entries)
     proc = dist_train(config, tmp_path / 'work', nproc=NPROC.get(name, 2))
     _assert_trained_with(tmp_path / 'work', name, entries, proc)
+    if name in STEP_MARKERS:
+        marker, count = STEP_MARKERS[name]
+        assert (proc.stdout + proc.stderr).count(marker) == count
 
 
 @pytest.fixture(scope='module')

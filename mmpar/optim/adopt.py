@@ -1,0 +1,112 @@
+"""MMEngine's own optim wrappers under mmpar's model wrappers.
+
+Code written for MMEngine's model wrappers hands ``train_step`` an
+``mmengine.optim.OptimWrapper``: MMEngine's ``Runner`` (``runner_type``),
+a downstream project's loop, the optim-wrapper subclasses downstream
+projects register. mmpar's step body needs what :class:`~mmpar.optim.
+optim_wrapper.ParallelOptimMixin` adds (the global-norm clip over every
+axis, the gradient-sync policy, the non-finite guard, token-counted
+losses). :class:`AdoptedOptimWrapper` adds them *around* the caller's
+object instead of replacing it: every call goes to that object's own
+methods, so a subclass's ``backward`` / ``step`` / ``optim_context`` run
+and its counters (``inner_count``, the accumulation window) advance as the
+caller expects. Nothing of the object is replaced; only while one ``step``
+runs does its norm clip (MMEngine's ``clip_func`` attribute, torch's
+``clip_grad_norm_``) go through the global one, which a sharded or split
+model needs to clip as one process would.
+"""
+import contextlib
+from typing import Iterator
+
+import torch
+from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
+
+from mmpar.optim.optim_wrapper import ParallelOptimMixin
+
+
+class _Forward:
+    """MMEngine's ``OptimWrapper`` interface, forwarded to ``self.inner``
+    (what :class:`ParallelOptimMixin`'s ``super()`` calls reach)."""
+
+    inner: MMEngineOptimWrapper
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.inner.backward(loss, **kwargs)
+
+    def step(self, **kwargs) -> None:
+        with self._global_norm_clip():
+            self.inner.step(**kwargs)
+
+    def zero_grad(self, **kwargs) -> None:
+        self.inner.zero_grad(**kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.scale_loss(loss)
+
+    def should_update(self) -> bool:
+        return self.inner.should_update()
+
+    def should_sync(self) -> bool:
+        return self.inner.should_sync()
+
+    def optim_context(self, model):
+        return self.inner.optim_context(model)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def _inner_count(self) -> int:
+        # The caller's accumulation counter: record_backward advances it.
+        return self.inner._inner_count
+
+    @_inner_count.setter
+    def _inner_count(self, value: int) -> None:
+        self.inner._inner_count = value
+
+    @contextlib.contextmanager
+    def _global_norm_clip(self) -> Iterator[None]:
+        inner = self.inner
+        if getattr(inner, 'clip_func', None) is not \
+                torch.nn.utils.clip_grad_norm_:
+            yield  # no clip, a value clip (element-wise), or the caller's
+            return
+        # MMEngine's _clip_grad calls self.clip_func: for this step only, the
+        # global norm (torch's would clip FSDP1 by each rank's shard, a
+        # pipeline stage by its own stage's norm).
+        inner.clip_func = self.clip_grad_norm
+        try:
+            yield
+        finally:
+            inner.clip_func = torch.nn.utils.clip_grad_norm_
+
+
+class AdoptedOptimWrapper(ParallelOptimMixin, _Forward):
+    """An MMEngine optim wrapper with mmpar's parallel parts around it.
+
+    Args:
+        optim_wrapper: MMEngine's ``OptimWrapper`` or ``AmpOptimWrapper``,
+            or any subclass; used as it is (see the module doc).
+
+    Raises:
+        TypeError: not an MMEngine optim wrapper.
+    """
+
+    def __init__(self, optim_wrapper: MMEngineOptimWrapper):
+        if not isinstance(optim_wrapper, MMEngineOptimWrapper):
+            raise TypeError(
+                'a model wrapper\'s train_step takes an optim wrapper '
+                '(mmengine.optim.OptimWrapper, AmpOptimWrapper or a '
+                f'subclass); got {type(optim_wrapper).__name__}')
+        self.inner = optim_wrapper
+
+    def __getattr__(self, name: str):
+        # Everything else (get_lr, state_dict, optimizer, ...) is the
+        # caller's object's. Only reached for names not found above.
+        if name == 'inner':
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f'AdoptedOptimWrapper({self.inner!r})'
