@@ -141,6 +141,20 @@ def _init_arg_names(cls: type) -> Optional[set]:
     return None
 
 
+def check_init_args(key: str, section: dict, cls: Any) -> None:
+    """Keys of ``section`` that ``cls(...)`` does not take (e.g. a
+    misspelt model argument): named here, not reported later as a failure
+    of whatever the build was doing (building on the meta device)."""
+    allowed = _init_arg_names(cls) if inspect.isclass(cls) else None
+    if allowed is None:
+        return
+    for name, value in section.items():
+        if name != 'type' and name not in allowed:
+            _fail(f'{key}.{name}', value,
+                  f'{cls.__name__} takes no argument {name!r}; allowed: '
+                  f'{", ".join(sorted(allowed))}')
+
+
 def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     """Arguments the wrapper class does not take (e.g. FSDP-only keys on
     DDP) and wrong types of common DDP arguments. (Activation
@@ -540,7 +554,8 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     if cfg.get('model') is None:
         raise ConfigError('the config has no "model"; allowed: '
                           'model=dict(type=...) from the model registry')
-    check_type('model', cfg['model'], MODELS, scope)
+    check_init_args('model', cfg['model'],
+                    check_type('model', cfg['model'], MODELS, scope))
     for keys in TOGETHER:
         _check_together(cfg, keys)
     for key in ('train_dataloader', 'val_dataloader', 'test_dataloader'):

@@ -204,6 +204,10 @@ CASES = {
     'unknown log level': ({
         'log_level': 'LOUD'
     }, ["log_level='LOUD'", 'DEBUG, INFO, WARNING, ERROR, CRITICAL']),
+    'unknown model argument': ({
+        'model.embed_dims': 64
+    }, ['model.embed_dims=64', "DigitsViT takes no argument 'embed_dims'",
+        'embed_dim']),
     'non-int seed': ({
         'randomness.seed': 'zero'
     }, ["randomness.seed='zero'", 'an int or None']),
@@ -230,7 +234,11 @@ def _apply(cfg: dict, changes: dict) -> dict:
 
 
 def test_default_config_passes(base_cfg):
-    check_config(base_cfg)
+    # One process, nothing split: the layout the Runner then builds.
+    parallel, dims = check_config(base_cfg)
+    assert (dims.world_size, dims.dp, dims.tp, dims.pp, dims.cp) == (
+        1, 1, 1, 1, 1)
+    assert parallel.use_fsdp is False and parallel.tp_plan is None
 
 
 def test_catalogue_has_at_least_30_cases():
@@ -301,8 +309,11 @@ PP_TP = dict(pp=2, tp=2, tp_plan='digits_vit', pipeline=dict(schedule='1F1B'))
 def test_pp_x_tp_passes(base_cfg, monkeypatch, world_size, wrapper):
     # 2-D (pp x tp) and 3-D (pp x tp x the data axis).
     _as_torchrun(monkeypatch, world_size)
-    check_config(_apply(base_cfg, {'launcher': 'pytorch', 'parallel': PP_TP,
-                                   'model_wrapper_cfg': wrapper}))
+    _, dims = check_config(_apply(base_cfg, {
+        'launcher': 'pytorch', 'parallel': PP_TP,
+        'model_wrapper_cfg': wrapper}))
+    assert (dims.pp, dims.tp, dims.dp, dims.world_size) == (
+        2, 2, world_size // 4, world_size)
 
 
 @pytest.mark.parametrize('changes,named', [
@@ -329,15 +340,22 @@ def test_pp_x_tp_mistakes_are_refused(base_cfg, monkeypatch, changes,
 
 def test_hsdp_alias_passes(base_cfg, monkeypatch):
     _as_torchrun(monkeypatch, 4)
-    check_config(_apply(base_cfg, {
+    parallel, dims = check_config(_apply(base_cfg, {
         'launcher': 'pytorch',
         'parallel': dict(model_parallelism=2, use_fsdp=True,
                          sharding_strategy='HYBRID_SHARD')}))
+    # The seed's HSDP meaning: shard groups of model_parallelism ranks,
+    # replicated over the rest; no tensor parallelism.
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 1)
+    assert parallel.tp is None
 
 
 def test_nccl_without_cuda_is_not_an_error(base_cfg):
-    # The Runner warns and uses gloo (OpenMMLab runtimes all ask for nccl).
-    check_config(_apply(base_cfg, {'env_cfg.dist_cfg.backend': 'nccl'}))
+    # The Runner warns and uses gloo (OpenMMLab runtimes all ask for nccl):
+    # the check passes the config with the layout it had.
+    assert check_config(_apply(
+        base_cfg, {'env_cfg.dist_cfg.backend': 'nccl'})) == check_config(
+            base_cfg)
 
 
 def test_check_does_not_change_the_config(base_cfg):
@@ -358,5 +376,8 @@ def test_sync_bn_on_cpu_refused_when_launched(base_cfg):
 
 
 def test_sync_bn_ignored_on_one_process(base_cfg):
-    # One process never converts BatchNorm (the Runner reverts it).
-    check_config(_apply(base_cfg, {'sync_bn': 'torch', 'launcher': 'none'}))
+    # One process never converts BatchNorm (the Runner reverts it): the
+    # check that refuses it when launched (above) lets it pass here.
+    assert check_config(_apply(
+        base_cfg, {'sync_bn': 'torch', 'launcher': 'none'})) == check_config(
+            base_cfg)

@@ -7,6 +7,7 @@ from mmpar.config_check import check_layout
 from mmpar.failures import ConfigError
 from mmpar.parallelize.pipeline import (check_protocol, split_stage,
                                         stage_starts)
+from mmpar.parallelize.pipeline.config import PipelineConfig
 from mmpar.parallelize.pipeline.schedules import (schedule_class,
                                                   theoretical_bubble)
 from mmpar.registry import PIPELINE_SCHEDULES, registered_names
@@ -15,9 +16,9 @@ from tests.toy import make_model
 
 
 def _check(pipeline, batch_size=8):
-    check_layout(dict(parallel=dict(pp=2, pipeline=pipeline),
-                      train_dataloader=dict(batch_size=batch_size)),
-                 world_size=2)
+    return check_layout(dict(parallel=dict(pp=2, pipeline=pipeline),
+                             train_dataloader=dict(batch_size=batch_size)),
+                        world_size=2)
 
 
 def test_the_registry_holds_torchs_schedules():
@@ -77,9 +78,14 @@ def test_bad_pipeline_sections_fail_at_start_up(pipeline, named):
 
 
 def test_a_good_section_passes():
-    _check(dict(schedule='Interleaved1F1B', stages_per_rank=2,
-                split_points=['layers.1', 'layers.2', 'layers.3'],
-                num_microbatches=4))
+    section = dict(schedule='Interleaved1F1B', stages_per_rank=2,
+                   split_points=['layers.1', 'layers.2', 'layers.3'],
+                   num_microbatches=4)
+    parallel, dims = _check(section)
+    assert dims.pp == 2 and parallel.pipeline == section
+    pipeline = PipelineConfig.from_cfg(parallel.pipeline, pp=dims.pp)
+    assert (pipeline.schedule, pipeline.num_stages(dims.pp),
+            pipeline.num_microbatches) == ('Interleaved1F1B', 4, 4)
 
 
 def test_split_points_are_checked_against_the_model():
