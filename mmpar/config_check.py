@@ -166,15 +166,9 @@ def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     check_wrapper_cfg(wrapper_cfg)  # type, sync strategy, the class's check
     if wrapper_cfg is None:
         return
-    cls = wrapper_class(wrapper_cfg.get('type', DEFAULT_WRAPPER))
-    allowed = _init_arg_names(cls)
+    check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(
+        wrapper_cfg.get('type', DEFAULT_WRAPPER)))
     for key, value in wrapper_cfg.items():
-        if key == 'type':
-            continue
-        if allowed is not None and key not in allowed:
-            _fail(f'model_wrapper_cfg.{key}', value,
-                  f'{cls.__name__} takes no argument {key!r}; allowed: '
-                  f'{", ".join(sorted(allowed))}')
         if key in WRAPPER_BOOL_KEYS and not isinstance(value, bool):
             _fail(f'model_wrapper_cfg.{key}', value, 'allowed: True, False')
         if key in WRAPPER_POSITIVE_KEYS:
