@@ -8,7 +8,7 @@ run on a machine with a GPU. Each trains one epoch of the default example.
 import pytest
 import torch
 
-from tests.e2e import DEFAULT_CONFIG, load_ckpt, run_tool, tool_env
+from tests.e2e import DEFAULT_CONFIG, ROOT, load_ckpt, run_tool, tool_env
 
 pytestmark = pytest.mark.gpu
 
@@ -85,3 +85,21 @@ def test_benchmark_quick_on_cuda(tmp_path):
               '--world-size', '1', '--quick', '--out', tmp_path])
     report = (tmp_path / 'benchmarks.md').read_text()
     assert 'peak CUDA / rank (MB)' in report
+
+
+def test_mmengine_amp_optim_wrapper_adopted_under_ddp(tmp_path):
+    # MMEngine's own AmpOptimWrapper (a downstream subclass, float16 with
+    # its GradScaler) handed to mmpar's DDP wrapper (world size 1 on
+    # NCCL): adopted, its step runs, and the scaler's state is saved.
+    from tests.data.downstream_optim import AMP_STEP_MARKER
+    config = tmp_path / 'amp_ddp.py'
+    config.write_text(
+        f"_base_ = ['{ROOT / DEFAULT_CONFIG}']\n"
+        "custom_imports = dict(imports=['tests.data.downstream_optim'], "
+        'allow_failed_imports=False)\n'
+        "optim_wrapper = dict(type='DownstreamAmpOptimWrapper', "
+        "dtype='float16')\n")
+    _, ckpt, proc = _train(tmp_path, config=str(config), nproc=1)
+    _assert_trained_on_cuda(ckpt, proc)
+    assert AMP_STEP_MARKER in proc.stdout + proc.stderr
+    assert 'loss_scaler' in load_ckpt(ckpt)['optimizer']
