@@ -60,11 +60,9 @@ def _held(model: nn.Module) -> Dict[str, List[nn.Parameter]]:
     return held
 
 
-def _refuse(key: str, why: str) -> ConfigError:
-    return ConfigError(
-        f'optim_wrapper.{key}: {why}; allowed: MMFullyShardedDataParallel '
-        'with use_orig_params=True (the default) or another wrapper, or '
-        f'optim_wrapper without {key}')
+def _refuse(key: str, why: str, allowed: str) -> ConfigError:
+    return ConfigError(f'optim_wrapper.{key}: {why}; allowed: {allowed}, '
+                       f'or optim_wrapper without {key}')
 
 
 def groups_on_this_rank(groups: List[dict], view: nn.Module,
@@ -89,7 +87,8 @@ def groups_on_this_rank(groups: List[dict], view: nn.Module,
         raise _refuse(
             'paramwise_cfg', f'the layout holds parameters {unnamed[:3]} '
             f'and lacks {missing[:3]} of the plain model, so the rules '
-            'cannot be carried over by name')
+            'cannot be carried over by name', 'MMFullyShardedDataParallel '
+            'with use_orig_params=True (the default) or another wrapper')
     placed = []
     for group in groups:
         params, seen = [], set()
@@ -159,7 +158,10 @@ def build_with_plain_rules(cfg: dict, view: nn.Module, model: nn.Module,
             raise _refuse(
                 'constructor', f'{type(constructor).__name__} builds its '
                 'own groups (its own __call__) and this layout changes the '
-                'parameters\' shapes, so it would not see the plain model')
+                'parameters\' shapes, so it would not see the plain model',
+                'a constructor that makes its groups in add_params (MMEngine\'s '
+                '__call__), or a wrapper that keeps shapes (MMFullyShard, '
+                'MMDistributedDataParallel)')
         return constructor(target)
     if not constructor.paramwise_cfg:
         # No rules: MMEngine's one group of every parameter.

@@ -13,13 +13,14 @@ import copy
 import pytest
 import torch
 from mmengine.config import Config
-from mmengine.optim import build_optim_wrapper
+from mmengine.optim import (DefaultOptimWrapperConstructor,
+                            build_optim_wrapper)
+from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.runner.optim import mmpar_optim_wrapper_cfg
-from mmpar.runner.param_groups import (build_with_plain_rules,
-                                       groups_on_this_rank, plain_view)
+from mmpar.runner.param_groups import build_with_plain_rules, plain_view
 from tests.convnext_toy import (LAYER_DECAY, OPTIM_WRAPPER, TP_PLAN,
                                 ToyConvNeXtV2, named_options)
 from tests.e2e import ROOT
@@ -87,16 +88,26 @@ def test_bypass_duplicate_and_custom_keys_as_one_process():
         .optimizer.param_groups]
 
 
-def test_layout_without_plain_parameters_is_refused():
-    """FSDP1 with ``use_orig_params=False`` holds only flat parameters:
-    no per-parameter group can exist, so the rules are refused."""
+@OPTIM_WRAPPER_CONSTRUCTORS.register_module(force=True)
+class OwnCallConstructor(DefaultOptimWrapperConstructor):
+    """Makes its groups in its own ``__call__``, out of mmpar's reach."""
+
+    def __call__(self, model):
+        return super().__call__(model)
+
+
+def test_own_call_constructor_refused_where_shapes_change():
+    """Such a constructor sees the laid-out parameters: fine where they
+    keep their shapes, refused where they do not (FSDP1's 1-D views; here
+    a model of another width stands in)."""
+    cfg = dict(OPTIM_WRAPPER, constructor='OwnCallConstructor')
     model = ToyConvNeXtV2()
-    view = plain_view(model)
-    flat = nn.Module()
-    flat.register_parameter('_flat_param', nn.Parameter(torch.zeros(5)))
-    with pytest.raises(ConfigError, match='optim_wrapper.paramwise_cfg'):
-        groups_on_this_rank([dict(params=list(view.parameters()))], view,
-                            flat)
+    built = build_with_plain_rules(cfg, plain_view(model), model, model)
+    assert named_options(model, built.optimizer) == one_process_options(
+        'recipe')
+    with pytest.raises(ConfigError, match='optim_wrapper.constructor'):
+        build_with_plain_rules(cfg, plain_view(ToyConvNeXtV2(dim=4)),
+                               model, model)
 
 
 # --------------------------------------------------------- every layout
@@ -139,6 +150,26 @@ def test_groups_equal_one_process_under(run_dist, tmp_path, layout):
         assert seen == expected, name
     if not layout.startswith('pp'):
         assert all(set(r['recipe']) == set(expected) for r in ranks)
+
+
+def _refusal_without_orig_params(work_dir: str) -> str:
+    from mmpar.runner import Runner
+    runner = Runner.from_cfg(_cfg(
+        work_dir, 'groups_flat', OPTIM_WRAPPER, model_wrapper_cfg=dict(
+            type='MMFullyShardedDataParallel', use_orig_params=False)))
+    try:
+        runner.build_optim_wrapper(copy.deepcopy(OPTIM_WRAPPER))
+    except ConfigError as err:
+        return str(err)
+    return 'built'
+
+
+def test_fsdp1_without_orig_params_refuses_the_rules(run_dist, tmp_path):
+    """FSDP1 with ``use_orig_params=False`` holds flat parameters only:
+    no per-parameter group can exist, so the rules are refused."""
+    for message in run_dist(_refusal_without_orig_params, str(tmp_path)):
+        assert message.startswith('optim_wrapper.paramwise_cfg'), message
+        assert 'use_orig_params=True' in message
 
 
 def _trained(layout: str, work_dir: str) -> dict:
