@@ -7,7 +7,7 @@ parameters), with the recipe's ``paramwise_cfg`` (norm, bias and flat decay
 off). The blocks follow mmpar's pipeline protocol and the head is an MLP
 with a tensor-parallel plan (:data:`TP_PLAN`), so every layout can hold it.
 """
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from mmengine.optim import DefaultOptimWrapperConstructor
 from mmengine.registry import OPTIM_WRAPPER_CONSTRUCTORS
 from torch import nn
 
+from mmpar.models import DigitsViT
 from mmpar.registry import MODELS
 
 # The recipe (mmpretrain 1.2.0 convnext-v2 atto), plus one of each other
@@ -80,7 +81,7 @@ class Block(nn.Module):
 
 @MODELS.register_module()
 class ToyConvNeXtV2(BaseModel):
-    """(B, 1, 8, 8) digits -> 10 classes; ``forward`` as DigitsViT's."""
+    """(B, 1, 8, 8) digits -> 10 classes; ``forward`` is DigitsViT's."""
 
     pipeline_layers = 'blocks'
     pipeline_pre = ('stem', )
@@ -102,25 +103,12 @@ class ToyConvNeXtV2(BaseModel):
     def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden.mean(dim=(2, 3))))
 
-    def pipeline_loss(self, logits: torch.Tensor,
-                      data_samples: torch.Tensor) -> Dict:
-        return dict(loss=F.cross_entropy(logits, data_samples))
-
-    def pipeline_predict(self, logits: torch.Tensor,
-                         data_samples: torch.Tensor) -> List:
-        return [dict(pred_label=p, gt_label=g)
-                for p, g in zip(logits.argmax(1), data_samples)]
-
-    def forward(self, inputs, data_samples=None, mode='tensor'):
-        x = self.pipeline_embed(inputs)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.pipeline_head(x)
-        if mode == 'loss':
-            return self.pipeline_loss(logits, data_samples)
-        if mode == 'predict':
-            return self.pipeline_predict(logits, data_samples)
-        return logits
+    # DigitsViT's classifier ends and dispatch (they read only ``blocks``
+    # and the pipeline_* methods).
+    pipeline_loss = DigitsViT.pipeline_loss
+    pipeline_predict = DigitsViT.pipeline_predict
+    logits = DigitsViT.logits
+    forward = DigitsViT.forward
 
 
 @OPTIM_WRAPPER_CONSTRUCTORS.register_module(force=True)
