@@ -80,10 +80,9 @@ def groups_on_this_rank(groups: List[dict], view: nn.Module,
     for name, param in view.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     held = _held(model)
-    unnamed = sorted(set(held) - {n for ns in names.values() for n in ns})
-    pipelined = describe(model).pipeline is not None
-    missing = sorted({n for ns in names.values() for n in ns} - set(held))
-    if unnamed or (missing and not pipelined):
+    plain = {name for aliases in names.values() for name in aliases}
+    unnamed, missing = sorted(set(held) - plain), sorted(plain - set(held))
+    if unnamed or (missing and describe(model).pipeline is None):
         raise _refuse(
             'paramwise_cfg', f'the layout holds parameters {unnamed[:3]} '
             f'and lacks {missing[:3]} of the plain model, so the rules '
