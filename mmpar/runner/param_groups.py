@@ -46,6 +46,14 @@ def plain_view(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def names_rules(cfg) -> bool:
+    """Whether an optim wrapper config has parameter rules to apply: a
+    ``paramwise_cfg`` or a ``constructor`` of its own (which may make
+    groups by name). Only such a config needs :func:`plain_view`."""
+    return isinstance(cfg, dict) and (
+        bool(cfg.get('paramwise_cfg')) or 'constructor' in cfg)
+
+
 def _uses_add_params(constructor) -> bool:
     # MMEngine's __call__ is what calls add_params; a constructor with its
     # own __call__ may not build the groups that way.

@@ -20,7 +20,8 @@ from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.runner.optim import mmpar_optim_wrapper_cfg
-from mmpar.runner.param_groups import build_with_plain_rules, plain_view
+from mmpar.runner.param_groups import (build_with_plain_rules, names_rules,
+                                       plain_view)
 from tests.convnext_toy import (LAYER_DECAY, OPTIM_WRAPPER, TP_PLAN,
                                 ToyConvNeXtV2, named_options)
 from tests.e2e import ROOT
@@ -66,6 +67,9 @@ def test_view_is_the_plain_model_without_memory():
     assert view.head[2].weight is view.head[0].weight  # ties kept
     assert view.blocks[0].dwconv.groups == 8
     assert not model.stem[0].weight.is_meta  # the model is untouched
+    # Only a config with rules makes the Runner take the view.
+    assert names_rules(OPTIM_WRAPPER) and names_rules(LAYER_DECAY)
+    assert not names_rules(dict(OPTIM_WRAPPER, paramwise_cfg=None))
 
 
 def test_bypass_duplicate_and_custom_keys_as_one_process():
