@@ -16,6 +16,7 @@ from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.optim import AmpOptimWrapper, OptimWrapper
+from mmpar.runner.param_groups import build_with_plain_rules
 from mmpar.wrappers.base import StepMixin, describe
 
 # MMEngine's names and classes -> mmpar's classes.
@@ -58,11 +59,14 @@ def every_stage(model: nn.Module) -> Optional[nn.Module]:
     return nn.ModuleList(parts.stage_modules)
 
 
-def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
+def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module,
+                                 plain: Optional[nn.Module] = None):
     """``build(cfg)`` (MMEngine's builder) with mmpar's classes, bound to
     ``model``. A config an optimizer constructor builds (``optimizer`` or
     ``constructor`` given) gets every parameter of this rank, all pipeline
-    stages included (:func:`every_stage`).
+    stages included (:func:`every_stage`), with its ``paramwise_cfg`` rules
+    applied to ``plain`` (:func:`mmpar.runner.param_groups.plain_view` of
+    the model before its layout) when given.
 
     An optim wrapper class that is not mmpar's (a downstream project's
     subclass of MMEngine's) is adopted, not replaced
@@ -75,10 +79,14 @@ def build_parallel_optim_wrapper(build: Callable, cfg, model: nn.Module):
         cfg = mmpar_optim_wrapper_cfg(cfg)
     stages = every_stage(model)
     optimizer = cfg.get('optimizer') if isinstance(cfg, dict) else None
-    if stages is not None and isinstance(cfg, dict) and (
-            'constructor' in cfg or (
-                optimizer is not None and
-                not isinstance(optimizer, torch.optim.Optimizer))):
+    constructs = isinstance(cfg, dict) and (
+        'constructor' in cfg or (
+            optimizer is not None and
+            not isinstance(optimizer, torch.optim.Optimizer)))
+    if constructs and plain is not None:
+        built = build_with_plain_rules(
+            cfg, plain, model, model if stages is None else stages)
+    elif constructs and stages is not None:
         built = build_optim_wrapper(stages, cfg)
     else:
         built = build(cfg)

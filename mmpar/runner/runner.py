@@ -34,6 +34,7 @@ from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
 from mmpar.runner.ema import EMAHooks
 from mmpar.runner.optim import build_parallel_optim_wrapper
+from mmpar.runner.param_groups import names_rules, plain_view
 from mmpar.wrappers.base import describe
 from mmpar.wrappers.builder import DEFAULT_WRAPPER, default_wrapper_cfg
 
@@ -66,6 +67,10 @@ class Runner(MMEngineRunner):
         self.topology = None
         # EMAHook's averaged copy under any layout (mmpar/runner/ema.py).
         self._ema = EMAHooks()
+        # The model before its layout, parameter-free: what the optimizer
+        # constructor's rules see (mmpar/runner/param_groups.py), for an
+        # optim_wrapper config with rules.
+        self._plain_view: Optional[nn.Module] = None
         super().__init__(*args, **kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -113,6 +118,8 @@ class Runner(MMEngineRunner):
             return super().wrap_model(model_wrapper_cfg, model)
         if self.meta_init is None:
             model = model.to(self._device())
+        if names_rules(self.optim_wrapper):
+            self._plain_view = plain_view(model)
         steps = dict(compile_cfg=self.cfg.get('model_compile'),
                      activation_checkpointing=self.cfg.get(
                          'activation_checkpointing'))
@@ -147,7 +154,8 @@ class Runner(MMEngineRunner):
         over every axis, the gradient-sync policy and the non-finite guard.
         """
         return build_parallel_optim_wrapper(
-            super().build_optim_wrapper, optim_wrapper, self.model)
+            super().build_optim_wrapper, optim_wrapper, self.model,
+            self._plain_view)
 
     # MMEngine's private step (no public hook): its post-wrap broadcast
     # would abort on sharded parameters.

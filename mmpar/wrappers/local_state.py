@@ -10,13 +10,14 @@ parameters and buffers *are* the model's local tensors, so in-place edits
 land in the model, and whose ``copy.deepcopy`` holds one shard, not the
 model.
 """
-from typing import Dict
+from typing import Dict, Iterator, Tuple
 
 import torch
 from torch import nn
 
 from mmpar.parallel.dtensor import local_tensor
 from mmpar.wrappers.base import describe
+from mmpar.wrappers.description import WrappedModel
 
 
 def holds_whole_model(model: nn.Module) -> bool:
@@ -31,6 +32,26 @@ def _plain_name(name: str) -> str:
     # prefixes (private; its public state-dict API does the same inside).
     from torch.distributed.fsdp._common_utils import clean_tensor_name
     return clean_tensor_name(name)
+
+
+def _sources(info: WrappedModel) -> Tuple[nn.Module, ...]:
+    """The modules holding this rank's tensors under plain names (with
+    wrapper prefixes): the stage copies of a pipeline rank, else the one
+    state module."""
+    if info.pipeline is not None:
+        return info.pipeline.stage_modules
+    return (info.state_module, )
+
+
+def plain_named_parameters(
+        model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
+    """Every parameter this rank holds of ``model``, as the layout holds it
+    (a DTensor, a view into FSDP1's flat parameter, a whole tensor), under
+    the plain model's name; a tied parameter once under each of its names.
+    No communication."""
+    for source in _sources(describe(model)):
+        for name, param in source.named_parameters(remove_duplicate=False):
+            yield _plain_name(name), param
 
 
 def _owner(root: nn.Module, name: str):
@@ -64,23 +85,20 @@ def local_module(model: nn.Module) -> nn.Module:
     if info.pipeline is None and not info.holds_shards:
         return info.state_module
     info.reshard()
-    sources = info.pipeline.stage_modules if info.pipeline is not None \
-        else (info.state_module, )
     root = nn.Module()
     aliases: Dict[int, nn.Parameter] = {}
     placed = set()
-    for source in sources:
-        for name, param in source.named_parameters(remove_duplicate=False):
-            name = _plain_name(name)
-            if name in placed:
-                continue
-            placed.add(name)
-            alias = aliases.get(id(param))
-            if alias is None:
-                alias = aliases[id(param)] = nn.Parameter(
-                    local_tensor(param).detach(), requires_grad=False)
-            owner, leaf = _owner(root, name)
-            owner.register_parameter(leaf, alias)
+    for name, param in plain_named_parameters(model):
+        if name in placed:
+            continue
+        placed.add(name)
+        alias = aliases.get(id(param))
+        if alias is None:
+            alias = aliases[id(param)] = nn.Parameter(
+                local_tensor(param).detach(), requires_grad=False)
+        owner, leaf = _owner(root, name)
+        owner.register_parameter(leaf, alias)
+    for source in _sources(info):
         for prefix, module in source.named_modules():
             for leaf, buffer in module.named_buffers(recurse=False):
                 name = _plain_name(f'{prefix}.{leaf}' if prefix else leaf)

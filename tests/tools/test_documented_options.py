@@ -37,8 +37,10 @@ tp_plan                        ``tp`` [module_plan dict]; the registered
                                name form in tests/parallelize/
                                test_tp_end_to_end.py
 pipeline                       every ``pp_*`` launch
-use_fsdp, sharding_strategy,   ``use_fsdp`` [True, SHARD_GRAD_OP, True]
-sync_module_states
+use_fsdp, sharding_strategy,   ``use_fsdp`` [True, SHARD_GRAD_OP, True];
+sync_module_states             it also trains with ConvNeXt-V2's
+                               ``optim_wrapper.paramwise_cfg``, whose
+                               groups in its checkpoint equal one process's
 cpu_offload                    exempt: FSDP1's, ``True`` needs CUDA
                                (tests/gpu/test_cuda_paths.py)
 ``parallel.pipeline``
@@ -113,6 +115,13 @@ NO_VAL = dict(val_cfg=None, val_dataloader=None, val_evaluator=None)
 BLOCK = 'TransformerBlock'
 FOUR_STAGES = ['blocks.1', 'blocks.2', 'blocks.3']
 ACCUMULATE = dict(optim_wrapper=dict(accumulative_counts=2))
+# ConvNeXt-V2's recipe (mmpretrain 1.2.0) plus a bias-lr and a custom-key
+# rule; MMEngine's rules need a weight decay to scale.
+PARAMWISE = dict(
+    optimizer=dict(weight_decay=0.05),
+    paramwise_cfg=dict(
+        norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0,
+        bias_lr_mult=2.0, custom_keys={'blocks.0.attn': dict(lr_mult=0.5)}))
 
 
 
@@ -189,7 +198,10 @@ LAUNCHES = {
                       sync_module_states=True, dp_shard=2),
         activation_checkpointing=dict(module_classes=[BLOCK],
                                       mode='selective',
-                                      save_ops=['aten.max.default'])),
+                                      save_ops=['aten.max.default']),
+        # FSDP1's parameters are 1-D views and checkpointing puts wrapper
+        # prefixes into the names: the rules must still see the plain model.
+        optim_wrapper=PARAMWISE),
     # pp=2 x FSDP2 over dp_shard=2 (4 processes, NPROC), each block its own
     # unit: mmpar's stage (resharding after every micro-batch), and torch's
     # schedule behaviour.
@@ -471,6 +483,29 @@ def test_options_train_through_dist_train(name, tmp_path):
     if name in STEP_MARKERS:
         marker, count = STEP_MARKERS[name]
         assert (proc.stdout + proc.stderr).count(marker) == count
+    if 'paramwise_cfg' in entries.get('optim_wrapper', {}):
+        _assert_one_process_groups(config, tmp_path / 'work')
+
+
+def _assert_one_process_groups(config: Path, work_dir: Path):
+    """The checkpoint's optimizer groups (listing parameter names) give
+    each parameter the lr and weight decay MMEngine's constructor gives it
+    on the plain model in one process."""
+    from mmengine.optim import build_optim_wrapper
+    from mmpar.models import DigitsViT
+    cfg = Config.fromfile(str(config))
+    model = DigitsViT(**{k: v for k, v in cfg.model.items() if k != 'type'})
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = {
+        names[id(p)]: (g['lr'], g['weight_decay'])
+        for g in build_optim_wrapper(model, cfg.optim_wrapper)
+        .optimizer.param_groups for p in g['params']}
+    groups = load_ckpt(work_dir / f'iter_{ITERS}.pth')['optimizer'][
+        'param_groups']
+    saved = {n: (g['initial_lr'], g['weight_decay'])
+             for g in groups for n in g['params']}
+    assert saved == expected
+    assert len(set(expected.values())) == 4  # the rules matter here
 
 
 @pytest.fixture(scope='module')
