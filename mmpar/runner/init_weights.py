@@ -26,7 +26,8 @@ the way a full checkpoint loads (:func:`mmpar.checkpoint.load_model_state`):
   loads. Each rank holds this copy until training starts.
 """
 import copy
-from typing import Callable, Dict, Iterable, Optional
+import itertools
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from mmengine.dist import broadcast
@@ -77,35 +78,45 @@ class DeferredInit:
         """
         plain, self._plain = self._plain, None  # once, then freed
         if self._meta_init is None:
-            plain = plain.to(self._device)
-            plain.init_weights()
-            state = plain.state_dict()
-            for tensor in state.values():
-                broadcast(tensor)
-            load_model_state(model, state, strict=True, revise_keys=[])
-            return
-        changed = self._meta_init.record_init_weights(plain)
-        # Buffers are real in the copy: rank 0's, as MMEngine broadcasts.
-        params = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
-        buffers = {n: t for n, t in plain.state_dict().items()
-                   if n not in params}
-        for tensor in buffers.values():
-            broadcast(tensor)
-        values: Dict[str, Callable[[], torch.Tensor]] = {
-            n: (lambda n=n: self._meta_init.value(n)) for n in changed}
-        values.update({n: (lambda t=t: t) for n, t in buffers.items()})
-        for part in _parts(values, PART_BYTES):
-            load_model_state(model, part, strict=False, revise_keys=[])
+            _init_whole(model, plain.to(self._device))
+        else:
+            _init_from_meta(model, plain, self._meta_init)
 
 
-def _parts(values: Dict[str, Callable[[], torch.Tensor]],
-           limit: int) -> Iterable[Dict[str, torch.Tensor]]:
-    """``values`` made, in order, in dicts of about ``limit`` bytes (every
-    rank the same parts: each is a collective load)."""
+def _init_whole(model: nn.Module, plain: nn.Module) -> None:
+    """MMEngine's step on the whole copy, then its state into ``model``."""
+    plain.init_weights()
+    state = plain.state_dict()
+    for tensor in state.values():
+        broadcast(tensor)
+    load_model_state(model, state, strict=True, revise_keys=[])
+
+
+def _init_from_meta(model: nn.Module, plain: nn.Module,
+                    meta_init: MetaInit) -> None:
+    """``init_weights`` recorded on the meta copy; what it changed into
+    ``model``, a part at a time."""
+    changed = meta_init.record_init_weights(plain)
+    # Buffers are real in the copy: rank 0's, as MMEngine broadcasts.
+    params = {n for n, _ in plain.named_parameters(remove_duplicate=False)}
+    buffers = {n: t for n, t in plain.state_dict().items() if n not in params}
+    for tensor in buffers.values():
+        broadcast(tensor)
+    # Each changed parameter is made whole only as its part is loaded.
+    values = itertools.chain(((n, meta_init.value(n)) for n in changed),
+                             buffers.items())
+    for part in _parts(values, PART_BYTES):
+        load_model_state(model, part, strict=False, revise_keys=[])
+
+
+def _parts(values: Iterator[Tuple[str, torch.Tensor]],
+           limit: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """``values`` in dicts of about ``limit`` bytes, in order (every rank
+    the same parts: each is a collective load)."""
     part, size = {}, 0
-    for name, make in values.items():
-        part[name] = make()
-        size += part[name].numel() * part[name].element_size()
+    for name, value in values:
+        part[name] = value
+        size += value.numel() * value.element_size()
         if size >= limit:
             yield part
             part, size = {}, 0

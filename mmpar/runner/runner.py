@@ -123,7 +123,7 @@ class Runner(MMEngineRunner):
         if is_model_wrapper(model):
             return super().wrap_model(model_wrapper_cfg, model)
         if self.meta_init is None:
-            if self.world_size > 1 and self._shards_or_splits():
+            if self._shards_or_splits():
                 # Built whole: a copy of the plain model to initialise in
                 # train() (mmpar.runner.init_weights).
                 self._deferred_init = DeferredInit.of_whole(
@@ -177,8 +177,8 @@ class Runner(MMEngineRunner):
             deferred.run(self.model)
             return
         if describe(self.model).holds_shards:
-            # (No init_weights to run: MMEngine's broadcast would abort on
-            # sharded parameters.)
+            # No init_weights, or it ran in an earlier train(); MMEngine's
+            # broadcast would abort on sharded parameters.
             return
         super()._init_model_weights()
 
