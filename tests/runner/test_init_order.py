@@ -6,7 +6,8 @@ then, which draws a seed from the generator. A model whose ``init_weights``
 draws random numbers (timm's ViT: ``trunc_normal_``) trained through
 ``mmpar.Runner`` from a config must start from one process's weights and
 generator state, and train within the parity tolerances, under FSDP2 (built
-on meta and whole), tp=2 and pp=2, iteration- and epoch-based.
+on meta and whole), FSDP1, tp=2 and pp=2, iteration-based, and FSDP2
+epoch-based.
 """
 from typing import Dict, Optional
 
