@@ -11,7 +11,9 @@ one micro-batch's activations.
 * ``build``: building and sharding the model. Built on the meta device
   (``meta_init``, the default for layouts that shard or split), a rank holds
   its local shards plus one whole parameter at a time; built whole, the
-  whole model plus its shards;
+  whole model plus its shards (and, in host memory until training starts,
+  a copy of the plain model for ``init_weights``:
+  :mod:`mmpar.runner.init_weights`; not counted);
 * steady state: this rank's parameters, gradients and optimizer state (the
   plan's table);
 * FSDP's gathered unit: the largest unit's parameters and gradients whole,

@@ -23,6 +23,9 @@ topology it is handed:
    initialise them: before the wrapper, after it (FSDP2: only local shards
    are allocated) or inside it (FSDP1), as the wrapper class declares.
 
+The model's ``init_weights()`` is not run here: the Runner runs it where
+MMEngine's ``Runner.train()`` runs it (:mod:`mmpar.runner.init_weights`).
+
 With ``tp > 1`` the data-parallel wrapper is the one its class names for
 tensor parallelism (:mod:`.tp_wrapper`). :func:`check_composition` is the
 one check of what only the combination of the layout and the wrapper can
@@ -51,18 +54,16 @@ from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
                                     declared)
 
 
-def init_weights_before_sharding(model: nn.Module) -> None:
-    """MMEngine's ``_init_model_weights``, on the plain model.
+def broadcast_before_sharding(model: nn.Module) -> None:
+    """Rank 0's plain model on every rank, before it is cut, as DDP's
+    construction makes it (ranks seeded differently then agree).
 
-    MMEngine runs ``init_weights`` and broadcasts every tensor after
-    wrapping, which aborts (gloo) or fails (``c10d.broadcast_ ... does not
-    have a sharding strategy``) on sharded parameters. Here it runs before
-    sharding; the Runner then skips its own version for sharded models.
+    ``init_weights`` is not run here: the Runner runs it where MMEngine's
+    ``Runner.train()`` does (:mod:`mmpar.runner.init_weights`), after the
+    random draws that come first there.
     """
-    if hasattr(model, 'init_weights'):
-        model.init_weights()
-        for tensor in model.state_dict().values():
-            broadcast(tensor)
+    for tensor in model.state_dict().values():
+        broadcast(tensor)
 
 
 def wrapper_cfg_for(dims: ParallelDims,
@@ -205,7 +206,7 @@ def parallelize(model: nn.Module,
         meta = (meta_init, device or torch.device('cpu'))
     elif builds_on_meta(dims, wrapper_cfg):
         # (pp: before the split, while every rank holds the whole model.)
-        init_weights_before_sharding(model)
+        broadcast_before_sharding(model)
     if dims.tp_enabled:
         model = apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
     if dims.cp_enabled:

@@ -381,6 +381,57 @@ class MetaInit:
                         'which are unknown on the meta device')
         return full
 
+    def record_init_weights(self, model: nn.Module) -> List[str]:
+        """Run ``model.init_weights()`` now, adding its ops to the records.
+
+        ``model`` is a copy of the meta model :func:`build_on_meta` built
+        with ``init_weights=False`` (parameter names as the records'). Run
+        where MMEngine's ``Runner.train()`` runs ``init_weights``, its
+        random ops see the generator state one process's see, and draw as
+        they do, so the generator is left where one process leaves it.
+
+        Returns:
+            The names of the parameters it changed (:meth:`value` now gives
+            their initialised value; rank 0's generator states, as
+            :func:`build_on_meta` keeps).
+
+        Raises:
+            ConfigError: ``init_weights`` fails on the meta device, naming
+                the switch ``meta_init=False``.
+        """
+        if not hasattr(model, 'init_weights'):
+            return []
+        recorder = _Recorder()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            record = self.records.get(name)
+            if record is not None and param.is_meta:
+                recorder.records[param.untyped_storage()._cdata] = record
+        before = {id(r): (r.initial, list(r.ops), r.unsupported)
+                  for r in self.records.values()}
+        try:
+            with _temporaries_returned(), _parameters_on_meta(recorder), \
+                    recorder:
+                model.init_weights()
+        except Exception as err:  # noqa: B902 - any failure on meta
+            raise ConfigError(
+                f'init_weights() cannot run on the meta device '
+                f'({type(err).__name__}: {err}); allowed: set {KEY}=False '
+                'in the config to build the model whole on every rank') \
+                from err
+
+        def changed(record: _Record) -> bool:
+            initial, ops, unsupported = before[id(record)]
+            return (record.initial is not initial or
+                    record.unsupported != unsupported or
+                    len(record.ops) != len(ops) or
+                    any(a is not b for a, b in zip(record.ops, ops)))
+
+        names = [n for n, r in self.records.items() if changed(r)]
+        if dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            _use_rank0_states({n: self.records[n] for n in names})
+        return names
+
     def fill(self, named_params: Iterator[Tuple[str, nn.Parameter]]) -> None:
         """Give each (materialised, possibly sharded) parameter its value:
         this rank's part of the whole one (no communication)."""

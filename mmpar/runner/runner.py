@@ -33,6 +33,7 @@ from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
 from mmpar.runner.ema import EMAHooks
+from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
 from mmpar.runner.param_groups import names_rules, plain_view
 from mmpar.wrappers.base import describe
@@ -65,6 +66,9 @@ class Runner(MMEngineRunner):
         # the run's one topology (setup_env builds it).
         self.meta_init: Optional[MetaInit] = None
         self.topology = None
+        # A sharded or split model's init_weights, kept for where MMEngine
+        # runs it (train(), after the train loop is built).
+        self._deferred_init: Optional[DeferredInit] = None
         # EMAHook's averaged copy under any layout (mmpar/runner/ema.py).
         self._ema = EMAHooks()
         # The model before its layout, parameter-free: what the optimizer
@@ -99,17 +103,24 @@ class Runner(MMEngineRunner):
             cfg['find_unused_parameters'] = True
         return cfg
 
+    def _shards_or_splits(self) -> bool:
+        """Whether the layout shards or splits the model."""
+        return self.topology is not None and builds_on_meta(
+            self.topology.dims, self._model_wrapper_cfg())
+
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
         """MMEngine's; a model the layout shards or splits is built on the
         meta device (``meta_init``, default True): parameters cost nothing
-        until compose materialises this rank's share."""
-        topology = self.topology
-        if not isinstance(model, dict) or topology is None or \
+        until compose materialises this rank's share. Its ``init_weights``
+        waits for ``train()`` (:mod:`mmpar.runner.init_weights`)."""
+        if not isinstance(model, dict) or \
                 not self.cfg.get('meta_init', True) or \
-                not builds_on_meta(topology.dims, self._model_wrapper_cfg()):
+                not self._shards_or_splits():
             return super().build_model(model)
         built, self.meta_init = build_on_meta(
-            lambda: super(Runner, self).build_model(model))
+            lambda: super(Runner, self).build_model(model),
+            init_weights=False)
+        self._deferred_init = DeferredInit.of_meta(built, self.meta_init)
         return built
 
     def wrap_model(self, model_wrapper_cfg: Optional[dict],
@@ -117,6 +128,11 @@ class Runner(MMEngineRunner):
         if is_model_wrapper(model):
             return super().wrap_model(model_wrapper_cfg, model)
         if self.meta_init is None:
+            if self._shards_or_splits():
+                # Built whole: a copy of the plain model to initialise in
+                # train() (mmpar.runner.init_weights).
+                self._deferred_init = DeferredInit.of_whole(
+                    model, self._device())
             model = model.to(self._device())
         if names_rules(self.optim_wrapper):
             self._plain_view = plain_view(model)
@@ -157,12 +173,20 @@ class Runner(MMEngineRunner):
             super().build_optim_wrapper, optim_wrapper, self.model,
             self._plain_view)
 
-    # MMEngine's private step (no public hook): its post-wrap broadcast
-    # would abort on sharded parameters.
+    # MMEngine's private step (no public hook), where train() initialises
+    # the model: after the train loop, the optim wrapper, the val loop and
+    # the hooks' before_run, whose random draws come first.
     def _init_model_weights(self) -> None:
+        if self._deferred_init is not None:
+            # Sharded or split: MMEngine's init_weights and broadcast would
+            # run on shards; the plain model's stand-in is initialised and
+            # loaded instead, with the same draws.
+            deferred, self._deferred_init = self._deferred_init, None
+            deferred.run(self.model)
+            return
         if describe(self.model).holds_shards:
-            # Done in parallelize, before the parameters were sharded, split
-            # by tensor parallelism or cut into pipeline stages.
+            # No init_weights, or it ran in an earlier train(); MMEngine's
+            # broadcast would abort on sharded parameters.
             return
         super()._init_model_weights()
 

@@ -117,6 +117,53 @@ def test_a_constructor_that_fails_on_meta_is_refused_naming_the_switch():
         build_on_meta(NeedsValues)
 
 
+class DrawsInInitWeights(InitCfgNet):
+    """init_weights draws (init_cfg initialisers, then trunc_normal_ on a
+    constructor-initialised parameter and a part of another)."""
+
+    def init_weights(self):
+        super().init_weights()
+        nn.init.trunc_normal_(self.rotate.weight, std=0.5)
+        with torch.no_grad():
+            self.pos[1].normal_()
+
+
+def test_init_weights_recorded_later_sees_the_generator_of_that_moment():
+    """The Runner's order: build, other draws (a data-loader seed), then
+    init_weights; recorded on a copy of the meta model, it gives one
+    process's weights and generator."""
+    torch.manual_seed(3)
+    expected = DrawsInInitWeights()
+    torch.rand(2)  # the loop's draw
+    expected.init_weights()
+    after_expected = torch.rand(4)
+
+    torch.manual_seed(3)
+    model, init = build_on_meta(DrawsInInitWeights, init_weights=False)
+    torch.rand(2)
+    changed = init.record_init_weights(copy.deepcopy(model))
+    after = torch.rand(4)
+    assert torch.equal(after, after_expected)
+    assert set(changed) == {'conv.weight', 'conv.bias', 'fc.weight',
+                            'fc.bias', 'rotate.weight', 'pos'}
+    for name, param in expected.named_parameters():
+        assert torch.equal(init.value(name), param.detach()), name
+
+
+def test_init_weights_that_fails_on_meta_is_refused_naming_the_switch():
+
+    class ReadsInInit(nn.Linear):
+
+        def init_weights(self):
+            if self.weight.sum().item() > 0:  # a value read on meta
+                pass
+
+    model, init = build_on_meta(lambda: ReadsInInit(2, 2),
+                                init_weights=False)
+    with pytest.raises(ConfigError, match=r'init_weights.*meta_init=False'):
+        init.record_init_weights(copy.deepcopy(model))
+
+
 # -- every sharding layout, through compose ----------------------------------
 LAYOUTS = {
     'fsdp2': (2, None, dict(type='MMFullyShard')),

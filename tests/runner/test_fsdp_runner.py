@@ -1,7 +1,7 @@
 """FSDP under mmpar.Runner: full checkpoints, plain-model loading, exact
-resume, weight init before sharding. Runners run inside the shared gloo pool
-(no torchrun start-up per run); the straight runs are the session's shared
-ones (``trained_run``, tests/trained.py)."""
+resume (weight init: tests/runner/test_init_order.py). Runners run inside
+the shared gloo pool (no torchrun start-up per run); the straight runs are
+the session's shared ones (``trained_run``, tests/trained.py)."""
 import pytest
 import torch
 
