@@ -484,6 +484,23 @@ class MetaInit:
         return init
 
 
+def _build_error(err: Exception) -> ConfigError:
+    """What a failed build says: a meta-device limit only when torch's
+    error is about the meta device (a value read, an op without a meta
+    kernel); anything else is the model's own error, which building whole
+    would raise too."""
+    what = f'{type(err).__name__}: {err}'
+    if 'meta' in str(err).lower() or isinstance(err, NotImplementedError):
+        return ConfigError(
+            f'the model cannot be built on the meta device ({what}); '
+            f'allowed: set {KEY}=False in the config to build it whole on '
+            'every rank')
+    return ConfigError(
+        f'the model cannot be built ({what}); check the model section of '
+        f'the config (it was being built on the meta device, {KEY}=True, '
+        'which does not change this error)')
+
+
 def build_on_meta(build: Callable[[], nn.Module],
                   init_weights: bool = True,
                   rank0_states: bool = True,
@@ -511,10 +528,7 @@ def build_on_meta(build: Callable[[], nn.Module],
     except ConfigError:
         raise
     except Exception as err:  # noqa: B902 - any failure on meta
-        raise ConfigError(
-            f'the model cannot be built on the meta device '
-            f'({type(err).__name__}: {err}); allowed: set {KEY}=False in the '
-            'config to build it whole on every rank') from err
+        raise _build_error(err) from err
     meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
     if meta_buffers:
         raise ConfigError(

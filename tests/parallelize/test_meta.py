@@ -113,8 +113,26 @@ def test_a_constructor_that_fails_on_meta_is_refused_naming_the_switch():
             if self.w.sum().item() != 3:  # a value read on the meta device
                 raise AssertionError
 
-    with pytest.raises(ConfigError, match='meta_init=False'):
+    with pytest.raises(ConfigError, match='cannot be built on the meta '
+                       r'device .*allowed: set meta_init=False'):
         build_on_meta(NeedsValues)
+
+
+def test_a_model_that_cannot_be_built_at_all_is_not_blamed_on_meta():
+
+    class BadConfig(nn.Module):
+
+        def __init__(self, depth=-1):
+            super().__init__()
+            if depth < 0:
+                raise ValueError(f'depth={depth} must be >= 0')
+
+    with pytest.raises(ConfigError) as info:
+        build_on_meta(BadConfig)
+    message = str(info.value)
+    assert 'the model cannot be built (ValueError: depth=-1 must be ' \
+        '>= 0); check the model section' in message
+    assert 'allowed: set meta_init=False' not in message
 
 
 class DrawsInInitWeights(InitCfgNet):
