@@ -5,8 +5,14 @@ same tensor-parallel coordinate hold the same shard, so reducing local
 shards over the data axis is plain data parallelism for a TP model, and a
 whole tensor from a full checkpoint is cut to this rank's shard locally.
 """
+from typing import List
+
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+# Private: the layout of a fused projection split part by part
+# (docs/architecture.md, private names).
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,3 +60,13 @@ def distribute_like(value, like: torch.Tensor):
         return distribute_tensor(value.to(like.device), like.device_mesh,
                                  like.placements, src_data_rank=None)
     return value
+
+
+def packed_parameters(model: nn.Module) -> List[str]:
+    """Names of ``model``'s parameters split part by part (a fused
+    projection's ``dict(style='colwise', fused=k)``: torch's strided
+    layout), which FSDP2 and DCP (sharded checkpoints) do not lay out
+    correctly on a tp mesh."""
+    return [name for name, param in model.named_parameters()
+            if isinstance(param, DTensor) and any(
+                isinstance(p, _StridedShard) for p in param.placements)]

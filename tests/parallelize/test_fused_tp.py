@@ -21,10 +21,7 @@ from mmpar.wrappers.tp_replicate import MMTensorParallelDDP
 from tests.parallelize import tp_cases
 
 
-def make_fused_vit(seed: int = 0):
-    from examples.my_pkg.tp_vit import SplittableViT
-    torch.manual_seed(seed)
-    return SplittableViT(embed_dim=16, depth=2, num_heads=4, fused_qkv=True)
+make_fused_vit = tp_cases.make_fused_vit
 
 
 def fused_plan(qkv='fused') -> dict:
@@ -99,6 +96,30 @@ def test_fused_qkv_tp2_trains_like_one_process(run_dist):
     assert run_dist(_fused_parity) == [0, 1]
 
 
+def _fsdp2_refused():
+    from mmpar.wrappers.fully_shard import MMFullyShard
+    mesh = tp_cases.world_mesh(2)
+    model = make_fused_vit()
+    apply_tp(model, mesh['tp'], fused_plan(), dry_run=False)
+    try:
+        MMFullyShard(model, device_mesh=mesh['dp'])
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_fsdp2_over_a_fused_split_is_refused(run_dist):
+    """fully_shard reads the strided tp parts as Shard(0) and gathers them
+    in the wrong order (measured: qkv differs from one process's after a
+    step); refused when the wrapper is built, naming the parameters."""
+    for message in run_dist(_fsdp2_refused):
+        assert message is not None and message.startswith(
+            "model_wrapper_cfg.type='MMFullyShard' cannot shard the fused "
+            "tp parameters ['blocks.0.attn.qkv.weight', "), message
+        assert "allowed: model_wrapper_cfg.type='MMDistributedDataParallel'" \
+            in message
+
+
 def _first_call_refused(qkv, forward):
     from examples.my_pkg.tp_vit import FusedQKVAttention
     mesh = tp_cases.world_mesh(2)
@@ -127,3 +148,26 @@ def test_plain_colwise_on_timm_qkv_is_refused_naming_qkv(run_dist):
                                   " (style 'colwise') returned"), message
         assert 'RuntimeError' in message and 'is invalid' in message
         assert "dict(style='colwise', fused=3)" in message
+
+
+def _sharded_save_refused(directory):
+    from mmpar.checkpoint.sharded import save_sharded
+    mesh = tp_cases.world_mesh(2)
+    model = make_fused_vit()
+    apply_tp(model, mesh['tp'], fused_plan(), dry_run=False)
+    try:
+        save_sharded(model, None, f'{directory}/ckpt', {},
+                     save_optimizer=False)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_sharded_checkpoint_of_a_fused_split_is_refused(run_dist, tmp_path):
+    """DCP sees the strided parts as overlapping chunks; a plan the config
+    check cannot read (e.g. 'hf' with packed_colwise) is refused at the
+    save, naming the key and the parameters."""
+    for message in run_dist(_sharded_save_refused, str(tmp_path)):
+        assert message is not None and message.startswith(
+            "checkpoint_format='sharded' cannot store the fused tp "
+            "parameters ['blocks.0.attn.qkv.weight', "), message

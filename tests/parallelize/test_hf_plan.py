@@ -118,6 +118,6 @@ def _hf_parity(family):
                                    msg=key)
 
 
-@pytest.mark.parametrize('family', ['Llama', 'Phi3'])
+@pytest.mark.parametrize('family', ['Llama', 'Phi3', 'Qwen3'])
 def test_hf_tp2_trains_like_one_process(run_dist, family):
     run_dist(_hf_parity, family)
