@@ -20,7 +20,7 @@ See docs/tensor_parallel.md. Helpers for this rank's part of a DTensor
 live in :mod:`mmpar.parallel.dtensor`.
 """
 import copy
-from typing import Callable, List, Tuple, Union
+from typing import Callable, Dict, List, Tuple, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -109,10 +109,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: PlanCfg,
         ConfigError: (at the first call) the split model's forward fails,
             naming the module and its style.
     """
-    plan, kwargs = resolve_tp_plan(tp_plan)
-    labels = plan(model, tp_mesh, **kwargs)
-    if not isinstance(labels, dict):
-        labels = split_labels(model)
+    labels = split_model(model, tp_mesh, tp_plan)
     if dry_run:
         install_dry_run(model, labels)
     return model
+
+
+def split_model(model: nn.Module, tp_mesh: DeviceMesh,
+                tp_plan: PlanCfg) -> Dict[str, str]:
+    """Apply ``tp_plan`` to ``model`` (as :func:`apply_tp`, without the dry
+    run).
+
+    Returns:
+        ``{module name: its style}`` of the split modules, as the plan wrote
+        it (``module_plan`` and ``hf``) or as their parameters' layouts.
+    """
+    plan, kwargs = resolve_tp_plan(tp_plan)
+    labels = plan(model, tp_mesh, **kwargs)
+    return labels if isinstance(labels, dict) else split_labels(model)

@@ -146,7 +146,7 @@ def dry_run(replica: nn.Module, labels: Dict[str, str], args: tuple,
 def _judge(err: Exception, replica: nn.Module, labels: Dict[str, str],
            in_flight: List[str], returned: List[str],
            key: str) -> Optional[str]:
-    error = f'{type(err).__name__}: {err}'.strip()
+    error = f'{type(err).__name__}: {err}'.strip().rstrip('.')
     if _needs_values(err):
         return f'the forward needs real values ({error})'
     failing = in_flight[-1] if in_flight else ''
