@@ -292,7 +292,8 @@ def test_pipeline_memory_is_also_sharded_over_dp(rank):
 def test_plan_the_model_cannot_run_fails_the_plan_naming_the_module():
     """tools/plan.py runs the split model's first call on the meta device
     as training does: timm's fused qkv split without its output projection
-    (which then gets a third of its input) is a PlanError naming both."""
+    (which then gets half its input) is a PlanError naming both. (Valid
+    plans pass the same dry run in every other tp test here.)"""
     cfg = Config.fromfile(str(DATA.parents[1] / 'configs' / 'vit_digits' /
                                'vit_digits_tp_custom.py'))
     cfg.model.fused_qkv = True
@@ -304,6 +305,3 @@ def test_plan_the_model_cannot_run_fails_the_plan_naming_the_module():
             r"dict\(style='colwise', fused=3\)\) returned its split output: "
             r"RuntimeError: .*\[512, 32\] X \[64, 64\]")):
         make_plan(cfg, 2, 0)
-    cfg.parallel.tp_plan.plan = {'blocks.*.attn.qkv': qkv,
-                                 'blocks.*.attn.proj': 'rowwise'}
-    assert 'tp=2: 16 parameters split' in make_plan(cfg, 2, 0).notes[0]
