@@ -65,8 +65,10 @@ def distribute_like(value, like: torch.Tensor):
 def packed_parameters(model: nn.Module) -> List[str]:
     """Names of ``model``'s parameters split part by part (a fused
     projection's ``dict(style='colwise', fused=k)``: torch's strided
-    layout), which FSDP2 and DCP (sharded checkpoints) do not lay out
-    correctly on a tp mesh."""
+    layout on the 1-D tp mesh), which FSDP2 and DCP (sharded checkpoints)
+    do not lay out correctly. (FSDP2 over a plain tp split uses the same
+    placement on its own mesh dimension of a 2-D mesh, which both handle.)
+    """
     return [name for name, param in model.named_parameters()
-            if isinstance(param, DTensor) and any(
-                isinstance(p, _StridedShard) for p in param.placements)]
+            if isinstance(param, DTensor) and param.device_mesh.ndim == 1
+            and any(isinstance(p, _StridedShard) for p in param.placements)]

@@ -22,6 +22,7 @@ runs with every shape right and wrong values; only the plan can say it is
 fused (``dict(style='colwise', fused=3)``, docs/tensor_parallel.md).
 """
 import copy
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -36,6 +37,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from mmpar.failures import ConfigError
 
 KEY = 'parallel.tp_plan'
+# Models whose first call is still to be dry-run -> the hook's handle.
+_PENDING: 'weakref.WeakKeyDictionary[nn.Module, Any]' = \
+    weakref.WeakKeyDictionary()
 
 
 def split_labels(model: nn.Module) -> Dict[str, str]:
@@ -184,12 +188,27 @@ def install_dry_run(model: nn.Module, labels: Dict[str, str],
                   level=30)
         return
 
+    done = []  # shared by copies of the model (an EMA average) and hooks
+
     def check(module, args, kwargs):
-        handle.remove()
+        cancel_dry_run(model)
+        if done:
+            return
+        done.append(True)
         why = dry_run(replica, labels, args, kwargs, key)
         if why is not None:
             print_log(f'{key}: the split model\'s first forward was not '
                       f'checked on the meta device: {why}', logger='current',
                       level=30)
 
-    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+    _PENDING[model] = model.register_forward_pre_hook(check,
+                                                       with_kwargs=True)
+
+
+def cancel_dry_run(model: nn.Module) -> None:
+    """Drop ``model``'s pending dry run: the pipeline calls its stages, cut
+    from the model, with a stage's inputs (hidden states after the first),
+    which the whole model's replica cannot take."""
+    handle = _PENDING.pop(model, None)
+    if handle is not None:
+        handle.remove()
