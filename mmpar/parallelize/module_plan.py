@@ -7,9 +7,10 @@ Module-name patterns map to styles: torch's ``ColwiseParallel`` /
 input_layouts=..., output_layouts=..., desired_input_layouts=...,
 use_local_output=..., fused=...)`` with layouts written ``'replicate'``,
 ``'shard(N)'`` or ``'partial'``; ``dict(style='colwise', fused=3)`` splits a
-projection packing 3 outputs (timm's ``qkv``) part by part. Everything the data can get wrong (unknown style or layout,
-a pattern matching no module, a module the style cannot split, tp not
-dividing a split dimension) is found before the first collective. See
+projection packing 3 outputs (timm's ``qkv``) part by part. Everything the
+data can get wrong (unknown style or layout, a pattern matching no module, a
+module the style cannot split, tp (times ``fused``) not dividing a split
+dimension) is found before the first collective. See
 docs/tensor_parallel.md.
 """
 import fnmatch

@@ -54,8 +54,9 @@ def test_bad_fused_value_named(fused, match):
 
 
 def test_fused_takes_no_sharded_output_and_is_colwise_only():
-    with pytest.raises(ValueError, match=r"output_layouts='shard\(1\)' is "
-                       r"not allowed with fused; allowed: None .* 'replicate'"):
+    with pytest.raises(ValueError, match=(
+            r"output_layouts='shard\(1\)' is not allowed with fused; "
+            r"allowed: None .* 'replicate'")):
         check_tp_plan(dict(type='module_plan', plan={'a': dict(
             style='colwise', fused=3, output_layouts='shard(1)')}))
     with pytest.raises(ValueError, match=r"style 'rowwise' takes no fused"):

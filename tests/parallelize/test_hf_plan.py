@@ -62,7 +62,8 @@ def test_styles_translate_as_transformers_defines_them():
     registers it."""
     plan = translate_hf_plan('', {
         'a.o': 'rowwise_split_input', 'a.rep': 'rowwise_rep',
-        'a.qkv': 'colwise_gather_output', 'a.n': 'replicated_with_grad_allreduce',
+        'a.qkv': 'colwise_gather_output',
+        'a.n': 'replicated_with_grad_allreduce',
         'm.gu': 'packed_colwise', 'e': 'embedding_colwise', 'r': 'replicate'},
         prepare_inputs=False)
     assert plan == {
