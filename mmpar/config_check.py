@@ -12,7 +12,7 @@ import importlib
 import inspect
 import numbers
 import os.path as osp
-from typing import Any, Iterable, Iterator, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 
 from mmpar.checkpoint.format import checkpoint_format
@@ -390,6 +390,31 @@ def check_parallel(parallel: Any, launcher: Optional[str],
     return config, dims
 
 
+def fused_entries(parallel: Any) -> List[str]:
+    """Patterns of ``parallel.tp_plan``'s ``module_plan`` entries that split
+    a fused projection part by part (``fused`` > 1); [] for other plans."""
+    plan = (parallel or {}).get('tp_plan') if isinstance(
+        parallel, dict) else None
+    if not isinstance(plan, dict) or plan.get('type') != 'module_plan' or \
+            not isinstance(plan.get('plan'), dict):
+        return []
+    return [pattern for pattern, entry in plan['plan'].items()
+            if isinstance(entry, dict) and is_int(entry.get('fused'))
+            and entry['fused'] > 1]
+
+
+def check_fused_checkpoints(cfg: Any) -> None:
+    """A fused tp split cannot be stored by DCP: refuse sharded checkpoints
+    with one at start-up (the save would fail at the first checkpoint)."""
+    fused = fused_entries(cfg.get('parallel'))
+    if fused and checkpoint_format(cfg) == 'sharded':
+        _fail('checkpoint_format', 'sharded',
+              f'parallel.tp_plan splits fused projections part by part '
+              f'({", ".join(fused)}), which a sharded checkpoint (DCP) '
+              "cannot store; allowed: checkpoint_format='full' with a "
+              'fused plan')
+
+
 # Where a config says its sequence length: dataset keys, then the model's.
 SEQ_LEN_KEYS = ('context_length', 'seq_len', 'max_seq_len')
 
@@ -577,6 +602,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None
         check_hooks(cfg, scope)
         checkpoint_format(cfg)
     layout = check_layout(cfg, world_size)
+    check_fused_checkpoints(cfg)
     check_checkpoint_paths(cfg)
     if not isinstance(cfg.get('meta_init', True), bool):
         _fail('meta_init', cfg.get('meta_init'),

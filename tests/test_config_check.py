@@ -201,6 +201,12 @@ CASES = {
     'unknown checkpoint_format': ({
         'checkpoint_format': 'dcp'
     }, ["checkpoint_format='dcp'", "'full', 'sharded'"]),
+    'sharded checkpoints of a fused tp split': ({
+        'checkpoint_format': 'sharded',
+        'parallel': dict(tp=2, tp_plan=dict(type='module_plan', plan={
+            'blocks.*.attn.qkv': dict(style='colwise', fused=3)}))
+    }, ["checkpoint_format='sharded' is not allowed",
+        'blocks.*.attn.qkv', "allowed: checkpoint_format='full'"]),
     'unknown log level': ({
         'log_level': 'LOUD'
     }, ["log_level='LOUD'", 'DEBUG, INFO, WARNING, ERROR, CRITICAL']),

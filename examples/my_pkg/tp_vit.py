@@ -11,6 +11,12 @@ What makes it splittable (docs/tensor_parallel.md):
   tp ranks each rank computes ``num_heads / tp`` heads and must reshape by
   that. (A split weight is a DTensor whose ``.shape`` is the *global* shape,
   so do not read the head count off ``wq.weight.shape``.)
+
+``SplittableViT(fused_qkv=True)`` uses timm's layout instead: one ``qkv``
+Linear whose rows are ``[q; k; v]``, reshaped to ``(B, N, 3, heads,
+head_dim)``. Its plan must say the projection is fused
+(``dict(style='colwise', fused=3)``: :data:`FUSED_TP_PLAN`), so that each
+rank holds its own heads of q, k and v.
 """
 from typing import Dict, List, Optional, Union
 
@@ -49,13 +55,39 @@ class SplittableAttention(nn.Module):
 
 
 @MODELS.register_module()
+class FusedQKVAttention(nn.Module):
+    """timm's attention: one ``qkv`` Linear (rows ``[q; k; v]``), heads
+    taken from the local shape."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'num_heads={num_heads} must divide dim={dim}')
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # -1: the local heads, num_heads / tp under the fused column split
+        # (timm writes self.num_heads here, which only one process accepts).
+        qkv = self.qkv(x).reshape(batch, length, 3, -1, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+@MODELS.register_module()
 class SplittableBlock(nn.Module):
     """Pre-norm attention and MLP with residual connections."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 2.0):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 2.0,
+                 fused_qkv: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = SplittableAttention(dim, num_heads)
+        self.attn = (FusedQKVAttention if fused_qkv else
+                     SplittableAttention)(dim, num_heads)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.ModuleDict(
             dict(fc1=nn.Linear(dim, int(dim * mlp_ratio)),
@@ -79,6 +111,7 @@ class SplittableViT(BaseModel):
                  depth: int = 2,
                  num_heads: int = 4,
                  mlp_ratio: float = 2.0,
+                 fused_qkv: bool = False,
                  data_preprocessor: Optional[dict] = None):
         super().__init__(data_preprocessor=data_preprocessor)
         num_patches = (image_size // patch_size)**2
@@ -87,7 +120,7 @@ class SplittableViT(BaseModel):
         self.pos_embed = nn.Parameter(
             torch.randn(1, num_patches, embed_dim) * 0.02)
         self.blocks = nn.ModuleList(
-            SplittableBlock(embed_dim, num_heads, mlp_ratio)
+            SplittableBlock(embed_dim, num_heads, mlp_ratio, fused_qkv)
             for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
@@ -123,6 +156,16 @@ TP_PLAN = {
     'blocks.*.attn.wk': 'colwise',
     'blocks.*.attn.wv': 'colwise',
     'blocks.*.attn.wo': 'rowwise',
+    'blocks.*.mlp.fc1': 'colwise',
+    'blocks.*.mlp.fc2': 'rowwise',
+}
+
+# The plan of SplittableViT(fused_qkv=True): the fused projection's three
+# parts each split over tp, so that rank r holds [q_r; k_r; v_r].
+FUSED_TP_PLAN = {
+    'blocks.*.attn': 'prepare_input',
+    'blocks.*.attn.qkv': dict(style='colwise', fused=3),
+    'blocks.*.attn.proj': 'rowwise',
     'blocks.*.mlp.fc1': 'colwise',
     'blocks.*.mlp.fc2': 'rowwise',
 }

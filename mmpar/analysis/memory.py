@@ -42,8 +42,9 @@ activations.
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-import torch
 from torch import nn
+
+from mmpar.parallelize.tp_check import to_meta
 
 GiB = 2**30
 
@@ -131,17 +132,7 @@ def sample_batch(cfg, model: nn.Module, batch_size: int) -> Optional[Any]:
         data = model.data_preprocessor(batch, training=True)
     except Exception:  # noqa: B902 - any data set that does not build here
         return None
-    return _to_meta(data)
-
-
-def _to_meta(data):
-    if isinstance(data, torch.Tensor):
-        return data.to('meta')
-    if isinstance(data, dict):
-        return {k: _to_meta(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_meta(v) for v in data)
-    return data
+    return to_meta(data)
 
 
 def in_flight(schedule: Optional[str], pp: int, microbatches: int,

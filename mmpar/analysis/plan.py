@@ -65,6 +65,9 @@ class Plan:
     axes: Dict[str, Tuple[str, List[int]]] = field(default_factory=dict)
     shard_size: int = 1
     units: List[FsdpUnit] = field(default_factory=list)
+    # The tp plan's split modules and their styles (for the dry run's
+    # messages).
+    tp_labels: Dict[str, str] = field(default_factory=dict)
     policy: Optional[str] = None
     memory: List[Tuple[str, int, int]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -185,11 +188,12 @@ def plan_tensor_parallel(plan: Plan, model: nn.Module,
                          parallel: ParallelConfig) -> nn.Module:
     """Apply the TP plan as :mod:`mmpar.parallelize.compose` does, on the
     fake group: the per-rank counts then follow from the split parameters."""
-    from mmpar.parallelize.tensor import apply_tp
+    from mmpar.parallelize.tensor import split_model
     if not topology.dims.tp_enabled:
         return model
     try:
-        apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
+        plan.tp_labels = split_model(model, topology.mesh['tp'],
+                                     parallel.tp_plan)
     except (TypeError, ValueError) as err:
         raise PlanError(str(err)) from err
     split = [p for p in model.parameters() if local_tensor(p) is not p]
@@ -401,7 +405,8 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         # Measured again on the split model: a tp rank holds whole what the
         # plan all-gathers (the input of column-split projections, logits
         # gathered whole), which the plain model's share (1/tp) misses.
-        split = _activations(cfg, model, parallel, topology, tp_split=True)
+        split = _activations(cfg, model, parallel, topology,
+                             tp_labels=plan.tp_labels)
         if split is None:
             plan.notes.append('activations: the split model\'s meta forward '
                               'failed; the plain model\'s divided by tp')
@@ -468,10 +473,13 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
 
 def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
                  topology: ParallelTopology,
-                 tp_split: bool = False) -> Optional[int]:
+                 tp_labels: Optional[Dict[str, str]] = None
+                 ) -> Optional[int]:
     """One micro-batch's activations on this rank, in flight (``model``
-    already split by tp when ``tp_split``: its DTensors' local shards are
-    what is counted)."""
+    already split by tp when ``tp_labels`` names its split modules: its
+    DTensors' local shards are what is counted, after the dry run training
+    runs at the first call: a plan the model's code cannot run is a
+    PlanError naming the module and its style)."""
     from mmpar.analysis.activations import (_block_class, activation_profile,
                                             estimate_from_profile)
     from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -490,6 +498,9 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
     ac_cfg, _ = merge_wrapper_key(cfg.get('activation_checkpointing'),
                                   cfg.get('model_wrapper_cfg'))
     ac_cfg = check_activation_checkpointing(ac_cfg)
+    tp_split = tp_labels is not None
+    if tp_split:
+        _dry_run(model, tp_labels, data)
     try:
         model.to('meta')  # buffers too: nothing is computed
         profile = activation_profile(
@@ -503,6 +514,19 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
         one *= in_flight(schedule, dims.pp, microbatches, per_rank)
     # cp splits each sequence; tp (on the plain model) each layer's.
     return one // (dims.cp * (1 if tp_split else dims.tp))
+
+
+def _dry_run(model: nn.Module, labels: Dict[str, str], data) -> None:
+    """The split model's first call on the meta device, as training runs it
+    (:mod:`mmpar.parallelize.tp_check`)."""
+    from mmpar.parallelize.tp_check import dry_run
+    model.to('meta')  # nothing is computed
+    args, kwargs = ((), dict(data)) if isinstance(data, dict) else (
+        tuple(data), {})
+    try:
+        dry_run(model, labels, args, dict(kwargs, mode='loss'))
+    except ConfigError as err:
+        raise PlanError(str(err)) from err
 
 
 def _gathered_numel(plan: Plan, pipe) -> int:

@@ -57,6 +57,8 @@ from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
 from mmpar.checkpoint.refs import (MODEL_PART, StoredTensor, pack_refs,
                                    stand_ins, stored_part, unpack_refs)
 from mmpar.checkpoint.shadow import swapped_in
+from mmpar.failures import ConfigError
+from mmpar.parallel.dtensor import packed_parameters
 from mmpar.wrappers.base import describe
 
 PLAIN_FILE = 'mmpar_state.pth'
@@ -236,6 +238,14 @@ def save_sharded(model: nn.Module,
             f"checkpoint_format='sharded' saves tensors only; the model's "
             f'state entries {not_tensors} are not tensors. Use '
             "checkpoint_format='full'")
+    packed = packed_parameters(model)
+    if packed:
+        # DCP sees a strided part's rows as overlapping chunks and fails.
+        raise ConfigError(
+            "checkpoint_format='sharded' cannot store the fused tp "
+            f'parameters {packed[:4]} (parallel.tp_plan: '
+            "dict(style='colwise', fused=k)); allowed: "
+            "checkpoint_format='full' with a fused plan")
     plain = dict(extras)
     plain['model_keys'] = _all_keys(list(model_state))
     tensors = {'model': model_state}

@@ -5,8 +5,14 @@ same tensor-parallel coordinate hold the same shard, so reducing local
 shards over the data axis is plain data parallelism for a TP model, and a
 whole tensor from a full checkpoint is cut to this rank's shard locally.
 """
+from typing import List
+
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+# Private: the layout of a fused projection split part by part
+# (docs/architecture.md, private names).
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,3 +60,15 @@ def distribute_like(value, like: torch.Tensor):
         return distribute_tensor(value.to(like.device), like.device_mesh,
                                  like.placements, src_data_rank=None)
     return value
+
+
+def packed_parameters(model: nn.Module) -> List[str]:
+    """Names of ``model``'s parameters split part by part (a fused
+    projection's ``dict(style='colwise', fused=k)``: torch's strided
+    layout on the 1-D tp mesh), which FSDP2 and DCP (sharded checkpoints)
+    do not lay out correctly. (FSDP2 over a plain tp split uses the same
+    placement on its own mesh dimension of a 2-D mesh, which both handle.)
+    """
+    return [name for name, param in model.named_parameters()
+            if isinstance(param, DTensor) and param.device_mesh.ndim == 1
+            and any(isinstance(p, _StridedShard) for p in param.placements)]

@@ -18,20 +18,35 @@ from torch.distributed.device_mesh import DeviceMesh
 from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import TP_PLANS
 
-# transformers style name -> module_plan entry. The *_gather_output / *_rep
-# styles give a replicated output (e.g. the LM head's full-vocabulary
-# logits); embedding_rowwise splits the vocabulary.
+# transformers style name -> module_plan entry (transformers/distributed/
+# tensor_parallel.py registers what each means). The *_gather_output / *_rep
+# colwise styles give a replicated output (the LM head's whole vocabulary;
+# Phi-3's fused qkv_proj and gate_up_proj, which its code slices and
+# chunks); rowwise_split_input / rowwise_rep take a replicated input and cut
+# their part locally; embedding_rowwise splits the vocabulary;
+# packed_colwise packs [gate; up] (fused=2); replicated_with_grad_allreduce
+# is a norm on this rank's heads (Qwen3's q_norm/k_norm). 'replicate' keeps
+# the module whole, as mmpar does with a module the plan leaves out. The
+# older names local_colwise / local_rowwise are colwise / rowwise.
+REPLICATED_OUTPUT = dict(style='colwise', output_layouts='replicate')
+SPLIT_INPUT = dict(style='rowwise', input_layouts='replicate')
 HF_STYLES = {
     'colwise': 'colwise',
+    'local_colwise': 'colwise',
     'rowwise': 'rowwise',
-    'colwise_rep': dict(style='colwise', output_layouts='replicate'),
-    'colwise_gather_output': dict(style='colwise',
-                                  output_layouts='replicate'),
-    'rowwise_rep': 'rowwise',
+    'local_rowwise': 'rowwise',
+    'colwise_rep': REPLICATED_OUTPUT,
+    'colwise_gather_output': REPLICATED_OUTPUT,
+    'rowwise_rep': SPLIT_INPUT,
+    'rowwise_split_input': SPLIT_INPUT,
     'embedding_rowwise': 'rowwise',
+    'embedding_colwise': REPLICATED_OUTPUT,
+    'packed_colwise': dict(style='colwise', fused=2),
+    'replicated_with_grad_allreduce': 'replicate_sharded_input',
+    'replicate': None,
 }
-
-
+# Expert-parallel and model-specific styles (mixture-of-experts weights that
+# are no Linear, DeepSeek's MLA projection): no module_plan equivalent.
 def find_hf_plan(model: nn.Module) -> Tuple[str, Dict[str, str]]:
     """``(module name, its _tp_plan)`` of the first module carrying one.
 
@@ -51,15 +66,18 @@ def find_hf_plan(model: nn.Module) -> Tuple[str, Dict[str, str]]:
 
 def megatron_parents(plan: Dict[str, str]) -> List[str]:
     """Patterns of the modules whose direct children in ``plan`` are
-    exactly ``colwise`` and ``rowwise`` layers (attention, MLP): where the
-    input may be laid out once for the whole block. Never the root (its
-    input is token ids) nor a module the plan names itself."""
+    ``colwise`` and ``rowwise`` layers (attention, MLP), with at most norms
+    on this rank's heads besides (Qwen3's q/k norms): where the input may be
+    laid out once for the whole block. Never the root (its input is token
+    ids) nor a module the plan names itself."""
     children: Dict[str, set] = {}
     for pattern, style in plan.items():
         if '.' in pattern:
             children.setdefault(pattern.rsplit('.', 1)[0], set()).add(style)
+    pair = {'colwise', 'rowwise'}
     return [parent for parent, styles in children.items()
-            if styles == {'colwise', 'rowwise'} and parent not in plan]
+            if pair <= styles <= pair | {'replicated_with_grad_allreduce'}
+            and parent not in plan]
 
 
 def translate_hf_plan(prefix: str, plan: Dict[str, str],
@@ -81,10 +99,12 @@ def translate_hf_plan(prefix: str, plan: Dict[str, str],
         if style not in HF_STYLES:
             raise ValueError(
                 f"parallel.tp_plan='hf': {pattern!r} uses the transformers "
-                f'style {style!r}, which mmpar does not translate; allowed: '
+                f'style {style!r}, which mmpar does not translate (expert-'
+                'parallel and model-specific styles); allowed: '
                 f'{", ".join(HF_STYLES)}')
-        entries[f'{prefix}.{pattern}' if prefix else pattern] = \
-            HF_STYLES[style]
+        if HF_STYLES[style] is not None:
+            entries[f'{prefix}.{pattern}' if prefix else pattern] = \
+                HF_STYLES[style]
     for parent in megatron_parents(plan) if prepare_inputs else ():
         entries[f'{prefix}.{parent}' if prefix else parent] = 'prepare_input'
     return entries
@@ -92,7 +112,7 @@ def translate_hf_plan(prefix: str, plan: Dict[str, str],
 
 @TP_PLANS.register_module(name='hf')
 def hf(model: nn.Module, tp_mesh: DeviceMesh,
-       prepare_inputs: bool = True) -> None:
+       prepare_inputs: bool = True) -> Dict[str, str]:
     """Split the transformers model inside ``model`` by its own TP plan.
 
     Args:
@@ -105,5 +125,5 @@ def hf(model: nn.Module, tp_mesh: DeviceMesh,
         raise ValueError(f"parallel.tp_plan.prepare_inputs={prepare_inputs!r}"
                          " is not allowed; allowed: True or False")
     prefix, plan = find_hf_plan(model)
-    module_plan(model, tp_mesh, translate_hf_plan(prefix, plan,
-                                                  prepare_inputs))
+    return module_plan(model, tp_mesh,
+                       translate_hf_plan(prefix, plan, prepare_inputs))

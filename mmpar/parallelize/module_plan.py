@@ -2,12 +2,15 @@
 
 Module-name patterns map to styles: torch's ``ColwiseParallel`` /
 ``RowwiseParallel`` / ``SequenceParallel`` and mmpar's ``replicate`` and
-``prepare_input`` (a block's input laid out once for all its split layers);
-an entry may be a dict ``dict(style=..., input_layouts=..., output_layouts=...,
-desired_input_layouts=..., use_local_output=...)`` with layouts written
-``'replicate'``, ``'shard(N)'`` or ``'partial'``. Everything the data can get wrong (unknown style or layout,
-a pattern matching no module, a module the style cannot split, tp not
-dividing a split dimension) is found before the first collective. See
+``prepare_input`` (a block's input laid out once for all its split layers),
+``replicate_sharded_input``; an entry may be a dict ``dict(style=...,
+input_layouts=..., output_layouts=..., desired_input_layouts=...,
+use_local_output=..., fused=...)`` with layouts written ``'replicate'``,
+``'shard(N)'`` or ``'partial'``; ``dict(style='colwise', fused=3)`` splits a
+projection packing 3 outputs (timm's ``qkv``) part by part. Everything the
+data can get wrong (unknown style or layout, a pattern matching no module, a
+module the style cannot split, tp (times ``fused``) not dividing a split
+dimension) is found before the first collective. See
 docs/tensor_parallel.md.
 """
 import fnmatch
@@ -22,22 +25,26 @@ from torch.distributed.tensor.parallel import (ColwiseParallel,
                                                SequenceParallel,
                                                parallelize_module)
 
-from mmpar.parallelize.tp_styles import (PrepareInput, ReplicateParallel,
+from mmpar.parallelize.tp_styles import (FusedColwiseParallel, PrepareInput,
+                                         ReplicateParallel,
+                                         ReplicateShardedInput,
                                          positional_parameters)
 from mmpar.registry import TP_PLANS
 
 # style -> the entry keys it takes besides ``style``.
 STYLE_KEYS = {
-    'colwise': ('input_layouts', 'output_layouts', 'use_local_output'),
+    'colwise': ('input_layouts', 'output_layouts', 'use_local_output',
+                'fused'),
     'rowwise': ('input_layouts', 'output_layouts', 'use_local_output'),
     'sequence_parallel': ('use_local_output', ),
     'replicate': ('use_local_output', ),
+    'replicate_sharded_input': ('use_local_output', ),
     'prepare_input': ('input_layouts', 'desired_input_layouts',
                       'use_local_output'),
 }
 STYLES = tuple(STYLE_KEYS)
 ENTRY_KEYS = ('style', 'input_layouts', 'output_layouts',
-              'desired_input_layouts', 'use_local_output')
+              'desired_input_layouts', 'use_local_output', 'fused')
 # Modules torch's Colwise/RowwiseParallel can split, and which weight
 # dimension each style splits: (colwise, rowwise).
 SPLIT_DIMS = {nn.Linear: (0, 1), nn.Embedding: (1, 0)}
@@ -145,10 +152,27 @@ def _normalize_entry(pattern: str, entry, key: str) -> dict:
     if style == 'prepare_input':
         prepare_input_layouts(entry, Replicate(), where)
         return dict(entry)
+    if 'fused' in entry:
+        _check_fused(entry, where)
     for name in ('input_layouts', 'output_layouts'):
         if entry.get(name) is not None:
             parse_layout(entry[name], f'{where}.{name}')
     return dict(entry)
+
+
+def _check_fused(entry: dict, where: str) -> None:
+    fused = entry['fused']
+    if not isinstance(fused, int) or isinstance(fused, bool) or fused < 1:
+        raise ValueError(f'{where}.fused={fused!r} is not allowed; allowed: '
+                         'an int >= 1, the number of equal parts the '
+                         "output packs (3 for a fused q/k/v, 2 for "
+                         'gate/up)')
+    output = entry.get('output_layouts')
+    if fused > 1 and output is not None and \
+            parse_layout(output, f'{where}.output_layouts') != Replicate():
+        raise ValueError(f'{where}.output_layouts={output!r} is not allowed '
+                         'with fused; allowed: None (this rank\'s part of '
+                         "each packed part) or 'replicate'")
 
 
 def check_module_plan_data(plan, key: str = 'parallel.tp_plan.plan') -> None:
@@ -183,10 +207,15 @@ def match_modules(model: nn.Module, pattern: str) -> List[str]:
     return names
 
 
-def _check_split(name: str, module: nn.Module, style: str, tp_size: int,
+def _check_split(name: str, module: nn.Module, entry: dict, tp_size: int,
                  key: str) -> None:
+    style, fused = entry['style'], entry.get('fused', 1)
     if style not in ('colwise', 'rowwise'):
         return
+    if fused > 1 and not isinstance(module, nn.Linear):
+        raise ValueError(
+            f'{key}: {name!r} is a {type(module).__name__}; '
+            f'dict(style={style!r}, fused={fused}) splits only nn.Linear')
     kinds = [cls for cls in SPLIT_DIMS if isinstance(module, cls)]
     if not kinds:
         raise ValueError(
@@ -195,6 +224,12 @@ def _check_split(name: str, module: nn.Module, style: str, tp_size: int,
             'children their own entries, or use sequence_parallel/replicate)')
     dim = SPLIT_DIMS[kinds[0]][0 if style == 'colwise' else 1]
     size = module.weight.shape[dim]
+    if fused > 1 and size % (fused * tp_size):
+        raise ValueError(
+            f'{key}: tp={tp_size} x fused={fused} does not divide {name!r} '
+            f'(colwise): its weight {tuple(module.weight.shape)} packs '
+            f'{fused} parts in dim 0 of size {size}, each split over tp; '
+            f'allowed: fused x tp dividing {size}')
     if size % tp_size:
         raise ValueError(
             f'{key}: tp={tp_size} does not divide {name!r} ({style}): its '
@@ -233,6 +268,7 @@ def _style(entry: dict, sequence_parallel: bool, module: nn.Module,
         for k, v in entry.items() if k != 'style' and v is not None
     }
     style = entry['style']
+    fused = kwargs.pop('fused', 1)
     if style == 'colwise':
         if prepared is not None:
             # Inside a prepare_input module: the input was laid out (e.g.
@@ -240,6 +276,8 @@ def _style(entry: dict, sequence_parallel: bool, module: nn.Module,
             kwargs.setdefault('input_layouts', prepared)
         elif sequence_parallel:
             kwargs.setdefault('input_layouts', Shard(SEQUENCE_DIM))
+        if fused > 1:
+            return FusedColwiseParallel(fused=fused, **kwargs)
         return ColwiseParallel(**kwargs)
     if style == 'rowwise':
         if isinstance(module, nn.Embedding):
@@ -251,6 +289,8 @@ def _style(entry: dict, sequence_parallel: bool, module: nn.Module,
         return RowwiseParallel(**kwargs)
     if style == 'sequence_parallel':
         return SequenceParallel(sequence_dim=SEQUENCE_DIM, **kwargs)
+    if style == 'replicate_sharded_input':
+        return ReplicateShardedInput(**kwargs)
     return ReplicateParallel(**kwargs)
 
 
@@ -293,7 +333,7 @@ def module_plan_styles(model: nn.Module, plan: dict, tp_size: int,
             if name in assigned:
                 raise ValueError(f'{key}: {name!r} is matched by more than '
                                  f'one pattern (the last is {pattern!r})')
-            _check_split(name, modules[name], entry['style'], tp_size, key)
+            _check_split(name, modules[name], entry, tp_size, key)
             assigned[name] = dict(entry, pattern=pattern)
     styles: Dict[str, ParallelStyle] = {}
     prepared: Dict[str, Placement] = {}
@@ -315,14 +355,26 @@ def module_plan_styles(model: nn.Module, plan: dict, tp_size: int,
 
 
 @TP_PLANS.register_module(name='module_plan')
-def module_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> None:
+def module_plan(model: nn.Module, tp_mesh: DeviceMesh,
+                plan: dict) -> Dict[str, str]:
     """Split ``model`` by plain data: module-name patterns -> styles.
 
     Args:
         model: the plain model; changed in place.
         tp_mesh: the 1-D tensor-parallel mesh.
         plan: ``{pattern: style or dict(style=..., input_layouts=...,
-            output_layouts=..., use_local_output=...)}``.
+            output_layouts=..., use_local_output=..., fused=...)}``.
+
+    Returns:
+        ``{module name: its entry as written}``, for messages.
     """
     styles = module_plan_styles(model, plan, tp_mesh.size())
     parallelize_module(model, tp_mesh, styles)
+    return {name: _label(plan[pattern]) for pattern in plan
+            for name in match_modules(model, pattern)}
+
+
+def _label(entry) -> str:
+    if isinstance(entry, str):
+        return repr(entry)
+    return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in entry.items()) + ')'

@@ -13,17 +13,20 @@ styles), so most models need no code at all::
 
 The plan's own checks (:mod:`mmpar.parallelize.module_plan` for the data
 form) run on every rank before the first collective, so a bad plan fails at
-start-up, never in a hang.
+start-up, never in a hang; the split model's first call is dry-run on the
+meta device first (:mod:`mmpar.parallelize.tp_check`), so split shapes the
+model's code does not accept fail naming the plan, never deep in the model.
 See docs/tensor_parallel.md. Helpers for this rank's part of a DTensor
 live in :mod:`mmpar.parallel.dtensor`.
 """
 import copy
-from typing import Callable, List, Tuple, Union
+from typing import Callable, Dict, List, Tuple, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mmpar.parallelize.module_plan import check_module_plan_data, module_plan
+from mmpar.parallelize.tp_check import install_dry_run, split_labels
 from mmpar.registry import TP_PLANS, lookup_callable, registered_names
 
 PlanCfg = Union[None, str, dict, Callable]
@@ -80,8 +83,8 @@ def check_tp_plan(cfg: PlanCfg) -> None:
     resolve_tp_plan(cfg)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
-             tp_plan: PlanCfg) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: PlanCfg,
+             dry_run: bool = True) -> nn.Module:
     """Split ``model``'s layers over ``tp_mesh`` as ``tp_plan`` says.
 
     Call before activation checkpointing and the data-parallel wrapper.
@@ -92,7 +95,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
         model: the plain model, on its device; changed in place.
         tp_mesh: the 1-D tensor-parallel mesh (``mesh['tp']``).
         tp_plan: a registered name, ``dict(type=NAME, **kwargs)`` or a
-            callable ``plan(model, tp_mesh, **kwargs)``.
+            callable ``plan(model, tp_mesh, **kwargs)`` (which may return
+            ``{module name: style}`` for the messages below).
+        dry_run: dry-run the model's first call on a meta replica
+            (:func:`~mmpar.parallelize.tp_check.install_dry_run`).
 
     Returns:
         ``model``.
@@ -100,7 +106,24 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh,
     Raises:
         ValueError: a bad plan (see :func:`module_plan_styles`), raised on
             every rank before any collective.
+        ConfigError: (at the first call) the split model's forward fails,
+            naming the module and its style.
+    """
+    labels = split_model(model, tp_mesh, tp_plan)
+    if dry_run:
+        install_dry_run(model, labels)
+    return model
+
+
+def split_model(model: nn.Module, tp_mesh: DeviceMesh,
+                tp_plan: PlanCfg) -> Dict[str, str]:
+    """Apply ``tp_plan`` to ``model`` (as :func:`apply_tp`, without the dry
+    run).
+
+    Returns:
+        ``{module name: its style}`` of the split modules, as the plan wrote
+        it (``module_plan`` and ``hf``) or as their parameters' layouts.
     """
     plan, kwargs = resolve_tp_plan(tp_plan)
-    plan(model, tp_mesh, **kwargs)
-    return model
+    labels = plan(model, tp_mesh, **kwargs)
+    return labels if isinstance(labels, dict) else split_labels(model)

@@ -1,18 +1,26 @@
 """mmpar's own tensor-parallel styles, next to torch's Colwise/Rowwise/
-SequenceParallel: ``replicate`` (a module kept whole as Replicate DTensors)
-and ``prepare_input`` (a module's inputs laid out once for every split layer
-inside it). ``module_plan`` (:mod:`mmpar.parallelize.module_plan`) builds
+SequenceParallel: ``replicate`` (a module kept whole as Replicate DTensors),
+``prepare_input`` (a module's inputs laid out once for every split layer
+inside it), fused ``colwise`` (a projection packing k outputs, such as
+timm's ``qkv``) and ``replicate_sharded_input`` (a norm applied to this
+rank's heads). ``module_plan`` (:mod:`mmpar.parallelize.module_plan`) builds
 them from plain data; see docs/tensor_parallel.md.
 """
 import inspect
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (DTensor, Placement, Replicate,
-                                      distribute_module)
-from torch.distributed.tensor.parallel import ParallelStyle
+                                      distribute_module, distribute_tensor)
+from torch.distributed.tensor.parallel import (ColwiseParallel,
+                                               ParallelStyle, SequenceParallel)
+# Private: torch's layout for "k equal parts, each sharded on its own" (what
+# FSDP2 x TP and transformers' packed_colwise use); no public placement says
+# it (docs/architecture.md, private names).
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class ReplicateParallel(ParallelStyle):
@@ -137,3 +145,82 @@ class PrepareInput(ParallelStyle):
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(layouts={self.layouts}, '
                 f'use_local_output={self.use_local_output})')
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column-split a Linear whose output packs ``fused`` equal parts.
+
+    timm's attention computes q, k and v with one ``qkv`` Linear (weight rows
+    ``[q; k; v]``) and reshapes its output to ``(..., 3, heads, head_dim)``;
+    a SwiGLU MLP packs ``[gate; up]`` and chunks in two. Plain colwise gives
+    rank 0 the first rows (all of q and half of k at tp=2); here each part is
+    split on its own, so rank r holds ``[q_r; k_r; v_r]`` and its output
+    packs the same parts for its own heads. The weight and bias are DTensors
+    with torch's strided layout (``_StridedShard(0, split_factor=fused)``),
+    so gathering them (full checkpoints, ``full_tensor()``) gives the
+    original row order back, and a full checkpoint loads into the parts.
+
+    Args:
+        fused: the number of equal parts the output packs (3 for q/k/v).
+        input_layouts: as torch's ColwiseParallel.
+        output_layouts: None (default): this rank's part of every packed
+            part, side by side; ``Replicate()``: the whole output.
+        use_local_output: as torch's ColwiseParallel.
+    """
+
+    def __init__(self, *, fused: int, input_layouts=None,
+                 output_layouts: Optional[Placement] = None,
+                 use_local_output: bool = True):
+        super().__init__(input_layouts=input_layouts,
+                         use_local_output=use_local_output)
+        self.fused = fused
+        self.packed = _StridedShard(0, split_factor=fused)
+        self.output_layouts = (output_layouts, )
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for name, param in module.named_parameters():
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, device_mesh, [self.packed],
+                                  src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_packed_output(output_layouts, use_local_output, mod,
+                               outputs, device_mesh):
+        if output_layouts[0] is not None:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise NotImplementedError(
+                'FusedColwiseParallel splits only nn.Linear')
+        return distribute_module(
+            module, device_mesh, self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts,
+                    self.desired_input_layouts),
+            partial(self._prepare_packed_output, self.output_layouts,
+                    self.use_local_output))
+
+    def __repr__(self) -> str:
+        return (f'{type(self).__name__}(fused={self.fused}, '
+                f'input_layouts={self.input_layouts}, '
+                f'output_layouts={self.output_layouts}, '
+                f'use_local_output={self.use_local_output})')
+
+
+class ReplicateShardedInput(SequenceParallel):
+    """Keep a module whole and apply it to this rank's part of its input.
+
+    For a norm between a colwise and a rowwise layer that normalises each
+    head on its own (Qwen3's ``q_norm`` / ``k_norm`` over ``head_dim``): the
+    input is this rank's heads, the output too, and no collective runs in
+    forward; each rank's weight gradient covers only its heads, so they are
+    summed over tp in backward (transformers' ``replicated_with_grad_
+    allreduce``). The input is declared sharded on dim 0: any dimension but
+    the normalised last one gives the same local result and makes DTensor
+    sum the weight gradient.
+    """
+
+    def __init__(self, *, use_local_output: bool = True):
+        super().__init__(sequence_dim=0, use_local_output=use_local_output)

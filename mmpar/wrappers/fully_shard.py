@@ -17,6 +17,8 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule,
 from torch.distributed.fsdp import fully_shard
 
 from mmpar.dist import uses_cuda
+from mmpar.failures import ConfigError
+from mmpar.parallel.dtensor import packed_parameters
 from mmpar.parallel.mesh import fallback_data_mesh
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, Strategy
 from mmpar.parallel.sharding import strategy_name
@@ -111,6 +113,17 @@ class MMFullyShard(StepMixin, nn.Module):
                  buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
         args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
+        packed = packed_parameters(module)
+        if packed:
+            # fully_shard reads the tp placement as a plain Shard(0) and
+            # gathers the parts in the wrong order (measured: the fused
+            # qkv weight differs from one process's after one step).
+            raise ConfigError(
+                f"model_wrapper_cfg.type='{type(self).__name__}' cannot "
+                f'shard the fused tp parameters {packed[:4]} '
+                "(parallel.tp_plan: dict(style='colwise', fused=k)); "
+                "allowed: model_wrapper_cfg.type='MMDistributedDataParallel'"
+                " or 'MMBucketDataParallel' with a fused plan")
         super().__init__()
         self._init_steps(sync_strategy, buffer_sync)
         strategy = _strategy(sharding_strategy)

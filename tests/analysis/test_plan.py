@@ -287,3 +287,21 @@ def test_pipeline_memory_is_also_sharded_over_dp(rank):
     count = plan.memory[0][1]
     assert count == _real_stage_shard_numel(rank, stage)
     assert numels[stage] / 2 <= count < 0.55 * numels[stage]
+
+
+def test_plan_the_model_cannot_run_fails_the_plan_naming_the_module():
+    """tools/plan.py runs the split model's first call on the meta device
+    as training does: timm's fused qkv split without its output projection
+    (which then gets half its input) is a PlanError naming both. (Valid
+    plans pass the same dry run in every other tp test here.)"""
+    cfg = Config.fromfile(str(DATA.parents[1] / 'configs' / 'vit_digits' /
+                               'vit_digits_tp_custom.py'))
+    cfg.model.fused_qkv = True
+    qkv = dict(style='colwise', fused=3)
+    cfg.parallel.tp_plan.plan = {'blocks.*.attn.qkv': qkv}
+    with pytest.raises(PlanError, match=(
+            r"^parallel.tp_plan: the split model cannot run: .* fails in "
+            r"'blocks.0.attn.proj' after 'blocks.0.attn.qkv' \(style "
+            r"dict\(style='colwise', fused=3\)\) returned its split output: "
+            r"RuntimeError: .*\[512, 32\] X \[64, 64\]")):
+        make_plan(cfg, 2, 0)

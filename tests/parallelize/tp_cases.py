@@ -32,7 +32,15 @@ def make_splittable_vit(seed: int = 0):
     return SplittableViT(embed_dim=16, depth=2, num_heads=4)
 
 
-MODELS = dict(vit=make_vit, splittable=make_splittable_vit)
+def make_fused_vit(seed: int = 0):
+    """The user model with timm's fused ``qkv`` attention."""
+    from examples.my_pkg.tp_vit import SplittableViT
+    torch.manual_seed(seed)
+    return SplittableViT(embed_dim=16, depth=2, num_heads=4, fused_qkv=True)
+
+
+MODELS = dict(vit=make_vit, splittable=make_splittable_vit,
+              fused=make_fused_vit)
 
 
 def make_image_batches(num=STEPS * ACCUMULATE, batch_size=8, seed=1):

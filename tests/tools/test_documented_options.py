@@ -33,7 +33,10 @@ pp, pipeline_parallelism       ``pp_GPipe`` [both spellings]; ``pp`` in
                                every ``pp_*`` launch
 cp                             exempt here (the ViT has no cp attention):
                                tests/tools/test_cp_end_to_end.py
-tp_plan                        ``tp`` [module_plan dict]; the registered
+tp_plan                        ``tp`` [module_plan dict, a fused qkv:
+                               ``dict(style='colwise', fused=3)``, on
+                               examples/my_pkg/tp_vit.py's SplittableViT
+                               with timm's attention]; the registered
                                name form in tests/parallelize/
                                test_tp_end_to_end.py
 pipeline                       every ``pp_*`` launch
@@ -207,12 +210,19 @@ LAUNCHES = {
     # schedule behaviour.
     'pp_fsdp2': _pp_fsdp2(reshard_per_microbatch=True),
     'pp_fsdp2_held': _pp_fsdp2(reshard_per_microbatch=False),
+    # A model with timm's fused qkv, split part by part.
     'tp': dict(
+        custom_imports=dict(imports=['examples.my_pkg.tp_vit'],
+                            allow_failed_imports=False),
+        model=dict(type='SplittableViT', fused_qkv=True),
         parallel=dict(
             tp=2, model_parallelism=2,
-            tp_plan=dict(type='module_plan',
-                         plan={'blocks.*.mlp.0': 'colwise',
-                               'blocks.*.mlp.3': 'rowwise'})),
+            tp_plan=dict(type='module_plan', plan={
+                'blocks.*.attn': 'prepare_input',
+                'blocks.*.attn.qkv': dict(style='colwise', fused=3),
+                'blocks.*.attn.proj': 'rowwise',
+                'blocks.*.mlp.fc1': 'colwise',
+                'blocks.*.mlp.fc2': 'rowwise'})),
         model_wrapper_cfg=dict(type='MMBucketDataParallel', bucket_cap_mb=1,
                                sync_strategy='multi_auto_sync')),
 }

@@ -20,6 +20,7 @@ from mmpar.parallelize.pipeline.schedules import (schedule_class,
 from mmpar.parallelize.pipeline.split import (check_protocol, layer_names,
                                               split_stage, stage_starts)
 from mmpar.parallelize.pipeline.stage import MicrobatchReshardStage
+from mmpar.parallelize.tp_check import cancel_dry_run
 from mmpar.parallelize.pipeline.step import MMPipelineParallel
 from mmpar.wrappers.base import StepMixin
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, declared,
@@ -103,6 +104,7 @@ def pipeline_parallelize(model: nn.Module, topology, parallel,
         starts = stage_starts(model, config.split_points, num_stages)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    cancel_dry_run(model)  # stages are called, never the whole model
     pp_rank = topology.pp.rank
     indices = stage_indices(config.schedule, pp_rank, dims.pp,
                             config.stages_per_rank)
