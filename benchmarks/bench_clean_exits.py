@@ -209,8 +209,10 @@ def busy_loops(count: int, cpu: Optional[int] = None) -> list:
 
 def run(num_jobs: int, parallel: int, layouts: List[str], nprocs: List[int],
         busy: int = 0, starve_gloo: bool = False,
+        max_minutes: Optional[float] = None,
         folder: Optional[str] = None) -> dict:
-    """Run the jobs; returns the summary (see :func:`format_report`)."""
+    """Run the jobs; returns the summary (see :func:`format_report`). After
+    ``max_minutes`` no further job starts (those running finish)."""
     jobs = plan_jobs(num_jobs, layouts, nprocs)
     with tempfile.TemporaryDirectory(prefix='mmpar_exits_',
                                      dir=folder) as tmp:
@@ -219,19 +221,27 @@ def run(num_jobs: int, parallel: int, layouts: List[str], nprocs: List[int],
         if starve_gloo:
             spinners += busy_loops(1, cpu=STARVE_CPU)
         sampler, start = LoadSampler(), time.time()
+        deadline = start + 60 * max_minutes if max_minutes else None
+
+        def run_in_time(job: Job) -> Job:
+            if deadline is None or time.time() < deadline:
+                run_job(job, configs, tmp, starve_gloo)
+            return job
+
         try:
             with ThreadPoolExecutor(parallel) as pool:
-                for job in pool.map(
-                        lambda j: run_job(j, configs, tmp, starve_gloo),
-                        jobs):
-                    print_job(job)
+                for job in pool.map(run_in_time, jobs):
+                    if job.launches:
+                        print_job(job)
         finally:
             for spinner in spinners:
                 spinner.kill()
                 spinner.wait()
         conditions = sampler.stop()
     launches = [launch for job in jobs for launch in job.launches]
-    return dict(jobs=jobs, num_jobs=num_jobs, parallel=parallel,
+    ran = [job for job in jobs if job.launches]
+    return dict(jobs=ran, num_jobs=len(ran), planned_jobs=num_jobs,
+                max_minutes=max_minutes, parallel=parallel,
                 layouts=layouts, nprocs=nprocs, busy=busy,
                 starve_gloo=starve_gloo,
                 num_launches=len(launches),
@@ -260,8 +270,13 @@ def _conditions(summary: dict) -> str:
 
 
 def format_report(summary: dict) -> str:
+    stopped = ''
+    if summary['num_jobs'] < summary['planned_jobs']:
+        stopped = (f' (of {summary["planned_jobs"]} planned: no job started '
+                   f'after {summary["max_minutes"]:g} min)')
     return (
-        f'{summary["num_jobs"]} jobs ({", ".join(summary["layouts"])}; '
+        f'{summary["num_jobs"]} jobs{stopped} '
+        f'({", ".join(summary["layouts"])}; '
         f'{" and ".join(map(str, summary["nprocs"]))} ranks), each '
         f'`tools/dist_train.sh` ({ITERS} iterations, validation, checkpoint) '
         f'then `tools/dist_test.sh`, {summary["parallel"]} jobs at a time'
@@ -291,12 +306,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--starve-gloo', action='store_true',
                         help='reproduce the aborts at exit: ranks on one '
                         'CPU with a busy loop, gloo threads at SCHED_IDLE')
+    parser.add_argument('--max-minutes', type=float, default=None,
+                        help='start no job after this many minutes')
     parser.add_argument('--out', default='',
                         help='folder of benchmarks.md to write the summary '
                         'to ("" to print only)')
     args = parser.parse_args(argv)
     summary = run(args.jobs, args.parallel, args.layouts, args.nproc,
-                  args.busy, args.starve_gloo)
+                  args.busy, args.starve_gloo, args.max_minutes)
     report = format_report(summary)
     print(report)
     if args.out:
