@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/bench_clean_exits.py \
         [--jobs 200] [--parallel 4] [--nproc 2 4] [--layouts ddp fsdp2 tp] \
-        [--busy 0] [--starve-gloo] [--out docs]
+        [--max-minutes M] [--busy 0] [--starve-gloo] [--out docs]
 
 Each job trains the default example (``configs/vit_digits``, in the layout
 named) for a few iterations with ``bash tools/dist_train.sh CONFIG N``,
@@ -295,7 +295,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help='how many train+test jobs')
     parser.add_argument('--parallel', type=int, default=4,
                         help='how many jobs run at a time')
-    parser.add_argument('--nproc', type=int, nargs='+', default=[2],
+    parser.add_argument('--nproc', type=int, nargs='+', default=[2, 4],
                         help='ranks per job; jobs cycle through these')
     parser.add_argument('--layouts', nargs='+', default=['ddp', 'fsdp2',
                                                          'tp'],
