@@ -15,14 +15,22 @@ say what happened, once:
   failure with the smallest timestamp in whole seconds, the lower rank on a
   tie) sees the failed rank's exit first and stops this one;
 * every rank tears its process group down, and the process exits non-zero.
+
+A tool's process then ends through :func:`exit_process`, whether it failed
+or not, without the interpreter's teardown, which can abort a finished run
+(see there).
 """
+import atexit
 import contextlib
+import gc
+import io
 import json
 import os
 import sys
+import threading
 import time
 import traceback
-from typing import Iterator
+from typing import Callable, Iterator, NoReturn, Union
 
 # Messages gloo (and nccl) raise on a rank whose peer died or hung.
 PEER_FAILURE_MARKERS = (
@@ -148,10 +156,99 @@ def fail_fast() -> Iterator[None]:
             _record_for_torchrun(err)
         raise SystemExit(1) from None
     else:
-        # Leave together. A rank that tears gloo down while a peer is still
-        # finishing the last collective can abort at exit ("terminate called
-        # without an active exception", seen once in 5 clean 2-rank runs).
-        # Only on success: after a failure a barrier would wait for the dead.
+        # Leave together: no rank closes its sockets while a peer is still
+        # in the last collective. Only on success: after a failure a barrier
+        # would wait for the dead. (The aborts at exit once blamed on this
+        # come from the interpreter's teardown: see exit_process.)
         _barrier()
     finally:
         destroy_process_group()
+
+
+def exit_code(code: Union[int, str, None]) -> int:
+    """The status Python exits with for ``SystemExit(code)``: None is 0, a
+    non-integer is printed to stderr and is 1."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_and_exit(main: Callable[[], object]) -> NoReturn:
+    """Run a tool's ``main()``, then end the process with its status
+    through :func:`exit_process` (``SystemExit(code)`` gives ``code``, an
+    exception its traceback and 1). ``KeyboardInterrupt`` passes through."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_code(exit_.code)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: B902 - what the interpreter would do
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End the process with ``code``, without the interpreter's teardown.
+
+    Why: torch's gloo worker threads (``pt_gloo_runloop``) outlive
+    ``destroy_process_group``: it stops none of them, and a group's backend,
+    which joins them when it is freed, stays alive while anything references
+    the group (after an FSDP2 run, two of its three gloo backends outlive
+    the Runner, ``destroy_process_group`` and ``gc.collect()``).
+    Such a thread drops its reference to a finished collective's work some
+    time after the caller's ``wait()`` returned, and a barrier's work keeps
+    earlier works, and their tensors, until then. Freeing a tensor whose
+    Python object the C++ side owns takes the GIL; once the main thread is in
+    ``Py_FinalizeEx``, CPython ends a thread that asks for the GIL with
+    ``pthread_exit``, whose unwinding through a ``noexcept`` destructor calls
+    ``std::terminate``: "terminate called without an active exception",
+    SIGABRT, and torchrun reports the finished job failed (exit 1). A loaded
+    machine, which delays the gloo thread past the main thread's exit, makes
+    it likely (benchmarks/bench_clean_exits.py --starve-gloo forces it).
+    torch tracks it as https://github.com/pytorch/pytorch/issues/190489
+    (open); https://github.com/pytorch/pytorch/pull/179291 tried an atexit
+    ``destroy_process_group``, which cannot help while the groups are still
+    referenced. The mechanism: https://github.com/pytorch/pytorch/issues/38228.
+
+    So this does what the teardown does that a run's output depends on, with
+    the interpreter still whole: join the non-daemon threads, run the atexit
+    handlers (logging's flush and close, ``weakref.finalize``, temporary
+    directories), flush every open file; then ``os._exit(code)`` ends the
+    gloo threads with the process.
+
+    Args:
+        code: the exit status.
+    """
+    try:
+        main_thread = threading.main_thread()
+        for thread in threading.enumerate():
+            if thread is not main_thread and not thread.daemon:
+                thread.join()
+        # No public way to run the atexit handlers now (the test suite's fork
+        # server does the same).
+        atexit._run_exitfuncs()
+        _flush_open_files()
+    finally:
+        os._exit(code)
+
+
+def _flush_open_files() -> None:
+    """Close unreachable files and flush the others, as the teardown
+    would (a file a user's hook left open keeps what it wrote)."""
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass

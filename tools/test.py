@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmpar.cli import build_runner, parse_test_args, test_config  # noqa: E402
-from mmpar.failures import fail_fast  # noqa: E402
+from mmpar.failures import fail_fast, run_and_exit  # noqa: E402
 
 
 def main():
@@ -15,4 +15,6 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    # Ends without the interpreter's teardown, which can abort a finished
+    # run (mmpar.failures.exit_process says why).
+    run_and_exit(main)

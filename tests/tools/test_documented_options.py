@@ -103,7 +103,6 @@ them None) and the CUDA-only values above.
 import dataclasses
 import inspect
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -428,29 +427,14 @@ def write_config(path: Path, entries: dict) -> Path:
     return path
 
 
-# A known defect (mmpar/failures.py's comment on fail_fast; to be fixed in
-# mmpar): a rank of a finished FSDP1 run sometimes aborts while tearing gloo
-# down (measured here: 3 of 21 FSDP1 launches, 0 of 8 DDP ones).
-EXIT_ABORT = 'terminate called without an active exception'
-
-
 def dist_train(config: Path, work_dir: Path, *args, nproc=2):
-    """``tools/dist_train.sh``; fails on a non-zero exit, except the known
-    abort at exit after the run completed (its last checkpoint written),
-    which only warns so that the defect stays visible."""
+    """``tools/dist_train.sh``; fails on a non-zero exit."""
     proc = run_tool(['bash', 'tools/dist_train.sh', config, nproc,
                      '--work-dir', work_dir, *args], timeout=300, check=False)
-    output = proc.stdout + proc.stderr
-    finished = (work_dir / f'iter_{ITERS}.pth').is_file() and (
-        work_dir / 'last_checkpoint').read_text().endswith(
-            f'iter_{ITERS}.pth')
-    if proc.returncode != 0 and EXIT_ABORT in output and finished:
-        warnings.warn(f'{config.name}: a rank aborted at exit after the run '
-                      f'completed ({EXIT_ABORT!r}; the known gloo teardown '
-                      'defect)')
-    elif proc.returncode != 0:
+    if proc.returncode != 0:
         raise AssertionError(f'dist_train.sh {config} exited '
-                             f'{proc.returncode}\n{output[-6000:]}')
+                             f'{proc.returncode}\n'
+                             f'{(proc.stdout + proc.stderr)[-6000:]}')
     return proc
 
 
