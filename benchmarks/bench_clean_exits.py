@@ -39,7 +39,6 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import utc_now, write_section  # noqa: E402
-from mmpar.dist import free_port  # noqa: E402
 
 SECTION = '## Clean exits: short train+test jobs through the tools'
 # Layout name -> the shipped config it starts from.
@@ -135,7 +134,6 @@ def launch_env(starve_gloo: bool = False) -> dict:
     # A rank that aborts prints every Python thread's stack: the report
     # shows where it was.
     env['PYTHONFAULTHANDLER'] = '1'
-    env['PORT'] = str(free_port())
     return env
 
 

@@ -9,16 +9,18 @@ from pathlib import Path
 
 import torch
 
-from mmpar.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = 'configs/vit_digits/vit_digits.py'
+# FSDP2 and FSDP1 over the digits ViT's blocks, as the parity tests wrap it.
+VIT_FSDP2 = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
+    type='module_class', module_classes=['TransformerBlock']))
+VIT_FSDP1 = dict(VIT_FSDP2, type='MMFullyShardedDataParallel')
 
 
 def tool_env(**extra) -> dict:
     env = dict(os.environ)
     env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
-    env['PORT'] = str(free_port())
     env['OMP_NUM_THREADS'] = '1'
     if _served():
         env.update(fork_server().env)

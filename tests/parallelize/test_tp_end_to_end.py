@@ -96,6 +96,7 @@ def test_two_nodes_keep_each_tp_group_on_one_node(run_dist, tmp_path):
     import json
     import subprocess
 
+    from mmpar.dist import free_port
     from tests.e2e import ROOT, tool_env
     config = tmp_path / 'placement.py'
     config.write_text('\n'.join([
@@ -107,7 +108,7 @@ def test_two_nodes_keep_each_tp_group_on_one_node(run_dist, tmp_path):
     options = ['--cfg-options', *TP, 'train_cfg.max_iters=4', *SHORT]
     one_node = tmp_path / 'one_node'
     run_dist(_one_node, one_node, world_size=4)
-    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1')
+    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1', PORT=free_port())
     nodes = [
         subprocess.Popen(
             ['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from mmpar.dist import free_port
 from tests.e2e import (DEFAULT_CONFIG, ROOT, assert_same_training_state,
                        load_ckpt, run_tool, tool_env)
 from tests.test_no_hangs import write_config
@@ -30,7 +31,7 @@ def reference(default_two_rank_run):
 
 
 def test_two_nodes_match_one_node(reference, tmp_path):
-    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1')
+    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1', PORT=free_port())
     nodes = []
     for node_rank in (0, 1):
         # Each "node" keeps its own work dir, as on separate machines.
