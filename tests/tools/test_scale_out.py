@@ -78,7 +78,7 @@ def test_slurm_train_sh_runs_one_task(tmp_path):
     task: rank, world size and master address come from those variables."""
     env = tool_env(GPUS=1, GPUS_PER_NODE=1, CPUS_PER_TASK=1)
     env['PATH'] = f'{ROOT / "tests" / "fake_slurm"}{os.pathsep}{env["PATH"]}'
-    env['MASTER_PORT'] = env['PORT']
+    env['MASTER_PORT'] = str(free_port())
     env.pop('MASTER_ADDR', None)
     proc = run_tool(['bash', 'tools/slurm_train.sh', 'cpu', 'mmpar-test',
                      DEFAULT_CONFIG, tmp_path] + epochs(1),
