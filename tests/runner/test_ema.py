@@ -32,14 +32,12 @@ from mmpar.checkpoint.refs import (REFS_KEY, StoredTensor, pack_refs,
                                    stand_ins, unpack_refs)
 from mmpar.config_check import check_hooks
 from mmpar.failures import ConfigError
-from tests.e2e import ROOT, load_ckpt
+from tests.e2e import ROOT, VIT_FSDP1, VIT_FSDP2, load_ckpt
 from tests.toy import assert_states_close
 
 CONFIG = 'tests/data/ema_digits.py'
 MODEL = dict(embed_dim=32, depth=4, num_heads=2)
-FSDP2 = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
-    type='module_class', module_classes=['TransformerBlock']))
-FSDP1 = dict(FSDP2, type='MMFullyShardedDataParallel')
+FSDP2, FSDP1 = VIT_FSDP2, VIT_FSDP1
 PP = dict(pp=2, pipeline=dict(split_points=['blocks.2'], schedule='1F1B',
                               num_microbatches=4))
 # (parallel, wrapper, checkpoint_format, per-rank batch of the global 64)

@@ -20,15 +20,13 @@ from torch import nn
 
 from mmpar.models import DigitsViT
 from mmpar.registry import HOOKS, MODELS
-from tests.e2e import ROOT
+from tests.e2e import ROOT, VIT_FSDP1, VIT_FSDP2
 from tests.toy import assert_states_close
 
 # 360 images (the digits' validation split, trained on here): whole batches
 # on one process and on 2 data ranks, so the global batches agree.
 PER_RANK_BATCH = dict(iter=8, epoch=60)
-FSDP2 = dict(type='MMFullyShard', fsdp_auto_wrap_policy=dict(
-    type='module_class', module_classes=['TransformerBlock']))
-FSDP1 = dict(FSDP2, type='MMFullyShardedDataParallel')
+FSDP2, FSDP1 = VIT_FSDP2, VIT_FSDP1
 PP2 = dict(pp=2, pipeline=dict(split_points=['blocks.1'], schedule='1F1B',
                                num_microbatches=2))
 # name: (loop, parallel, model_wrapper_cfg, meta_init, data ranks)
