@@ -30,6 +30,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 
+from mmpar import device
 from mmpar.parallelize.meta import apply_user_mmap_threshold
 from mmpar.registry import MODELS
 from mmpar.runner import Runner
@@ -139,10 +140,11 @@ class TrialClock(Hook):
         self.ready_rss = 0
 
     def before_train(self, runner) -> None:
-        self.ready_rss = read_status_bytes('VmRSS')
+        self.ready_rss = device.memory_in_use()
 
     def after_train_iter(self, runner, batch_idx, data_batch=None,
                          outputs=None) -> None:
+        device.synchronize()  # the step's queued kernels have run
         dist.barrier()  # every rank has finished this iteration
         now = time.perf_counter()
         if self._last is not None and batch_idx >= self.warmup:
