@@ -276,7 +276,8 @@ def _report(result: SearchResult, config_path: str, out_dir: str, args,
 def winner_config(result: SearchResult, cfg: Config) -> Config:
     """The config the job trains after the search: the winner's layout on
     ``cfg`` (the user's config with the command line applied)."""
-    best = Config(result.best.config.to_dict())
+    # The user's file name: MMEngine dumps the config it trains under it.
+    best = Config(result.best.config.to_dict(), filename=cfg.filename)
     for key in ('launcher', 'work_dir', 'resume', 'load_from'):
         if key in cfg:
             best[key] = cfg[key]

@@ -226,6 +226,11 @@ def test_search_then_the_same_job_trains_the_winner(tmp_path):
     assert f'training with the searched layout {best["layout"]}' in log
     assert re.search(r'Iter\(train\) \[2/2\]', log)
     assert _checkpoint_of(tmp_path / 'job')
+    # It trained the written winner (MMEngine dumps the config it ran).
+    ran = Config.fromfile(str(tmp_path / 'job' / 'search_llama.py'))
+    winner = Config.fromfile(str(out / 'search_llama_best_2ranks.py'))
+    for key in ('parallel', 'activation_checkpointing', 'train_dataloader'):
+        assert ran.get(key) == winner.get(key), key
 
 
 def test_search_reports_when_nothing_fits(tmp_path):
