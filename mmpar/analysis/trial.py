@@ -100,7 +100,9 @@ class TrialResult:
         step_times: seconds of each timed step (slowest rank).
         tokens_per_step: tokens the whole job consumed per step (None for
             batches without a token tensor ``inputs``).
-        peak_rss: each rank's peak resident memory (``VmHWM``), bytes.
+        peak_rss: each rank's peak memory, bytes: resident (``VmHWM``) on
+            the CPU; in a job on an accelerator (:mod:`.job_search`), its
+            peak reserved device memory (:func:`mmpar.device.peak_memory`).
         start_rss: each rank's resident memory after its imports, bytes.
         built_rss: each rank's resident memory once the Runner is built
             (model wrapped and materialised), bytes.
