@@ -1,4 +1,11 @@
-"""Find the fastest layout that fits: ``tools/plan.py CONFIG --search``.
+"""Find the fastest layout that fits: the candidates, their plan and the
+spawning search.
+
+``tools/train.py --search`` (and its local front ``tools/plan.py
+--search``) runs the search inside the launched job (:mod:`.job_search`),
+with this module's candidates (:func:`plan_candidates`, :func:`apply_budget`)
+and :mod:`.search_rounds`. :func:`search_layouts`, which spawns N fresh
+local CPU ranks per trial, remains for ``benchmarks/bench_layout_search.py``.
 
 :func:`search_layouts` enumerates the layouts of N ranks
 (:func:`~mmpar.analysis.layouts.enumerate_candidates`: every axis size,

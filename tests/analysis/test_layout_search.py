@@ -254,3 +254,19 @@ def test_search_layouts_names_a_bad_argument():
         search_layouts(cfg, 2, trial_steps=0)
     with pytest.raises(ValueError, match=r'memory_budget=-1'):
         search_layouts(cfg, 2, memory_budget=-1)
+
+
+def test_search_flags_are_refused_at_start_up_with_their_names():
+    from mmpar.analysis.job_search import search_then_config
+    from mmpar.cli import parse_train_args, train_config
+    with pytest.raises(SystemExit):  # argparse: --search-only needs --search
+        parse_train_args([TINY, '--search-only'])
+    args = parse_train_args([str(ROOT / TINY), '--search', '--trial-steps',
+                             '0'])
+    with pytest.raises(ValueError, match=r'--trial-steps=0 is not allowed; '
+                       r'allowed: an int >= 1'):
+        search_then_config(train_config(args), args)
+    args = parse_train_args([str(ROOT / TINY), '--search'])
+    with pytest.raises(ValueError, match=r"--search needs a launched job .*"
+                       r"got --launcher 'none'"):
+        search_then_config(train_config(args), args)
