@@ -82,7 +82,28 @@ def parse_train_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         action='store_true',
         help='persistent_workers=False in every dataloader')
     _add_common(parser)
-    return parser.parse_args(argv)
+    _add_search(parser)
+    args = parser.parse_args(argv)
+    if args.search_only and not args.search:
+        parser.error('--search-only needs --search')
+    return args
+
+
+def _add_search(parser: argparse.ArgumentParser) -> None:
+    from mmpar.analysis.search_args import add_search_arguments
+    search = parser.add_argument_group(
+        'layout search (--search, in a launched job): every rank measures '
+        'the layouts of the job, rank 0 writes the table and the fastest as '
+        'a config, then the job trains with it (docs/layout_search.md)')
+    search.add_argument('--search', action='store_true',
+                        help='search the layouts before training')
+    search.add_argument('--search-only', action='store_true',
+                        help='stop after the search (do not train)')
+    search.add_argument(
+        '--memory-budget', type=float, metavar='GiB',
+        help='memory per rank (device memory on an accelerator, resident '
+        'memory on the CPU): layouts predicted over it are not run')
+    add_search_arguments(search)
 
 
 def parse_test_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -204,8 +204,8 @@ def check_sync_bn(sync_bn: Any, launcher: Optional[str]) -> None:
     if sync_bn not in SYNC_BN_IMPLEMENTATIONS:
         _fail('sync_bn', sync_bn, 'allowed: None, ' +
               ', '.join(repr(v) for v in SYNC_BN_IMPLEMENTATIONS))
-    import torch
-    if launcher not in (None, 'none') and not torch.cuda.is_available():
+    from mmpar.device import accelerator_type
+    if launcher not in (None, 'none') and accelerator_type() != 'cuda':
         _fail('sync_bn', sync_bn,
               'SyncBatchNorm needs CUDA, which is not available; allowed on '
               'CPU: None (unset it, e.g. --cfg-options sync_bn=None): each '

@@ -1,8 +1,9 @@
-"""Process-group start-up for every launcher, on CPU (gloo) and GPU (nccl).
+"""Process-group start-up for every launcher, on CPU (gloo) and on an
+accelerator (nccl on CUDA, xccl on XPU, ...: :mod:`mmpar.device`).
 
-MMEngine 0.10.7's ``init_dist`` calls ``torch.cuda.set_device`` for every
-launcher and so dies on a machine without CUDA. This module touches CUDA only
-when the chosen backend needs it.
+MMEngine 0.10.7's ``init_dist`` sets a CUDA device for every launcher and so
+dies on a machine without CUDA. This module sets the device only when the
+chosen backend needs one.
 """
 import datetime
 import os
@@ -14,8 +15,10 @@ from typing import Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from mmpar import device
+
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
-BACKENDS = ('gloo', 'nccl')
+BACKENDS = ('gloo', 'nccl', 'xccl')
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_S = 1800
 MIN_STORE_TIMEOUT_S = 120
@@ -44,8 +47,9 @@ def check_launcher(launcher: str) -> str:
 
 
 def default_backend() -> str:
-    """``'nccl'`` when CUDA is available, ``'gloo'`` otherwise."""
-    return 'nccl' if torch.cuda.is_available() else 'gloo'
+    """The accelerator's backend (``'nccl'`` on CUDA), ``'gloo'`` without
+    one."""
+    return device.default_backend()
 
 
 def usable_backend(backend: Optional[str]) -> str:
@@ -58,15 +62,17 @@ def usable_backend(backend: Optional[str]) -> str:
     """
     if backend is None:
         return default_backend()
-    if backend == 'nccl' and not torch.cuda.is_available():
+    if device.backend_needs_accelerator(backend) and \
+            device.default_backend() != backend:
         import logging
 
         from mmengine.logging import print_log
+        needs = dict(nccl='CUDA', xccl='XPU').get(backend, 'an accelerator')
         if os.environ.get('RANK', '0') == '0':  # one warning per job
             print_log(
-                "env_cfg.dist_cfg.backend='nccl' needs CUDA, which is not "
-                "available: using 'gloo' instead (set backend='gloo' or "
-                'leave it unset to silence this)',
+                f'env_cfg.dist_cfg.backend={backend!r} needs {needs}, which '
+                "is not available: using 'gloo' instead (set backend='gloo' "
+                'or leave it unset to silence this)',
                 logger='current',
                 level=logging.WARNING)
         return 'gloo'
@@ -140,8 +146,9 @@ def init_dist(launcher: str,
     Args:
         launcher: ``'none'`` (do nothing), ``'pytorch'`` (torchrun's
             environment), ``'slurm'`` or ``'mpi'``.
-        backend: ``'gloo'`` or ``'nccl'``; None picks nccl when CUDA is
-            available, gloo otherwise.
+        backend: ``'gloo'``, ``'nccl'``, ``'xccl'`` or the accelerator's
+            own; None picks the accelerator's (nccl on CUDA), gloo without
+            one.
         timeout: collective timeout, seconds or a ``timedelta``.
         port: master port for slurm/mpi (else ``MASTER_PORT``, else 29500).
         **kwargs: passed to ``torch.distributed.init_process_group``.
@@ -154,9 +161,10 @@ def init_dist(launcher: str,
     if launcher == 'none':
         return
     backend = backend or default_backend()
-    if backend not in BACKENDS:
+    allowed = tuple(dict.fromkeys(BACKENDS + (default_backend(), )))
+    if backend not in allowed:
         raise ValueError(f'dist_cfg.backend={backend!r} is not supported; '
-                         f'allowed: {", ".join(BACKENDS)}')
+                         f'allowed: {", ".join(allowed)}')
     place = launch_env(launcher, port=port)
     # MMEngine and torch read these; torchrun sets them, slurm and mpi do not.
     os.environ.update(
@@ -165,8 +173,8 @@ def init_dist(launcher: str,
         LOCAL_RANK=str(place.local_rank),
         MASTER_ADDR=place.master_addr,
         MASTER_PORT=str(place.master_port))
-    if backend == 'nccl':
-        torch.cuda.set_device(place.local_rank)
+    if device.backend_needs_accelerator(backend):
+        device.set_device(place.local_rank)
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
     store = _restart_safe_store(place, timeout)
@@ -213,19 +221,18 @@ def collective_timeout() -> Optional[datetime.timedelta]:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    device = torch.device('cuda' if uses_cuda() else 'cpu')
     try:
         # No public getter of a group's timeout in torch 2.13.
-        return dist.group.WORLD._get_backend(device).options._timeout
+        return dist.group.WORLD._get_backend(
+            torch.device(device.device_type())).options._timeout
     except (AttributeError, RuntimeError):
         return None  # a backend without options: torch's default applies
 
 
 def uses_cuda() -> bool:
-    """Whether this process trains on CUDA (nccl group, or CUDA with none)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_backend() == 'nccl'
-    return torch.cuda.is_available()
+    """Whether this process trains on its accelerator (kept for callers of
+    mmpar 0.x; :func:`mmpar.device.uses_accelerator` is the one answer)."""
+    return device.uses_accelerator()
 
 
 def local_rank() -> int:

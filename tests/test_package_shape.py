@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # circle: the package-cycle test checks that.)
 LAYERS = [
     ['mmpar.version', 'mmpar.checks', 'mmpar.failures', 'mmpar.registry'],
+    ['mmpar.device'],
     ['mmpar.dist'],
     ['mmpar.parallel'],
     ['mmpar.optim'],

@@ -4,7 +4,8 @@
 # Runs the `gpu`-marked tests (tests/gpu/: one-process training on CUDA,
 # tools/dist_train.sh CFG 1 with nccl, --amp fp16 and bf16, FSDP1/FSDP2 at
 # world size 1 with and without cpu_offload, a CUDA checkpoint loaded on
-# CPU) and the benchmark smoke run on CUDA. Exits non-zero if any fails.
+# CPU, the device module and a layout search at world size 1 on CUDA) and
+# the benchmark smoke run on CUDA. Exits non-zero if any fails.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"

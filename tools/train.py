@@ -11,7 +11,13 @@ from mmpar.failures import fail_fast, run_and_exit  # noqa: E402
 def main():
     # A failure is reported once, the process group torn down, exit 1.
     with fail_fast():
-        build_runner(train_config(parse_train_args())).train()
+        args = parse_train_args()
+        cfg = train_config(args)
+        if args.search:  # measure the layouts in this job first
+            from mmpar.analysis.job_search import search_then_config
+            cfg = search_then_config(cfg, args)
+        if cfg is not None:
+            build_runner(cfg).train()
 
 
 if __name__ == '__main__':

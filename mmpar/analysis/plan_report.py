@@ -7,6 +7,7 @@ from mmengine.config import Config, DictAction
 
 from mmpar.analysis.memory import within_budget
 from mmpar.analysis.plan import Plan, PlanError, make_plan
+from mmpar.analysis.search_args import add_search_arguments
 from mmpar.parallel.dims import AXES, ParallelismError
 
 # Group kinds in the order the report lists them: fastest axis first.
@@ -124,43 +125,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         'fits (exit status 3 if it does not); with --search, layouts whose '
         'predicted peak exceeds it are not run')
     search = parser.add_argument_group(
-        'layout search (--search): measure the layouts of --world-size '
-        'local ranks and write the fastest as a config')
+        'layout search (--search): launch N local ranks that measure the '
+        'layouts and write the fastest as a config (bash '
+        'tools/dist_train.sh CONFIG N --search --search-only)')
     search.add_argument('--search', action='store_true',
                         help='search instead of printing one plan')
-    search.add_argument('--trial-steps', type=int, default=5, metavar='K',
-                        help='timed steps per candidate (default 5)')
-    search.add_argument('--warmup-steps', type=int, default=2, metavar='W',
-                        help='untimed steps before them (default 2)')
-    search.add_argument(
-        '--early-stop', type=float, default=1.3, metavar='X',
-        help='stop a candidate whose first 2 timed steps are all slower '
-        'than X times the best so far (default 1.3; 0: never)')
-    search.add_argument(
-        '--confirm', type=int, default=3, metavar='C',
-        help='run the C fastest candidates within 1.5x of the best '
-        '(stopped early or not) --confirm-rounds more times, interleaved, '
-        'and rank them on their fastest trial (default 3; 0: one pass)')
-    search.add_argument(
-        '--confirm-rounds', type=int, default=2, metavar='R',
-        help='confirm rounds: each close candidate runs up to R more '
-        'trials; after the first round only those within 5%% of the '
-        'fastest (default 2)')
-    search.add_argument(
-        '--checkpointing', nargs='+', default=['none', 'selective', 'full'],
-        choices=['none', 'selective', 'full'],
-        help='activation checkpointing modes to try')
-    search.add_argument(
-        '--schedules', nargs='+', default=None, metavar='NAME',
-        help='pipeline schedules to try (default 1F1B GPipe '
-        'Interleaved1F1B)')
-    search.add_argument(
-        '--microbatches', nargs='+', type=int, default=None, metavar='M',
-        help='pipeline micro-batch counts to try (default pp and 2 pp)')
-    search.add_argument(
-        '--out', metavar='DIR',
-        help='where the best config and search.json go (default '
-        'work_dirs/<config name>_search)')
+    add_search_arguments(search)
     return parser.parse_args(argv)
 
 

@@ -1,4 +1,11 @@
-"""Find the fastest layout that fits: ``tools/plan.py CONFIG --search``.
+"""Find the fastest layout that fits: the candidates, their plan and the
+spawning search.
+
+``tools/train.py --search`` (and its local front ``tools/plan.py
+--search``) runs the search inside the launched job (:mod:`.job_search`),
+with this module's candidates (:func:`plan_candidates`, :func:`apply_budget`)
+and :mod:`.search_rounds`. :func:`search_layouts`, which spawns N fresh
+local CPU ranks per trial, remains for ``benchmarks/bench_layout_search.py``.
 
 :func:`search_layouts` enumerates the layouts of N ranks
 (:func:`~mmpar.analysis.layouts.enumerate_candidates`: every axis size,
@@ -133,15 +140,34 @@ def plan_candidates(cfg: Config, world_size: int, *,
     for candidate in candidates:
         row = Row(candidate, as_written=candidate == written)
         _check(row, cfg, world_size, batch, tp_plan, blocks, baseline)
+        rows.append(row)
+    apply_budget(rows, memory_budget, prune_checkpointing)
+    return rows, batch
+
+
+def add_baseline(rows: List[Row], baseline: int) -> None:
+    """Add ``baseline`` bytes (measured in the job once the rows were
+    planned with none) to every row's predicted peaks."""
+    for row in rows:
+        row.predicted = [(rank, peak + baseline)
+                         for rank, peak in row.predicted]
+        if row.estimate is not None:
+            row.estimate.baseline += baseline
+
+
+def apply_budget(rows: List[Row], memory_budget: Optional[float],
+                 prune_checkpointing: bool = True) -> None:
+    """Step 2-3 of the search: rows predicted over ``memory_budget`` GiB
+    become ``over budget``; then, with ``prune_checkpointing``, only the
+    lightest fitting checkpointing mode of a layout stays to run."""
+    for row in rows:
         if not row.status and \
                 not within_budget(row.predicted_peak, memory_budget):
             row.status = OVER_BUDGET
             row.message = (f'predicted peak {row.predicted_peak / GiB:.2f} '
                            f'GiB > --memory-budget {memory_budget:g} GiB')
-        rows.append(row)
     if prune_checkpointing:
         _prune_checkpointing(rows)
-    return rows, batch
 
 
 def _check(row: Row, cfg: Config, world_size: int, batch: int, tp_plan,

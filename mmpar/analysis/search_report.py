@@ -204,9 +204,9 @@ def best_config_text(result: SearchResult, config_path: str,
     versus = '' if written is None or not result.throughput(written) else (
         f'; {speed / result.throughput(written):.2f}x the config as written')
     lines = [
-        f'# The fastest layout of {result.world_size} ranks that '
-        'tools/plan.py --search measured',
-        f'# for {osp.basename(config_path)} on the machine it ran on '
+        f'# The fastest layout of {result.world_size} ranks that the '
+        'layout search (--search) measured',
+        f'# for {osp.basename(config_path)} in the job it ran in '
         f'({result.warmup_steps} + {result.trial_steps} steps each, '
         f'global batch {result.global_batch}):',
         f'#   {best.candidate.label}: {speed:,.0f} {result.unit}, peak '
@@ -233,16 +233,18 @@ def best_config_text(result: SearchResult, config_path: str,
 
 
 def write_search(result: SearchResult, config_path: str,
-                 out_dir: str, cfg_options: Optional[dict] = None
-                 ) -> Optional[str]:
-    """Write ``search.json`` (the table) and, when a layout was measured,
-    the best layout's config into ``out_dir``; return the config's path."""
+                 out_dir: str, cfg_options: Optional[dict] = None,
+                 exit_status: int = 0) -> Optional[str]:
+    """Write ``search.json`` (the table, and the ``exit_status`` the
+    search ends with) and, when a layout was measured, the best layout's
+    config into ``out_dir``; return the config's path."""
     os.makedirs(out_dir, exist_ok=True)
     with open(osp.join(out_dir, 'search.json'), 'w') as f:
         json.dump(dict(world_size=result.world_size,
                        global_batch=result.global_batch,
                        memory_budget=result.memory_budget,
-                       elapsed_s=result.elapsed_s, rows=result.table()),
+                       elapsed_s=result.elapsed_s,
+                       exit_status=exit_status, rows=result.table()),
                   f, indent=1, default=str)
     if result.best is None:
         return None
@@ -254,52 +256,47 @@ def write_search(result: SearchResult, config_path: str,
 
 
 def search_main(args, cfg) -> int:
-    """``tools/plan.py CONFIG --search``: progress on stderr, the table on
-    stdout; exit 0 with a config written, 3 when nothing fits the budget,
-    2 when nothing is legal or every trial failed."""
+    """``tools/plan.py CONFIG --world-size N --search``: a front that runs
+    the search where it lives, in a launched job (``bash
+    tools/dist_train.sh CONFIG N --search --search-only``, on this node);
+    the job prints progress on stderr and the table on stdout. Exit 0 with
+    a config written, 3 when nothing fits the budget, 2 when nothing is
+    legal or every trial failed."""
+    import subprocess
     import sys
 
-    from mmpar.analysis.layouts import DEFAULT_SCHEDULES
-    from mmpar.analysis.search import search_layouts
-    checks = [('trial_steps', args.trial_steps >= 1, 'an int >= 1'),
-              ('warmup_steps', args.warmup_steps >= 1, 'an int >= 1'),
-              ('world_size', args.world_size >= 1, 'an int >= 1'),
-              ('memory_budget', args.memory_budget is None or
-               args.memory_budget > 0, 'GiB > 0'),
-              ('early_stop', args.early_stop == 0 or args.early_stop > 1,
-               '0 (never) or a factor > 1'),
-              ('confirm', args.confirm >= 0, 'an int >= 0'),
-              ('confirm_rounds', args.confirm_rounds >= 0, 'an int >= 0'),
-              ('microbatches', all(m >= 1 for m in args.microbatches or []),
-               'ints >= 1')]
-    for key, ok, allowed in checks:
-        if not ok:
-            print(f'error: --{key.replace("_", "-")}={getattr(args, key)} '
-                  f'is not allowed; allowed: {allowed}', file=sys.stderr)
-            return 2
-    result = search_layouts(
-        cfg, args.world_size, memory_budget=args.memory_budget,
-        trial_steps=args.trial_steps, warmup_steps=args.warmup_steps,
-        early_stop=args.early_stop or None, confirm=args.confirm,
-        confirm_rounds=args.confirm_rounds,
-        schedules=args.schedules or DEFAULT_SCHEDULES,
-        microbatches=args.microbatches,
-        checkpointing=[None if m == 'none' else m
-                       for m in args.checkpointing])
-    stem = osp.splitext(osp.basename(args.config))[0]
-    out_dir = args.out or osp.join('work_dirs', f'{stem}_search')
-    minutes, seconds = divmod(int(result.elapsed_s), 60)
-    print(f'layout search for {args.config} at {args.world_size} ranks '
-          f'({minutes}m{seconds:02d}s)')
-    print(format_search(result))
-    path = write_search(result, args.config, out_dir, args.cfg_options)
-    message = nothing_fits(result)
-    if message is not None:
-        print(f'\n{message}')
-        return 3 if any(r.status == OVER_BUDGET for r in result.rows) else 2
-    if path is None:
-        print('\nevery candidate failed; no config written')
+    from mmpar.analysis.search_args import search_argument_error, \
+        search_flags
+    from mmpar.dist import free_port
+    error = search_argument_error(args)
+    if error is None and args.world_size < 1:
+        error = f'--world-size={args.world_size} is not allowed; ' \
+            'allowed: an int >= 1'
+    if error is not None:
+        print(f'error: {error}', file=sys.stderr)
         return 2
-    print(f'\nbest: {result.best.candidate.label}; wrote {path}')
-    print(f'train it: bash tools/dist_train.sh {path} {args.world_size}')
-    return 0
+    stem = osp.splitext(osp.basename(args.config))[0]
+    args.out = args.out or osp.join('work_dirs', f'{stem}_search')
+    root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+    command = ['bash', osp.join(root, 'tools', 'dist_train.sh'), args.config,
+               str(args.world_size), '--search', '--search-only',
+               *search_flags(args)]
+    if args.cfg_options:
+        command += ['--cfg-options'] + [f'{key}={_option(value)}' for
+                                        key, value in args.cfg_options.items()]
+    env = dict(os.environ)
+    env.setdefault('PORT', str(free_port()))
+    job = subprocess.run(command, env=env)
+    try:
+        with open(osp.join(args.out, 'search.json')) as f:
+            return json.load(f)['exit_status']
+    except (OSError, ValueError, KeyError):
+        return job.returncode or 2
+
+
+def _option(value) -> str:
+    """A parsed ``--cfg-options`` value as the command line wrote it."""
+    if isinstance(value, (list, tuple)):
+        inner = ','.join(_option(v) for v in value)
+        return f'[{inner}]' if isinstance(value, list) else f'({inner})'
+    return str(value)

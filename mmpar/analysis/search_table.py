@@ -122,6 +122,8 @@ class SearchResult:
                 message=row.message, as_written=row.as_written,
                 predicted_peak=row.predicted_peak,
                 measured_peak=row.measured_peak,
+                measured_peaks=list(row.trial.peak_rss) if row.trial
+                else [],
                 step_time=row.step_time,
                 trial_medians=[statistics.median(t.step_times)
                                for t in row.passes],

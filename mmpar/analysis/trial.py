@@ -30,6 +30,7 @@ from mmengine.config import Config
 from mmengine.hooks import Hook
 from mmengine.model import BaseModel
 
+from mmpar import device
 from mmpar.parallelize.meta import apply_user_mmap_threshold
 from mmpar.registry import MODELS
 from mmpar.runner import Runner
@@ -99,7 +100,9 @@ class TrialResult:
         step_times: seconds of each timed step (slowest rank).
         tokens_per_step: tokens the whole job consumed per step (None for
             batches without a token tensor ``inputs``).
-        peak_rss: each rank's peak resident memory (``VmHWM``), bytes.
+        peak_rss: each rank's peak memory, bytes: resident (``VmHWM``) on
+            the CPU; in a job on an accelerator (:mod:`.job_search`), its
+            peak reserved device memory (:func:`mmpar.device.peak_memory`).
         start_rss: each rank's resident memory after its imports, bytes.
         built_rss: each rank's resident memory once the Runner is built
             (model wrapped and materialised), bytes.
@@ -139,10 +142,11 @@ class TrialClock(Hook):
         self.ready_rss = 0
 
     def before_train(self, runner) -> None:
-        self.ready_rss = read_status_bytes('VmRSS')
+        self.ready_rss = device.memory_in_use()
 
     def after_train_iter(self, runner, batch_idx, data_batch=None,
                          outputs=None) -> None:
+        device.synchronize()  # the step's queued kernels have run
         dist.barrier()  # every rank has finished this iteration
         now = time.perf_counter()
         if self._last is not None and batch_idx >= self.warmup:

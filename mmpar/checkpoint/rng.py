@@ -5,16 +5,18 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from mmpar import device
+
 
 def rng_state() -> dict:
     """This process's random-number generator states (Python, NumPy, torch
-    and, once CUDA is in use, every CUDA device)."""
+    and, once the accelerator is in use, each of its devices, keyed by
+    its type: ``'cuda'`` as before)."""
     state = dict(
         python=random.getstate(),
         numpy=np.random.get_state(),
         torch=torch.get_rng_state())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state['cuda'] = torch.cuda.get_rng_state_all()
+    state.update(device.rng_states())
     return state
 
 
@@ -27,8 +29,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(
         (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state['torch'])
-    if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
+    device.set_rng_states(state)
 
 
 def all_rng_states() -> list:

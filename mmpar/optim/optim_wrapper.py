@@ -36,6 +36,7 @@ import torch
 from mmengine.optim import AmpOptimWrapper as MMEngineAmpOptimWrapper
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 
+from mmpar import device
 from mmpar.optim import tokens
 from mmpar.optim.clip import clip_grad_norm_
 from mmpar.optim.nonfinite import NonFiniteGuard
@@ -238,7 +239,7 @@ class AmpOptimWrapper(ParallelOptimMixin, MMEngineAmpOptimWrapper):
 
     def __init__(self, loss_scale='dynamic', dtype=None, use_fsdp=False,
                  **kwargs):
-        if torch.cuda.is_available():
+        if device.uses_accelerator():
             super().__init__(loss_scale, dtype, use_fsdp, **kwargs)
         else:
             dtype = dtype or 'bfloat16'

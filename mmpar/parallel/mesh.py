@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mmpar.dist import collective_timeout, uses_cuda
+from mmpar.device import device_type
+from mmpar.dist import collective_timeout
 from mmpar.parallel.dims import AXES, ParallelDims, node_local_shard
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import FLATTENED, ParallelLayout, layout_of
@@ -85,10 +86,6 @@ class BuiltMesh:
     groups: Dict[str, GroupInfo]
     created: tuple
     layout: ParallelLayout
-
-
-def device_type() -> str:
-    return 'cuda' if uses_cuda() else 'cpu'
 
 
 def _new_groups(layout: ParallelLayout, kind: str, backend: Optional[str],

@@ -23,8 +23,8 @@ from torch import nn
 import mmpar.checkpoint as ckpt
 from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.config_check import check_config
-from mmpar.dist import (check_launcher, init_dist, local_rank,
-                        usable_backend, uses_cuda)
+from mmpar.device import local_device
+from mmpar.dist import check_launcher, init_dist, usable_backend
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.seed import setup_parallelism
 from mmpar.parallelize.compose import builds_on_meta, parallelize
@@ -192,9 +192,7 @@ class Runner(MMEngineRunner):
 
     @staticmethod
     def _device() -> torch.device:
-        if uses_cuda():
-            return torch.device('cuda', local_rank())
-        return torch.device('cpu')
+        return local_device()
 
     def build_dataloader(self, dataloader, seed=None, diff_rank_seed=False):
         """MMEngine's, with the sampler sharding by the data-parallel rank

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from mmengine.hooks import Hook
 
+from mmpar import device
 from mmpar.registry import HOOKS
 from mmpar.wrappers.base import describe
 
@@ -42,10 +43,10 @@ PEAK_BF16_FLOPS = {
 
 
 def device_peak_flops() -> Optional[float]:
-    """bf16 peak FLOP/s of this process's CUDA device, or ``None``."""
-    if not torch.cuda.is_available():
+    """bf16 peak FLOP/s of this process's accelerator, or ``None``."""
+    name = device.device_name()
+    if name is None:
         return None
-    name = torch.cuda.get_device_name()
     for key, peak in PEAK_BF16_FLOPS.items():
         if key in name:
             return peak

@@ -5,7 +5,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mmpar.dist import local_rank, uses_cuda
+from mmpar.device import uses_accelerator
+from mmpar.dist import local_rank
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import StepMixin
 
@@ -51,7 +52,7 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
                  buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
         self._init_steps(sync_strategy, buffer_sync)
-        if device_ids is None and uses_cuda():
+        if device_ids is None and uses_accelerator():
             device_ids = [local_rank()]
         super().__init__(
             module,

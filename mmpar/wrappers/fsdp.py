@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from mmpar.dist import uses_cuda
+from mmpar.device import current_device, uses_accelerator
 from mmpar.parallel.mesh import fallback_data_mesh
 from mmpar.parallel.sharding import is_hybrid
 from mmpar.registry import MODEL_WRAPPERS
@@ -95,7 +95,7 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         self._init_steps(sync_strategy, buffer_sync)
         strategy = args.normalize_sharding_strategy(sharding_strategy)
         offload = args.normalize_cpu_offload(cpu_offload)
-        if offload is not None and offload.offload_params and not uses_cuda():
+        if offload is not None and offload.offload_params and not uses_accelerator():
             raise ValueError(
                 'cpu_offload=True needs CUDA: FSDP pins the offloaded '
                 'parameters in host memory, which fails without an '
@@ -104,9 +104,8 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         strategy, process_group = self._data_axis(
             strategy, process_group, device_mesh, hybrid_shard_size)
         if device_id is None:
-            device_id = (torch.device('cuda', torch.cuda.current_device())
-                         if uses_cuda() else torch.device('cpu'))
-        if sync_module_states and not uses_cuda():
+            device_id = current_device()
+        if sync_module_states and not uses_accelerator():
             # torch's FSDP1 refuses sync_module_states for CPU modules
             # ("requires them to be on GPU", even with device_id=cpu). The
             # broadcast it would do is this one: rank 0's state to every

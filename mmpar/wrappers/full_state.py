@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from mmpar.dist import uses_cuda
+from mmpar.device import uses_accelerator
 
 
 def _options(**kwargs) -> StateDictOptions:
@@ -29,7 +29,7 @@ def _options(**kwargs) -> StateDictOptions:
     # host memory anyway. On CUDA, offload (rank 0 then gets the whole dict,
     # the other ranks an empty one).
     return StateDictOptions(
-        full_state_dict=True, cpu_offload=uses_cuda(), **kwargs)
+        full_state_dict=True, cpu_offload=uses_accelerator(), **kwargs)
 
 
 def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule,
                                     ShardingStrategy)
 from torch.distributed.fsdp import fully_shard
 
-from mmpar.dist import uses_cuda
+from mmpar.device import uses_accelerator
 from mmpar.failures import ConfigError
 from mmpar.parallel.dtensor import packed_parameters
 from mmpar.parallel.mesh import fallback_data_mesh
@@ -44,7 +44,7 @@ def _normalize_cpu_offload(value) -> Optional[CPUOffloadPolicy]:
         return value
     if isinstance(value, bool):
         # Pinned memory needs an accelerator; on CPU plain memory is right.
-        return CPUOffloadPolicy(pin_memory=uses_cuda()) if value else None
+        return CPUOffloadPolicy(pin_memory=uses_accelerator()) if value else None
     raise TypeError(f'cpu_offload={value!r} must be None, a bool or a '
                     'torch.distributed.fsdp.CPUOffloadPolicy')
 

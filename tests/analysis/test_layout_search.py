@@ -1,11 +1,13 @@
-"""The layout search (``tools/plan.py CONFIG --search``, issue 24).
+"""The layout search (issue 24), a phase of the launched job (issue 34).
 
 Fast: the candidates of a config (illegal ones refused with the
 validator's own message, the memory budget's filter), the config written
 for the winner (inherits the input, sets only what changes). Through the
-user's entry point: one real search at 2 ranks whose written config then
-trains through ``tools/dist_train.sh``, and the message and exit status
-when nothing fits the budget.
+user's entry points: one real search at 2 ranks in the job of
+``tools/dist_train.sh --search --search-only`` whose written config then
+trains through ``tools/dist_train.sh``; one without ``--search-only`` that
+goes on training the winner; and, through the local front ``tools/plan.py
+--search``, the message and exit status when nothing fits the budget.
 """
 import json
 import re
@@ -161,29 +163,47 @@ def test_nothing_fits_names_the_smallest_peak_and_an_axis():
     assert "activation checkpointing mode 'full'" in message
 
 
-def test_search_through_plan_tool_then_dist_train(tmp_path):
-    proc = run_tool(['python', 'tools/plan.py', TINY, '--world-size', 2,
-                     '--search', '--trial-steps', 1, '--warmup-steps', 1,
-                     '--checkpointing', 'none', '--schedules', '1F1B',
-                     '--microbatches', 2, '--out', tmp_path / 'search'])
-    # Progress on stderr: candidate i of n with the time so far.
+# Four candidates (dp_shard=2 as written, tp=2, cp=2, pp=2), one timed step
+# each, no confirm rounds: the cheapest search that still ranks a table.
+SMALL_SEARCH = ['--trial-steps', 1, '--warmup-steps', 1, '--confirm', 0,
+                '--checkpointing', 'none', '--schedules', '1F1B',
+                '--microbatches', 2]
+FOUR = {'dp_shard=2', 'tp=2', 'cp=2', 'pp=2 (1F1B, 2 mb)'}
+
+
+def _checkpoint_of(work_dir):
+    return (work_dir / 'iter_2.pth').exists() or \
+        (work_dir / 'iter_2').exists()
+
+
+def test_search_only_in_the_launched_job_then_dist_train(tmp_path):
+    out = tmp_path / 'search'
+    proc = run_tool(['bash', 'tools/dist_train.sh', TINY, 2, '--search',
+                     '--search-only', *SMALL_SEARCH, '--out', out,
+                     '--work-dir', tmp_path / 'job'])
+    # Progress on stderr (rank 0): candidate i of n with the time so far;
+    # the baseline measured in the job, on its backend.
     assert re.search(r'\[1/4 \d+m\d\ds\] dp_shard=2 \.\.\.', proc.stderr)
     assert re.search(r'\[4/4 \d+m\d\ds\] ', proc.stderr)
+    assert 'measured in this job, cpu, backend gloo, 2 ranks' in proc.stderr
     table = proc.stdout
     assert 'predicted peak/rank' in table and 'vs as written' in table
-    assert '(as written)' in table
-    result = json.loads((tmp_path / 'search' / 'search.json').read_text())
+    assert '(as written)' in table and 'in the launched job' in table
+    result = json.loads((out / 'search.json').read_text())
+    assert result['exit_status'] == 0
     measured = [r for r in result['rows']
                 if r['status'] in ('measured', 'stopped early')]
-    assert {r['layout'] for r in measured} == {
-        'dp_shard=2', 'tp=2', 'cp=2', 'pp=2 (1F1B, 2 mb)'}
+    assert {r['layout'] for r in measured} == FOUR
     for row in measured:
         assert row['throughput'] > 0 and row['measured_peak'] > 2**20
         assert row['predicted_peak'] > 2**20
     best = result['rows'][0]
     assert best['vs_best'] == 1.0
-    written = tmp_path / 'search' / 'search_llama_best_2ranks.py'
+    written = out / 'search_llama_best_2ranks.py'
     assert f'wrote {written}' in table
+    # Every trial ran in the job's 2 ranks, logged under --out.
+    assert len(list((out / 'trials').glob('trial*'))) == 4
+    assert not _checkpoint_of(tmp_path / 'job')  # --search-only: no training
     text = written.read_text()
     assert re.search(r"^_base_ = \['.*tests/data/search_llama.py'\]", text,
                      re.M)
@@ -191,10 +211,26 @@ def test_search_through_plan_tool_then_dist_train(tmp_path):
         set(best['changes'])
     trained = run_tool(['bash', 'tools/dist_train.sh', written, 2,
                         '--work-dir', tmp_path / 'train'])
-    log = trained.stdout + trained.stderr
+    assert re.search(r'Iter\(train\) \[2/2\]',
+                     trained.stdout + trained.stderr)
+    assert _checkpoint_of(tmp_path / 'train')
+
+
+def test_search_then_the_same_job_trains_the_winner(tmp_path):
+    out = tmp_path / 'search'
+    proc = run_tool(['bash', 'tools/dist_train.sh', TINY, 2, '--search',
+                     *SMALL_SEARCH, '--out', out,
+                     '--work-dir', tmp_path / 'job'])
+    log = proc.stdout + proc.stderr
+    best = json.loads((out / 'search.json').read_text())['rows'][0]
+    assert f'training with the searched layout {best["layout"]}' in log
     assert re.search(r'Iter\(train\) \[2/2\]', log)
-    assert (tmp_path / 'train' / 'iter_2.pth').exists() or \
-        (tmp_path / 'train' / 'iter_2').exists()
+    assert _checkpoint_of(tmp_path / 'job')
+    # It trained the written winner (MMEngine dumps the config it ran).
+    ran = Config.fromfile(str(tmp_path / 'job' / 'search_llama.py'))
+    winner = Config.fromfile(str(out / 'search_llama_best_2ranks.py'))
+    for key in ('parallel', 'activation_checkpointing', 'train_dataloader'):
+        assert ran.get(key) == winner.get(key), key
 
 
 def test_search_reports_when_nothing_fits(tmp_path):
@@ -218,3 +254,19 @@ def test_search_layouts_names_a_bad_argument():
         search_layouts(cfg, 2, trial_steps=0)
     with pytest.raises(ValueError, match=r'memory_budget=-1'):
         search_layouts(cfg, 2, memory_budget=-1)
+
+
+def test_search_flags_are_refused_at_start_up_with_their_names():
+    from mmpar.analysis.job_search import search_then_config
+    from mmpar.cli import parse_train_args, train_config
+    with pytest.raises(SystemExit):  # argparse: --search-only needs --search
+        parse_train_args([TINY, '--search-only'])
+    args = parse_train_args([str(ROOT / TINY), '--search', '--trial-steps',
+                             '0'])
+    with pytest.raises(ValueError, match=r'--trial-steps=0 is not allowed; '
+                       r'allowed: an int >= 1'):
+        search_then_config(train_config(args), args)
+    args = parse_train_args([str(ROOT / TINY), '--search'])
+    with pytest.raises(ValueError, match=r"--search needs a launched job .*"
+                       r"got --launcher 'none'"):
+        search_then_config(train_config(args), args)

@@ -8,11 +8,10 @@ schedule (:mod:`.step`). See docs/pipeline_parallel.md.
 """
 from typing import Callable, Optional
 
-import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from mmpar.dist import local_rank, uses_cuda
+from mmpar.device import local_device
 from mmpar.failures import ConfigError
 from mmpar.parallelize.pipeline.config import PipelineConfig
 from mmpar.parallelize.pipeline.schedules import (schedule_class,
@@ -119,8 +118,7 @@ def pipeline_parallelize(model: nn.Module, topology, parallel,
             stage.prepare_as_pipeline_stage()
             clip_groups = stage.clip_groups
         stages.append(stage)
-    device = torch.device('cuda', local_rank()) if uses_cuda() \
-        else torch.device('cpu')
+    device = local_device()
     return MMPipelineParallel(
         stages, indices, num_stages, config.schedule,
         schedule_class(config.schedule), config.num_microbatches,
