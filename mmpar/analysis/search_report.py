@@ -267,7 +267,6 @@ def search_main(args, cfg) -> int:
 
     from mmpar.analysis.search_args import search_argument_error, \
         search_flags
-    from mmpar.dist import free_port
     error = search_argument_error(args)
     if error is None and args.world_size < 1:
         error = f'--world-size={args.world_size} is not allowed; ' \
@@ -284,9 +283,8 @@ def search_main(args, cfg) -> int:
     if args.cfg_options:
         command += ['--cfg-options'] + [f'{key}={_option(value)}' for
                                         key, value in args.cfg_options.items()]
-    env = dict(os.environ)
-    env.setdefault('PORT', str(free_port()))
-    job = subprocess.run(command, env=env)
+    # One node, no PORT: dist_train.sh lets torchrun bind a free port.
+    job = subprocess.run(command)
     try:
         with open(osp.join(args.out, 'search.json')) as f:
             return json.load(f)['exit_status']
