@@ -1,0 +1,148 @@
+"""The data path against the training step, and its private memory.
+
+    PYTHONPATH=$PWD python benchmarks/bench_data.py [--quick] [--shard-mib N]
+
+1. Writes a token shard of ``--shard-mib`` MiB (uint16, documents of 50 to
+   2,000 tokens; default 2,048 MiB) with ``mmpar.datasets.TokenShardWriter``.
+2. In a fresh interpreter (a forked one's pages blur RSS): opens it as
+   ``PackedTokenDataset(context_length=128, document_attention=True)`` and
+   reads batches of 32 windows, shuffled over the whole shard
+   (``InfiniteSampler``) through a ``DataLoader`` (``default_collate``, no
+   workers): tokens per second read and packed, and the growth of the
+   process's private memory (``RssAnon``; the pages of the map are file
+   pages, ``RssFile``).
+3. Times the training step of the shipped ``llama_corpus.py`` Llama (dim
+   128, 4 blocks, batch 32 x 128, AdamW) on one process: tokens per second
+   it consumes.
+
+The goals (issue 35): the data path delivers >= 10x the step's tokens per
+second, and reading a >= 2 GiB shard grows ``RssAnon`` by < 100 MiB.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MIB = 2**20
+
+
+def write_shard(prefix: str, mib: int, seed: int = 0) -> dict:
+    from mmpar.datasets.token_shards import TokenShardWriter, read_header
+    rng = np.random.default_rng(seed)
+    left = mib * MIB // 2
+    with TokenShardWriter(prefix, 256, 'bytes') as writer:
+        while left > 0:
+            # A chunk of documents at a time: one array, cut by lengths.
+            lengths = rng.integers(50, 2000, 512)
+            tokens = rng.integers(0, 256, int(lengths.sum()), np.uint16)
+            for doc in np.split(tokens, np.cumsum(lengths)[:-1]):
+                doc = doc[:left]
+                writer.add(doc)
+                left -= len(doc)
+                if left <= 0:
+                    break
+    return read_header(prefix)
+
+
+def _rss_anon_kb() -> int:
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('RssAnon:'):
+                return int(line.split()[1])
+    raise KeyError('RssAnon')
+
+
+def read_rate(prefix: str, batches: int) -> dict:
+    """In this process: tokens/s read and packed, RssAnon growth."""
+    import torch  # noqa: F401  (imported before the baseline is read)
+    from mmengine.dataset import InfiniteSampler
+    from torch.utils.data import DataLoader, default_collate
+
+    from mmpar.datasets import PackedTokenDataset
+    before = _rss_anon_kb()
+    data = PackedTokenDataset([prefix], context_length=128,
+                              document_attention=True)
+    loader = iter(DataLoader(data, batch_size=32, collate_fn=default_collate,
+                             sampler=InfiniteSampler(data, seed=0)))
+    next(loader)
+    start = time.perf_counter()
+    for _ in range(batches):
+        batch = next(loader)
+    seconds = time.perf_counter() - start
+    tokens = batches * batch['inputs'].numel()
+    return dict(windows=len(data), read_tokens_per_s=tokens / seconds,
+                rss_anon_growth_mib=(_rss_anon_kb() - before) / 1024)
+
+
+def step_rate(steps: int) -> dict:
+    """Tokens/s of the shipped Llama's training step (one process)."""
+    import torch
+
+    from mmpar.models import Llama
+    torch.manual_seed(0)
+    model = Llama(vocab_size=256, dim=128, num_layers=4, num_heads=4,
+                  max_seq_len=128)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = torch.randint(0, 256, (32, 128))
+
+    def step():
+        loss = model(inputs, inputs, 'loss')['loss']
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+    step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return dict(step_tokens_per_s=steps * inputs.numel() /
+                (time.perf_counter() - start))
+
+
+def measure(shard_mib: int, batches: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, 'bench')
+        start = time.perf_counter()
+        header = write_shard(prefix, shard_mib)
+        write_s = time.perf_counter() - start
+        # A fresh interpreter: this one's pages would blur RSS.
+        child = subprocess.run(
+            [sys.executable, __file__, '--read', prefix, '--batches',
+             str(batches)], capture_output=True, text=True, check=True,
+            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'))
+        result = json.loads(child.stdout.splitlines()[-1])
+    result.update(step_rate(steps))
+    result.update(shard_mib=shard_mib, shard_tokens=header['num_tokens'],
+                  write_tokens_per_s=header['num_tokens'] / write_s)
+    result['data_over_step'] = (result['read_tokens_per_s'] /
+                                result['step_tokens_per_s'])
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--quick', action='store_true',
+                        help='a 16 MiB shard, a few batches and steps')
+    parser.add_argument('--shard-mib', type=int, default=None)
+    parser.add_argument('--read', help=argparse.SUPPRESS)
+    parser.add_argument('--batches', type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.read:
+        print(json.dumps(read_rate(args.read, args.batches)))
+        return {}
+    shard_mib = args.shard_mib or (16 if args.quick else 2048)
+    result = measure(shard_mib, args.batches or (20 if args.quick else 500),
+                     3 if args.quick else 10)
+    print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == '__main__':
+    main()
