@@ -28,9 +28,12 @@ from torch.utils.data import Dataset
 from mmpar.datasets.text_files import tokenize_files
 from mmpar.datasets.token_shards import TokenShard, open_shards
 from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
-from mmpar.models.lm_loss import IGNORE_INDEX
 from mmpar.registry import DATASETS
 
+# The target the loss does not count: torch's cross_entropy default, as
+# mmpar.models.lm_loss (not imported: mmpar.models pulls in transformers,
+# seconds that tools/prepare_data.py need not pay).
+IGNORE_INDEX = -100
 SPLITS = ('train', 'val', 'all')
 # Blending repeats the same pattern of sources every BLEND_BLOCK samples.
 BLEND_BLOCK = 1000

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from mmpar.datasets.packed import IGNORE_INDEX
 from mmpar.datasets.text_files import expand_files
 from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
-from mmpar.models.lm_loss import IGNORE_INDEX
 from mmpar.registry import DATASETS
 
 # Role -> how a message is written; {content} is the message's text.
