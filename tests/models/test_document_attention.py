@@ -14,7 +14,8 @@ from mmpar.datasets import PackedTokenDataset, write_token_shard
 from mmpar.failures import ConfigError
 from mmpar.models import Llama
 from mmpar.parallelize.context import apply_context_parallel, shard_batch
-from mmpar.parallelize.documents import document_positions
+from mmpar.parallelize.documents import (document_positions,
+                                        document_rotary)
 
 # Five documents, 29 tokens: one window of 28 inputs holds them all (28
 # divides by 2 x cp for cp = 2).
@@ -68,8 +69,17 @@ def _packed_parts(logits, docs):
 
 def test_document_positions_restart():
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 2, 2, 2]])
-    assert document_positions(doc_ids).tolist() == [[0, 1, 0, 1, 2, 0],
-                                                    [0, 0, 1, 0, 1, 2]]
+    positions = [[0, 1, 0, 1, 2, 0], [0, 0, 1, 0, 1, 2]]
+    assert document_positions(doc_ids).tolist() == positions
+    # The rotary tables at those positions. (Rotary scores depend on
+    # relative positions only, so within a document the restart changes no
+    # logit beyond rounding: the parity tests below cannot see it.)
+    table = torch.arange(8.0)[:, None].expand(8, 2)
+    cos, sin = document_rotary(table, -table, doc_ids, 6, None)
+    assert cos[..., 0].tolist() == positions
+    assert sin[..., 1].tolist() == [[-p for p in row] for row in positions]
+    with pytest.raises(ValueError, match=r'must be \(batch, 12\)'):
+        document_rotary(table, table, doc_ids, 12, None)
 
 
 def test_packed_loss_is_the_sum_of_document_losses(tmp_path):
