@@ -12,8 +12,9 @@
    process's private memory (``RssAnon``; the pages of the map are file
    pages, ``RssFile``).
 3. Times the training step of the shipped ``llama_corpus.py`` Llama (dim
-   128, 4 blocks, batch 32 x 128, AdamW) on one process: tokens per second
-   it consumes.
+   128, 4 blocks, batch 32 x 128, AdamW) on one process, one thread (as a
+   torchrun rank, and as the reading process): tokens per second it
+   consumes.
 
 The goals (issue 35): the data path delivers >= 10x the step's tokens per
 second, and reading a >= 2 GiB shard grows ``RssAnon`` by < 100 MiB.
@@ -98,12 +99,19 @@ def step_rate(steps: int) -> dict:
         optim.step()
         optim.zero_grad()
 
-    step()
-    start = time.perf_counter()
-    for _ in range(steps):
+    # One thread, as each rank torchrun starts (OMP_NUM_THREADS=1) and as
+    # the reading process.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         step()
-    return dict(step_tokens_per_s=steps * inputs.numel() /
-                (time.perf_counter() - start))
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return dict(step_tokens_per_s=steps * inputs.numel() / seconds)
 
 
 def measure(shard_mib: int, batches: int, steps: int) -> dict:
