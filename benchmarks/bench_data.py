@@ -1,16 +1,18 @@
 """The data path against the training step, and its private memory.
 
     PYTHONPATH=$PWD python benchmarks/bench_data.py [--quick] [--shard-mib N]
+        [--keep PREFIX]
 
 1. Writes a token shard of ``--shard-mib`` MiB (uint16, documents of 50 to
    2,000 tokens; default 2,048 MiB) with ``mmpar.datasets.TokenShardWriter``.
 2. In a fresh interpreter (a forked one's pages blur RSS): opens it as
    ``PackedTokenDataset(context_length=128, document_attention=True)`` and
-   reads batches of 32 windows, shuffled over the whole shard
-   (``InfiniteSampler``) through a ``DataLoader`` (``default_collate``, no
-   workers): tokens per second read and packed, and the growth of the
-   process's private memory (``RssAnon``; the pages of the map are file
-   pages, ``RssFile``).
+   reads batches of 32 windows drawn at random over the whole shard
+   through a ``DataLoader`` (``default_collate``, no workers): tokens per
+   second read and packed, and the growth of the process's private memory
+   (``RssAnon``; the pages of the map are file pages, ``RssFile``) after
+   opening and after reading; apart, what MMEngine's ``InfiniteSampler``
+   adds (its shuffle is a Python list of every index).
 3. Times the training step of the shipped ``llama_corpus.py`` Llama (dim
    128, 4 blocks, batch 32 x 128, AdamW) on one process, one thread (as a
    torchrun rank, and as the reading process): tokens per second it
@@ -26,16 +28,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from mmpar.datasets.token_shards import read_header  # noqa: E402
 MIB = 2**20
 
 
 def write_shard(prefix: str, mib: int, seed: int = 0) -> dict:
-    from mmpar.datasets.token_shards import TokenShardWriter, read_header
+    from mmpar.datasets.token_shards import TokenShardWriter
     rng = np.random.default_rng(seed)
     left = mib * MIB // 2
     with TokenShardWriter(prefix, 256, 'bytes') as writer:
@@ -70,16 +74,27 @@ def read_rate(prefix: str, batches: int) -> dict:
     before = _rss_anon_kb()
     data = PackedTokenDataset([prefix], context_length=128,
                               document_attention=True)
+    opened = _rss_anon_kb()
+    # Windows drawn at random over the whole shard, without a permutation
+    # of every index: the data path's own memory.
+    rng = np.random.default_rng(0)
+    draws = (int(i) for i in iter(lambda: rng.integers(len(data)), None))
     loader = iter(DataLoader(data, batch_size=32, collate_fn=default_collate,
-                             sampler=InfiniteSampler(data, seed=0)))
+                             sampler=draws))
     next(loader)
     start = time.perf_counter()
     for _ in range(batches):
         batch = next(loader)
     seconds = time.perf_counter() - start
+    read = _rss_anon_kb()
+    # MMEngine's InfiniteSampler shuffles with a Python list of every
+    # index: its own cost, apart.
+    next(iter(InfiniteSampler(data, seed=0)))
     tokens = batches * batch['inputs'].numel()
     return dict(windows=len(data), read_tokens_per_s=tokens / seconds,
-                rss_anon_growth_mib=(_rss_anon_kb() - before) / 1024)
+                open_rss_anon_mib=(opened - before) / 1024,
+                rss_anon_growth_mib=(read - before) / 1024,
+                infinite_sampler_rss_anon_mib=(_rss_anon_kb() - read) / 1024)
 
 
 def step_rate(steps: int) -> dict:
@@ -114,12 +129,16 @@ def step_rate(steps: int) -> dict:
     return dict(step_tokens_per_s=steps * inputs.numel() / seconds)
 
 
-def measure(shard_mib: int, batches: int, steps: int) -> dict:
+def measure(shard_mib: int, batches: int, steps: int,
+            keep: Optional[str] = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        prefix = os.path.join(tmp, 'bench')
+        prefix = keep or os.path.join(tmp, 'bench')
         start = time.perf_counter()
-        header = write_shard(prefix, shard_mib)
-        write_s = time.perf_counter() - start
+        try:  # --keep: a shard an earlier run wrote
+            header, write_s = read_header(prefix), None
+        except FileNotFoundError:
+            header = write_shard(prefix, shard_mib)
+            write_s = time.perf_counter() - start
         # A fresh interpreter: this one's pages would blur RSS.
         child = subprocess.run(
             [sys.executable, __file__, '--read', prefix, '--batches',
@@ -127,8 +146,10 @@ def measure(shard_mib: int, batches: int, steps: int) -> dict:
             env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1'))
         result = json.loads(child.stdout.splitlines()[-1])
     result.update(step_rate(steps))
-    result.update(shard_mib=shard_mib, shard_tokens=header['num_tokens'],
-                  write_tokens_per_s=header['num_tokens'] / write_s)
+    result.update(shard_mib=header['num_tokens'] * 2 / MIB,
+                  shard_tokens=header['num_tokens'],
+                  write_tokens_per_s=write_s and header['num_tokens'] /
+                  write_s)
     result['data_over_step'] = (result['read_tokens_per_s'] /
                                 result['step_tokens_per_s'])
     return result
@@ -139,6 +160,8 @@ def main(argv=None) -> dict:
     parser.add_argument('--quick', action='store_true',
                         help='a 16 MiB shard, a few batches and steps')
     parser.add_argument('--shard-mib', type=int, default=None)
+    parser.add_argument('--keep', help='the shard prefix to write, and '
+                        'to reuse when it exists')
     parser.add_argument('--read', help=argparse.SUPPRESS)
     parser.add_argument('--batches', type=int, default=None)
     args = parser.parse_args(argv)
@@ -147,7 +170,7 @@ def main(argv=None) -> dict:
         return {}
     shard_mib = args.shard_mib or (16 if args.quick else 2048)
     result = measure(shard_mib, args.batches or (20 if args.quick else 500),
-                     3 if args.quick else 10)
+                     3 if args.quick else 10, args.keep)
     print(json.dumps(result, indent=1))
     return result
 

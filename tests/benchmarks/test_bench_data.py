@@ -13,3 +13,4 @@ def test_bench_data_reports_rates_and_memory():
         assert result[key] > 0, key
     # Windows come from the map: a 4 MiB shard is not copied in.
     assert result['rss_anon_growth_mib'] < 4
+    assert 'infinite_sampler_rss_anon_mib' in result
