@@ -138,3 +138,15 @@ def test_pipeline_refuses_document_attention():
     assert 'train_dataloader.dataset.document_attention=True is not ' \
         'supported with parallel.pp=2' in str(err.value)
     assert 'allowed: document_attention=False' in str(err.value)
+
+
+def test_model_without_doc_ids_refuses_document_attention():
+    from mmpar.datasets.packed_check import check_document_attention
+    cfg = dict(model=dict(type='HFCausalLM'),
+               val_dataloader=dict(dataset=dict(document_attention=True)))
+    with pytest.raises(ConfigError, match=r"val_dataloader.dataset."
+                       r"document_attention=True needs a model whose "
+                       r"forward takes doc_ids; model.type='HFCausalLM'"):
+        check_document_attention(cfg, 1)
+    cfg['model'] = dict(type='Llama')
+    check_document_attention(cfg, 1)
