@@ -17,6 +17,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 from mmpar.checkpoint.format import checkpoint_format
 from mmpar.checks import check_int, is_int
+from mmpar.datasets.packed_check import check_document_attention
 from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
@@ -542,6 +543,8 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
             batch_size if is_int(batch_size) else None,
             cfg.get('model_compile'))
     check_context_parallel(cfg, dims, parallel)
+    check_document_attention(cfg, dims.pp if dims is not None else
+                             parallel.pp)
     return parallel, dims
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mmpar import cli
+from mmpar.datasets.prepare import parse_args as parse_prepare_args
 from mmpar.generation import parse_generate_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ PARSERS = {
     'tools/train.py': cli.parse_train_args,
     'tools/test.py': cli.parse_test_args,
     'tools/generate.py': parse_generate_args,
+    'tools/prepare_data.py': parse_prepare_args,
 }
 
 

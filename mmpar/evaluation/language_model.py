@@ -55,7 +55,11 @@ class LanguageModelMetric(BaseMetric):
                 not isinstance(targets, torch.Tensor):
             return [None] * count
         table = torch.as_tensor(token_bytes, dtype=torch.float64)
-        return table[targets.cpu().long()].sum(-1).tolist()
+        targets = targets.cpu().long()
+        # An uncounted target (-100: a masked boundary or prompt) stands
+        # for no text.
+        counted = targets >= 0
+        return (table[targets.clamp(min=0)] * counted).sum(-1).tolist()
 
     def process(self, data_batch, data_samples: Sequence[dict]) -> None:
         num_bytes = self._sample_bytes(data_batch, len(data_samples))

@@ -30,6 +30,7 @@ from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
 from mmpar.parallel.sequence import ContextParallel
 from mmpar.parallelize.context import (causal_attention,
                                        context_parallel_attention)
+from mmpar.parallelize.documents import document_rotary
 from mmpar.parallelize.module_plan import module_plan
 from mmpar.registry import MODELS, TP_PLANS
 
@@ -156,8 +157,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor,
     Face's Llama: dimension i pairs with i + D/2)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos = cos[:x.shape[1], None, :].to(x.dtype)
-    sin = sin[:x.shape[1], None, :].to(x.dtype)
+    if cos.dim() == 3:  # per sample (document positions): (B, T, D/2)
+        cos, sin = cos[:, :x.shape[1], None, :], sin[:, :x.shape[1], None, :]
+    else:
+        cos, sin = cos[:x.shape[1], None, :], sin[:x.shape[1], None, :]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -208,21 +212,26 @@ class Attention(nn.Module):
         self.wo = nn.Linear(num_heads * head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1, not a stored head count: under tensor parallelism each rank's
         # wq/wk/wv produce only its own heads (a column shard of the weight).
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        if self.context_parallel is not None:
+        if doc_ids is not None:  # positions restart at each document
+            cos, sin = document_rotary(cos, sin, doc_ids, seq,
+                                       self.context_parallel)
+        elif self.context_parallel is not None:
             cos, sin = rotary_at_rank(cos, sin, seq, self.context_parallel)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.context_parallel is not None:
-            out = context_parallel_attention(q, k, v, self.context_parallel)
+            out = context_parallel_attention(q, k, v, self.context_parallel,
+                                             doc_ids=doc_ids)
         else:
-            out = causal_attention(q, k, v)
+            out = causal_attention(q, k, v, doc_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -255,8 +264,9 @@ class LlamaBlock(nn.Module):
         self.mlp = FeedForward(dim, hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+                sin: torch.Tensor,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -294,7 +304,9 @@ class Llama(LMPipelineOutputs, BaseModel):
 
     ``forward(inputs, data_samples, mode)`` with ``inputs`` and
     ``data_samples`` token ids ``(B, T)`` (targets: inputs shifted by one;
-    ``-100`` marks a target that is not counted): ``'loss'`` returns
+    ``-100`` marks a target that is not counted; ``doc_ids`` ``(B, T)``,
+    optional, limits attention to each token's document, see
+    :meth:`logits`): ``'loss'`` returns
     ``dict(loss=mean cross-entropy over the counted targets, num_tokens)``;
     ``'predict'`` a list of ``dict(loss_sum, num_tokens)``, one per sample,
     for :class:`mmpar.evaluation.LanguageModelMetric`; ``'tensor'`` the
@@ -391,8 +403,12 @@ class Llama(LMPipelineOutputs, BaseModel):
     def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(hidden))
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` to logits ``(B, T, V)``.
+    def logits(self, tokens: torch.Tensor,
+               doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids ``(B, T)`` to logits ``(B, T, V)``; with ``doc_ids``
+        (the whole sequence's, ``(B, T x cp)``) each token attends within
+        its document, positions restarting at its first token
+        (:mod:`mmpar.parallelize.documents`).
 
         Modules set to ``None`` (on another pipeline stage) are skipped: a
         middle stage maps hidden states to hidden states.
@@ -402,7 +418,7 @@ class Llama(LMPipelineOutputs, BaseModel):
             h = self.tok_embeddings(h)
         cos, sin = self.rotary(h.shape[1])
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -412,8 +428,10 @@ class Llama(LMPipelineOutputs, BaseModel):
     def forward(self,
                 inputs: torch.Tensor,
                 data_samples: Optional[torch.Tensor] = None,
-                mode: str = 'tensor') -> Union[Dict, List, torch.Tensor]:
-        return lm_outputs(self.logits(inputs), data_samples, mode,
+                mode: str = 'tensor',
+                doc_ids: Optional[torch.Tensor] = None
+                ) -> Union[Dict, List, torch.Tensor]:
+        return lm_outputs(self.logits(inputs, doc_ids), data_samples, mode,
                           self.context_parallel)
 
     # -- the context-parallel protocol (mmpar/parallelize/context.py) -------

@@ -59,6 +59,8 @@ from mmpar.parallel.sequence import (ATTENTION_ATTR, SETTING_ATTR,  # noqa
                                      check_seq_len, chunk_ids, shard_batch,
                                      sequence_positions, shard_sequence,
                                      unshard_sequence)
+from mmpar.parallelize.documents import (document_attention,
+                                        document_chunk_mask)
 from mmpar.parallelize.module_plan import match_modules
 
 # torch 2.13 renamed these (the old names warn); mmpar supports torch >= 2.4,
@@ -128,11 +130,15 @@ def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor,
             v.repeat_interleave(groups, dim=1))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One-process causal attention, ``q`` ``(B, H, T, D)``, ``k``/``v``
-    ``(B, H_kv, T, D)``: what :func:`context_parallel_attention` replaces."""
+    ``(B, H_kv, T, D)``: what :func:`context_parallel_attention` replaces.
+    With ``doc_ids`` ``(B, T)``, within documents
+    (:mod:`mmpar.parallelize.documents`)."""
     k, v = repeat_kv_heads(k, v, q.shape[1])
+    if doc_ids is not None:
+        return document_attention(q, k, v, doc_ids)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -150,7 +156,9 @@ def context_parallel_attention(q: torch.Tensor,
                                k: torch.Tensor,
                                v: torch.Tensor,
                                cp: ContextParallel,
-                               scale: Optional[float] = None) -> torch.Tensor:
+                               scale: Optional[float] = None,
+                               doc_ids: Optional[torch.Tensor] = None
+                               ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence.
 
     What backward keeps is this rank's ``q``, ``k`` and ``v`` only: the
@@ -171,6 +179,9 @@ def context_parallel_attention(q: torch.Tensor,
         v: ``(B, H_kv, t, D)`` values.
         cp: the context-parallel setting.
         scale: the score scale (``None``: ``1 / sqrt(D)``).
+        doc_ids: ``(B, T)`` the whole sequence's document ids (every cp
+            rank holds them whole): attention within documents
+            (:func:`~mmpar.parallelize.documents.document_chunk_mask`).
 
     Returns:
         ``(B, H, t, D)``: what one-process causal attention over the whole
@@ -183,13 +194,14 @@ def context_parallel_attention(q: torch.Tensor,
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # Every cp rank runs the recomputation in the same backward order,
         # so the all-gather in it pairs up like the forward's.
-        return checkpoint(_attend, q, k, v, cp, scale, use_reentrant=False,
-                          preserve_rng_state=False)
-    return _attend(q, k, v, cp, scale)
+        return checkpoint(_attend, q, k, v, cp, scale, doc_ids,
+                          use_reentrant=False, preserve_rng_state=False)
+    return _attend(q, k, v, cp, scale, doc_ids)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            cp: ContextParallel, scale: Optional[float]) -> torch.Tensor:
+            cp: ContextParallel, scale: Optional[float],
+            doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     chunk_len = q.shape[2] // 2
     # One collective for keys and values together.
     k, v = gather_sequence(torch.stack((k, v)), cp, dim=3).unbind(0)
@@ -197,8 +209,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     outs = []
     for q_chunk, chunk in zip(q.split(chunk_len, dim=2),
                               chunk_ids(cp.rank, cp.size)):
-        mask = causal_chunk_mask(chunk, chunk_len, q.device)
-        end = mask.shape[1]
+        mask = causal_chunk_mask(chunk, chunk_len, q.device) \
+            if doc_ids is None else \
+            document_chunk_mask(doc_ids, chunk, chunk_len)
+        end = mask.shape[-1]
         outs.append(
             F.scaled_dot_product_attention(
                 q_chunk, k[:, :, :end], v[:, :, :end], attn_mask=mask,

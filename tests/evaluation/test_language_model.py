@@ -36,6 +36,19 @@ def test_bytes_per_token():
         LanguageModelMetric(bytes_per_token=0)
 
 
+def test_uncounted_targets_stand_for_no_bytes():
+    import torch
+    metric = LanguageModelMetric()
+    metric.dataset_meta = dict(token_bytes=[1] * 255 + [3])
+    # A masked boundary / prompt target (-100) is neither a token nor a
+    # byte; indexing the table with it read the table from the end.
+    targets = torch.tensor([[255, 7, -100, -100]])
+    metric.process(dict(data_samples=targets),
+                   [dict(loss_sum=2.0, num_tokens=2)])
+    assert metric.evaluate(1)['lm/bits_per_byte'] == pytest.approx(
+        2.0 / math.log(2) / 4)
+
+
 def _evaluate_on_rank():
     from mmengine.dataset import DefaultSampler
     sampler = DefaultSampler(list(range(len(SAMPLES))), shuffle=False)

@@ -1,0 +1,124 @@
+"""Supervised fine-tuning records: the loss on the answer tokens only.
+
+A record is a chat (``messages``: a list of ``dict(role, content)``) or an
+instruction pair (``prompt`` and ``response``, read as a user and an
+assistant message). Each message is rendered by the template of its role,
+tokenized, and the rendered messages concatenated; a target counts only
+where the token it predicts belongs to an assistant message, so the loss
+(and the global token count it is normalised by) never counts a prompt
+token. Each record is one sample, cut to ``context_length + 1`` tokens and
+padded (targets ``-100``).
+"""
+import json
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from mmpar.datasets.packed import IGNORE_INDEX
+from mmpar.datasets.text_files import expand_files
+from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
+from mmpar.registry import DATASETS
+
+# Role -> how a message is written; {content} is the message's text.
+DEFAULT_TEMPLATE = {
+    'system': '{content}\n\n',
+    'user': '### Question:\n{content}\n\n',
+    'assistant': '### Answer:\n{content}\n\n',
+}
+ANSWER_ROLE = 'assistant'
+
+
+def record_messages(record: dict, where: str) -> List[dict]:
+    """A record's messages: ``messages``, or ``prompt`` + ``response``.
+
+    Raises:
+        KeyError: a record with neither.
+    """
+    if 'messages' in record:
+        return list(record['messages'])
+    if 'prompt' in record and 'response' in record:
+        return [dict(role='user', content=record['prompt']),
+                dict(role=ANSWER_ROLE, content=record['response'])]
+    raise KeyError(f'{where}: a record needs "messages" or "prompt" and '
+                   f'"response"; its keys: {sorted(record)}')
+
+
+def render(messages: Sequence[dict], tokenizer: Tokenizer,
+           template: Dict[str, str]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(token ids, is_answer)`` of a chat: every message rendered by its
+    role's template and tokenized alone, in order.
+
+    Raises:
+        ValueError: a role the template lacks.
+    """
+    ids, answer = [], []
+    for message in messages:
+        role = message['role']
+        if role not in template:
+            raise ValueError(f'role {role!r} has no template; allowed: '
+                             f'{", ".join(template)}')
+        tokens = tokenizer.encode(template[role].format(
+            content=message['content']))
+        ids += tokens
+        answer += [role == ANSWER_ROLE] * len(tokens)
+    return np.asarray(ids, np.int64), np.asarray(answer, bool)
+
+
+@DATASETS.register_module()
+class SFTDataset(Dataset):
+    """Chat / instruction records from JSONL files, one padded sample each,
+    the loss on the answer tokens only.
+
+    Args:
+        files: JSONL paths, globs or directories.
+        context_length: tokens per sample (longer records are cut).
+        tokenizer: a ``TOKENIZERS`` config (``None``: bytes).
+        template: role -> format string with ``{content}``
+            (:data:`DEFAULT_TEMPLATE`).
+        pad_id: the input id of padding (its targets are ``-100``).
+
+    Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``;
+    ``data_samples`` is ``-100`` except where the next token is an answer
+    token.
+    """
+
+    def __init__(self,
+                 files: Union[str, Sequence[str]],
+                 context_length: int = 128,
+                 tokenizer: Union[dict, Tokenizer, None] = None,
+                 template: Optional[Dict[str, str]] = None,
+                 pad_id: int = 0):
+        self.tokenizer = build_tokenizer(tokenizer)
+        self.context_length = context_length
+        self.template = dict(template or DEFAULT_TEMPLATE)
+        self.pad_id = pad_id
+        self.samples = []
+        for path in expand_files(files):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    messages = record_messages(json.loads(line),
+                                               f'{path}:{number}')
+                    self.samples.append(render(messages, self.tokenizer,
+                                               self.template))
+
+    @property
+    def metainfo(self) -> dict:
+        return dict(vocab_size=self.tokenizer.vocab_size,
+                    context_length=self.context_length,
+                    token_bytes=self.tokenizer.token_bytes())
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        ids, answer = self.samples[idx]
+        length = self.context_length
+        ids, answer = ids[:length + 1], answer[:length + 1]
+        targets = np.where(answer[1:], ids[1:], IGNORE_INDEX)
+        pad = length - len(targets)
+        inputs = np.concatenate([ids[:-1], np.full(pad, self.pad_id)])
+        targets = np.concatenate([targets, np.full(pad, IGNORE_INDEX)])
+        return dict(inputs=torch.from_numpy(inputs.astype(np.int64)),
+                    data_samples=torch.from_numpy(targets.astype(np.int64)))

@@ -1,0 +1,197 @@
+"""Documents from local text, JSONL and Parquet files, tokenized once.
+
+:func:`iter_documents` reads files as documents; :func:`tokenize_files`
+writes them as a token shard (:mod:`mmpar.datasets.token_shards`) under a
+cache key made of the files (path, size, modification time), the tokenizer
+and the reading options, so a second run (or every other rank) maps the
+shard instead of tokenizing again. ``tools/prepare_data.py`` calls the same
+function with an output prefix of your choosing.
+"""
+import glob
+import hashlib
+import json
+import lzma
+import os
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Union
+
+from mmpar.datasets.token_shards import (VERSION, TokenShardWriter,
+                                         read_header, shard_files)
+from mmpar.datasets.tokenizer import Tokenizer
+
+TEXT_SUFFIXES = ('.txt', '.md', '.text')
+JSONL_SUFFIXES = ('.jsonl', '.ndjson')
+PARQUET_SUFFIXES = ('.parquet', )
+# A path starting with this names a file shipped in mmpar/datasets/data.
+PACKAGE_DATA = 'mmpar:'
+PACKAGE_DATA_DIR = Path(__file__).parent / 'data'
+
+
+def _kind(path: Path) -> str:
+    suffixes = path.suffixes[-2:] if path.suffix == '.xz' else [path.suffix]
+    suffix = suffixes[0] if suffixes else ''
+    for kind, known in (('text', TEXT_SUFFIXES), ('jsonl', JSONL_SUFFIXES),
+                        ('parquet', PARQUET_SUFFIXES)):
+        if suffix in known:
+            return kind
+    raise ValueError(
+        f'{path}: suffix {"".join(suffixes)!r} is not supported; allowed: '
+        f'{", ".join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)} '
+        '(text and JSONL also .xz-compressed)')
+
+
+def expand_files(files: Union[str, Sequence[str]]) -> List[Path]:
+    """Files from paths, globs and directories (searched recursively for
+    supported suffixes), sorted, each once; ``mmpar:NAME`` is a file shipped
+    in ``mmpar/datasets/data``.
+
+    Raises:
+        FileNotFoundError: a pattern that matches nothing.
+    """
+    found = []
+    for pattern in [files] if isinstance(files, str) else files:
+        pattern = str(pattern)
+        if pattern.startswith(PACKAGE_DATA):
+            pattern = str(PACKAGE_DATA_DIR / pattern[len(PACKAGE_DATA):])
+        matches = sorted(glob.glob(os.path.expanduser(pattern),
+                                   recursive=True))
+        if not matches:
+            raise FileNotFoundError(f'files={pattern!r} matches no file')
+        for match in map(Path, matches):
+            if match.is_dir():
+                found += sorted(p for p in match.rglob('*')
+                                if p.is_file() and _supported(p))
+            else:
+                found.append(match)
+    return list(dict.fromkeys(p.resolve() for p in found))
+
+
+def _supported(path: Path) -> bool:
+    try:
+        _kind(path)
+        return True
+    except ValueError:
+        return False
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    if path.suffix == '.xz':
+        raw = lzma.decompress(raw)
+    return raw.decode('utf-8')
+
+
+def iter_documents(files: Sequence[Path], text_key: str = 'text',
+                   separator: Optional[str] = None) -> Iterator[str]:
+    """The documents of ``files``, in order.
+
+    Args:
+        files: from :func:`expand_files`.
+        text_key: the field holding the text in JSONL and Parquet records.
+        separator: split a text file into documents at this string (e.g.
+            ``'\\n\\n'``: paragraphs); ``None``: a text file is one
+            document. Empty documents are skipped.
+
+    Raises:
+        KeyError: a record without ``text_key``.
+        ImportError: a Parquet file without pyarrow installed.
+    """
+    for path in files:
+        kind = _kind(path)
+        if kind == 'text':
+            text = _read_text(path)
+            parts = [text] if separator is None else text.split(separator)
+            yield from (p for p in parts if p.strip())
+        elif kind == 'jsonl':
+            for number, line in enumerate(_read_text(path).splitlines(), 1):
+                if line.strip():
+                    yield _field(json.loads(line), text_key,
+                                 f'{path}:{number}')
+        else:
+            yield from _parquet_texts(path, text_key)
+
+
+def _field(record: dict, key: str, where: str) -> str:
+    if key not in record:
+        raise KeyError(f'{where}: record has no text_key={key!r}; its keys: '
+                       f'{sorted(record)}')
+    return record[key]
+
+
+def _parquet_texts(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f'{path}: reading Parquet needs pyarrow, which is not installed '
+            '(mmpar does not depend on it); pip install pyarrow, or convert '
+            'the file to JSONL') from None
+    parquet = pq.ParquetFile(path)
+    for batch in parquet.iter_batches(columns=[text_key]):
+        yield from batch.column(0).to_pylist()
+
+
+def cache_key(files: Sequence[Path], tokenizer: Tokenizer,
+              **options) -> str:
+    """A digest of what a tokenized shard depends on."""
+    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    described = json.dumps(
+        dict(version=VERSION, files=stats, tokenizer=tokenizer.name,
+             vocab_size=tokenizer.vocab_size, options=options),
+        sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()[:20]
+
+
+def default_cache_dir() -> Path:
+    """``$MMPAR_CACHE/tokens``, else ``~/.cache/mmpar/tokens``."""
+    root = os.environ.get('MMPAR_CACHE') or os.path.join(
+        os.path.expanduser('~'), '.cache', 'mmpar')
+    return Path(root) / 'tokens'
+
+
+def write_documents(prefix: Union[str, Path], files: Sequence[Path],
+                    tokenizer: Tokenizer, text_key: str = 'text',
+                    separator: Optional[str] = None) -> dict:
+    """Tokenize the documents of ``files`` into the shard ``prefix``
+    (written under a temporary name, then renamed: a reader never sees a
+    half-written shard, and ranks writing the same shard at once write the
+    same bytes).
+
+    Returns:
+        The shard's header.
+    """
+    tmp = f'{prefix}.tmp{os.getpid()}'
+    with TokenShardWriter(tmp, tokenizer.vocab_size, tokenizer.name,
+                          [str(p) for p in files]) as writer:
+        for text in iter_documents(files, text_key, separator):
+            writer.add(tokenizer.encode(text))
+    # The header last: it marks the shard complete.
+    for src, dst in zip(shard_files(tmp), shard_files(prefix)):
+        os.replace(src, dst)
+    return read_header(prefix)
+
+
+def tokenize_files(files: Union[str, Sequence[str]], tokenizer: Tokenizer,
+                   cache_dir: Optional[str] = None, text_key: str = 'text',
+                   separator: Optional[str] = None) -> str:
+    """The prefix of a cached shard of ``files`` tokenized by
+    ``tokenizer``; tokenized now unless the cache has it.
+
+    Args:
+        files: paths, globs or directories (:func:`expand_files`).
+        tokenizer: a built tokenizer.
+        cache_dir: where shards are kept (``None``:
+            :func:`default_cache_dir`).
+        text_key: the text field of JSONL / Parquet records.
+        separator: where a text file splits into documents.
+    """
+    paths = expand_files(files)
+    key = cache_key(paths, tokenizer, text_key=text_key,
+                    separator=separator)
+    prefix = Path(cache_dir or default_cache_dir()) / key
+    try:
+        read_header(prefix)
+    except FileNotFoundError:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_documents(prefix, paths, tokenizer, text_key, separator)
+    return str(prefix)

@@ -1,0 +1,101 @@
+"""The token shard format (mmpar/datasets/token_shards.py): a round trip at
+both dtypes, the checks on reading, the writer tool, and the tokenization
+cache of text files."""
+import json
+
+import numpy as np
+import pytest
+
+from mmpar.datasets import ByteTokenizer
+from mmpar.datasets.prepare import main as prepare_main
+from mmpar.datasets.text_files import (expand_files, iter_documents,
+                                       tokenize_files)
+from mmpar.datasets.token_shards import (TokenShard, read_header,
+                                         shard_files, write_token_shard)
+
+
+@pytest.mark.parametrize('vocab_size,dtype', [(300, 'uint16'),
+                                              (70000, 'uint32')])
+def test_round_trip_keeps_every_document(tmp_path, vocab_size, dtype):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, vocab_size, n).tolist()
+            for n in (5, 0, 17, 1, 64)]
+    prefix = tmp_path / 'shard'
+    header = write_token_shard(prefix, docs, vocab_size, 'toy', ['a.txt'])
+    assert header['dtype'] == dtype and header['num_documents'] == 5
+    assert header['num_tokens'] == sum(map(len, docs))
+    shard = TokenShard(prefix)
+    # Memory-mapped, not loaded.
+    assert isinstance(shard.tokens, np.memmap)
+    assert isinstance(shard.offsets, np.memmap)
+    assert [shard.document(i).tolist() for i in range(5)] == docs
+    assert list(shard.starts_between(0, 100)) == [0, 5, 5, 22, 23]
+    # The files are what docs/data.md says: raw little-endian arrays.
+    bin_path, idx_path, _ = shard_files(prefix)
+    raw = np.fromfile(bin_path, np.dtype(dtype).newbyteorder('<'))
+    assert raw.tolist() == sum(docs, [])
+    assert np.fromfile(idx_path, '<i8').tolist() == [0, 5, 5, 22, 23, 87]
+
+
+def test_reading_refuses_incomplete_or_foreign_shards(tmp_path):
+    prefix = tmp_path / 'shard'
+    write_token_shard(prefix, [[1, 2, 3]], 10)
+    bin_path, _, json_path = shard_files(prefix)
+    with open(bin_path, 'ab') as f:
+        f.write(b'\0\0')
+    with pytest.raises(ValueError, match='has 8 bytes; its header says 6'):
+        read_header(prefix)
+    header = json.loads(json_path.read_text())
+    json_path.write_text(json.dumps(dict(header, version=99)))
+    with pytest.raises(ValueError, match='version 1'):
+        read_header(prefix)
+    json_path.unlink()
+    with pytest.raises(FileNotFoundError, match='prepare_data'):
+        TokenShard(prefix)
+    with pytest.raises(ValueError, match='allowed: 0 .. 9'):
+        write_token_shard(tmp_path / 'bad', [[3, 10]], 10)
+
+
+def test_text_and_jsonl_documents(tmp_path):
+    (tmp_path / 'a.txt').write_text('one\n\ntwo\n\n\n\nthree')
+    (tmp_path / 'b.jsonl').write_text(
+        '{"text": "x"}\n\n{"text": "yz", "id": 2}\n')
+    files = expand_files([str(tmp_path)])
+    assert [p.name for p in files] == ['a.txt', 'b.jsonl']
+    assert list(iter_documents(files, separator='\n\n')) == [
+        'one', 'two', 'three', 'x', 'yz']
+    assert list(iter_documents(files[:1])) == ['one\n\ntwo\n\n\n\nthree']
+    with pytest.raises(KeyError, match="text_key='body'"):
+        list(iter_documents(files[1:], text_key='body'))
+    with pytest.raises(FileNotFoundError, match='matches no file'):
+        expand_files(str(tmp_path / '*.parquet'))
+
+
+def test_tokenization_is_cached(tmp_path, monkeypatch):
+    (tmp_path / 'a.txt').write_text('hello\n\nworld')
+    cache = tmp_path / 'cache'
+    calls = []
+    encode = ByteTokenizer.encode
+    monkeypatch.setattr(ByteTokenizer, 'encode',
+                        lambda self, t: calls.append(t) or encode(self, t))
+    first = tokenize_files(str(tmp_path / 'a.txt'), ByteTokenizer(), cache,
+                           separator='\n\n')
+    assert calls == ['hello', 'world']
+    # Second run: the shard is mapped, nothing is tokenized.
+    assert tokenize_files(str(tmp_path / 'a.txt'), ByteTokenizer(), cache,
+                          separator='\n\n') == first
+    assert len(calls) == 2
+    # Another reading of the same file is another shard.
+    assert tokenize_files(str(tmp_path / 'a.txt'), ByteTokenizer(),
+                          cache) != first
+    assert TokenShard(first).document(1).tolist() == list(b'world')
+    assert not list(cache.glob('*.tmp*'))
+
+
+def test_prepare_data_writes_a_shard(tmp_path):
+    (tmp_path / 'a.jsonl').write_text('{"body": "ab"}\n{"body": "c"}\n')
+    header = prepare_main([str(tmp_path / 'out'), str(tmp_path / 'a.jsonl'),
+                           '--text-key', 'body'])
+    assert header['num_documents'] == 2 and header['tokenizer'] == 'bytes'
+    assert header['tokens_per_s'] > 0
+    assert TokenShard(tmp_path / 'out').document(0).tolist() == [97, 98]
