@@ -1,10 +1,14 @@
 import os
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_harness import pool_runner
+
+# Token caches (mmpar.datasets.text_files) stay inside the run, not in ~.
+os.environ.setdefault('MMPAR_CACHE', tempfile.mkdtemp(prefix='mmpar_cache_'))
 
 
 def pytest_collection_modifyitems(config, items):
