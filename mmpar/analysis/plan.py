@@ -26,6 +26,7 @@ from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
 from mmpar.analysis.memory import (MemoryEstimate, current_rss, in_flight,
                                    sample_batch)
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import AXES, DATA_AXES, FLATTENED
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims, ParallelismError
 from mmpar.parallel.dtensor import local_tensor
@@ -306,8 +307,12 @@ def _ranks(group) -> List[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
-AXIS_NAMES = ('dp', 'dp_shard', 'dp_replicate', 'tp', 'pp', 'cp', 'dp_cp',
-              'dp_shard_cp')
+# What a wrapper's group is called, the first name whose group it is: the
+# data axis, its parts, the other axes (fastest first), the other flattened
+# axes.
+AXIS_NAMES = ('dp', ) + DATA_AXES[::-1] + tuple(
+    a for a in reversed(AXES) if a not in DATA_AXES) + tuple(
+        name for name in FLATTENED if name != 'dp')
 
 
 def _axis_name(ranks: List[int], topology: ParallelTopology) -> str:

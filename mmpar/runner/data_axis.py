@@ -24,6 +24,7 @@ from mmengine.evaluator.metric import _to_cpu
 from torch.utils.data import DataLoader
 
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import BY_NAME, PEER_AXES
 from mmpar.parallel.topology import ParallelTopology
 
 
@@ -94,12 +95,14 @@ def evaluate_on_data_axis(metric: BaseMetric, size: int,
     ``size``), the metric is computed on the first of them and broadcast to
     every rank.
     """
+    # The reporting rank of every peer axis (tp and cp rank 0, the last
+    # stage); the source is the one of them at data index 0.
     dims = topology.dims
-    contributes = topology.tp.rank == 0 and topology.cp.rank == 0 and \
-        topology.is_last_stage
-    # Global rank of (dp 0, last stage, cp 0, tp 0): tp fastest, then cp,
-    # then pp.
-    source = (dims.pp - 1) * dims.cp * dims.tp
+    reporter = {axis: BY_NAME[axis].reporter % getattr(dims, axis)
+                for axis in PEER_AXES}
+    contributes = all(topology.groups[axis].rank == index
+                      for axis, index in reporter.items())
+    source = dims.rank_at(**reporter)
     metrics = [None]
     if contributes:
         parts = [None] * topology.dp_size
