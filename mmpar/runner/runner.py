@@ -25,10 +25,10 @@ from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.config_check import check_config
 from mmpar.dist import (check_launcher, init_dist, local_rank,
                         usable_backend, uses_cuda)
-from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.seed import setup_parallelism
-from mmpar.parallelize.compose import builds_on_meta, parallelize
+from mmpar.parallelize.compose import parallelize
 from mmpar.parallelize.meta import MetaInit, build_on_meta
+from mmpar.parallelize.resolved import resolve_plan
 from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
@@ -37,7 +37,6 @@ from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
 from mmpar.runner.param_groups import names_rules, plain_view
 from mmpar.wrappers.base import describe
-from mmpar.wrappers.builder import DEFAULT_WRAPPER, default_wrapper_cfg
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
 
@@ -54,12 +53,10 @@ class Runner(MMEngineRunner):
         given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         check_launcher(given.get('launcher', 'none'))
         cfg = given.get('cfg') or {}
-        self.parallel_cfg, self._dims = ParallelConfig(), None
-        if cfg:
-            # The whole config, model_wrapper_cfg and `parallel` included;
-            # the section parsed once, its layout when the launcher says the
-            # world size.
-            self.parallel_cfg, self._dims = check_config(cfg)
+        # The whole config checked, and its parallel parts resolved once
+        # (the layout too when the launcher says the world size): the plan
+        # setup_env, build_model and wrap_model hand down.
+        self.plan = check_config(cfg) if cfg else resolve_plan()
         # 'full' or 'sharded' (mmpar/checkpoint/format.py; checked above).
         self.checkpoint_format = cfg.get('checkpoint_format', 'full')
         # What build_model recorded, for a model built on the meta device;
@@ -88,25 +85,16 @@ class Runner(MMEngineRunner):
         super().setup_env(env_cfg)
         # The one topology of the run: compose hands its groups and meshes
         # to every technique and wrapper.
-        self.topology = setup_parallelism(self.parallel_cfg,
-                                          self._model_wrapper_cfg(),
-                                          self._dims)
-
-    def _model_wrapper_cfg(self) -> dict:
-        """The config's wrapper, or the one ``parallel.use_fsdp`` picks."""
-        given = self.cfg.get('model_wrapper_cfg')
-        if given is not None:
-            return given
-        cfg = default_wrapper_cfg(self.parallel_cfg)
-        if self.cfg.get('find_unused_parameters') and \
-                cfg['type'] == DEFAULT_WRAPPER:
-            cfg['find_unused_parameters'] = True
-        return cfg
+        if is_distributed():
+            # (Resolved by check_config when the launcher said the size.)
+            self.plan = self.plan.at_world(self.world_size)
+        self.topology = setup_parallelism(self.plan.parallel,
+                                          self.plan.given_wrapper_cfg,
+                                          self.plan.dims)
 
     def _shards_or_splits(self) -> bool:
         """Whether the layout shards or splits the model."""
-        return self.topology is not None and builds_on_meta(
-            self.topology.dims, self._model_wrapper_cfg())
+        return self.topology is not None and self.plan.builds_on_meta
 
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
         """MMEngine's; a model the layout shards or splits is built on the
@@ -114,7 +102,7 @@ class Runner(MMEngineRunner):
         until compose materialises this rank's share. Its ``init_weights``
         waits for ``train()`` (:mod:`mmpar.runner.init_weights`)."""
         if not isinstance(model, dict) or \
-                not self.cfg.get('meta_init', True) or \
+                not self.plan.meta_init or \
                 not self._shards_or_splits():
             return super().build_model(model)
         built, self.meta_init = build_on_meta(
@@ -136,21 +124,17 @@ class Runner(MMEngineRunner):
             model = model.to(self._device())
         if names_rules(self.optim_wrapper):
             self._plain_view = plain_view(model)
-        steps = dict(compile_cfg=self.cfg.get('model_compile'),
-                     activation_checkpointing=self.cfg.get(
-                         'activation_checkpointing'))
         if self.world_size == 1:
             self.logger.info('World size 1: the model is not wrapped.')
-            return parallelize(revert_sync_batchnorm(model), None, None,
-                               self.cfg.get('model_wrapper_cfg'), **steps)
+            return parallelize(revert_sync_batchnorm(model), None,
+                               plan=self.plan)
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
         # TP, PP, activation checkpointing, compile, the data-parallel
         # wrapper, then (meta-built) this rank's parameters, in that order.
-        return parallelize(model, self.topology, self.parallel_cfg,
-                           self._model_wrapper_cfg(), meta_init=self.meta_init,
-                           device=self._device(), **steps)
+        return parallelize(model, self.topology, plan=self.plan,
+                           meta_init=self.meta_init, device=self._device())
 
     def train(self) -> nn.Module:
         # MMEngine 0.10's train() reads the same top-level key
