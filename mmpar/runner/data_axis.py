@@ -16,16 +16,30 @@ import functools
 import math
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from mmengine.dataset import DefaultSampler, InfiniteSampler
 from mmengine.evaluator import BaseMetric, Evaluator
-# MMEngine's own move of metric results (data elements too); private.
-from mmengine.evaluator.metric import _to_cpu
+from mmengine.structures import BaseDataElement
 from torch.utils.data import DataLoader
 
 from mmpar.failures import ConfigError
 from mmpar.parallel.axes import BY_NAME, PEER_AXES
 from mmpar.parallel.topology import ParallelTopology
+
+
+def _to_cpu(data):
+    """Tensors and data elements in ``data`` moved to the CPU (what
+    MMEngine's ``collect_results`` does to metric results)."""
+    if isinstance(data, (torch.Tensor, BaseDataElement)):
+        return data.to('cpu')
+    if isinstance(data, list):
+        return [_to_cpu(item) for item in data]
+    if isinstance(data, tuple):
+        return tuple(_to_cpu(item) for item in data)
+    if isinstance(data, dict):
+        return {key: _to_cpu(value) for key, value in data.items()}
+    return data
 
 
 def _needs_data_axis(topology: Optional[ParallelTopology]) -> bool:
@@ -52,7 +66,6 @@ def shard_sampler(sampler, rank: int, size: int) -> None:
         return
     if isinstance(sampler, InfiniteSampler):
         sampler.rank, sampler.world_size = rank, size
-        # Built once in __init__ from rank and world size.
         # Built once in __init__ (private; no public way to rebuild it).
         sampler.indices = sampler._indices_of_rank()
         return

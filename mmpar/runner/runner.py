@@ -14,10 +14,8 @@ import torch
 from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
+from mmengine.runner import CheckpointLoader
 from mmengine.runner import Runner as MMEngineRunner
-# MMEngine's loader of URLs and other schemes (private; no public one
-# returns the checkpoint without loading it into a model).
-from mmengine.runner.checkpoint import _load_checkpoint
 from torch import nn
 
 import mmpar.checkpoint as ckpt
@@ -57,6 +55,9 @@ class Runner(MMEngineRunner):
         # (the layout too when the launcher says the world size): the plan
         # setup_env, build_model and wrap_model hand down.
         self.plan = check_config(cfg) if cfg else resolve_plan()
+        # What load_or_resume reads (MMEngine keeps them private).
+        self._asked = dict(resume=given.get('resume', False),
+                           load_from=given.get('load_from'))
         # 'full' or 'sharded' (mmpar/checkpoint/format.py; checked above).
         self.checkpoint_format = cfg.get('checkpoint_format', 'full')
         # What build_model recorded, for a model built on the meta device;
@@ -225,7 +226,7 @@ class Runner(MMEngineRunner):
         model (:mod:`mmpar.runner.ema`)."""
         if fn_name != 'before_run':
             return super().call_hook(fn_name, **kwargs)
-        for hook in self._hooks:  # MMEngine's loop
+        for hook in self.hooks:  # MMEngine's loop
             if hasattr(hook, fn_name):
                 with self._ema.building(self, hook):
                     try:
@@ -269,7 +270,8 @@ class Runner(MMEngineRunner):
             self.logger.info(f'Load sharded checkpoint from {filename}')
             return checkpoint
         elif '://' in filename:
-            checkpoint = _load_checkpoint(filename, map_location=map_location)
+            checkpoint = CheckpointLoader.load_checkpoint(filename,
+                                                          map_location)
         else:
             checkpoint = ckpt.load_checkpoint_file(filename, map_location)
         self._after_load_hooks(checkpoint)
@@ -349,7 +351,8 @@ class Runner(MMEngineRunner):
     def load_or_resume(self) -> None:
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
         checkpoint, not whatever ``last_checkpoint`` names."""
-        if self._resume and self._load_from is None and not self._has_loaded:
+        if self._asked['resume'] and self._asked['load_from'] is None and \
+                not self._has_loaded:
             latest = ckpt.find_latest_complete_checkpoint(self.work_dir)
             if latest is None:
                 self.logger.info('No complete checkpoint in the work dir: '
