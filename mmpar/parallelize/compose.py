@@ -37,6 +37,7 @@ import torch
 from mmengine.dist import broadcast
 from torch import nn
 
+from mmpar.failures import ConfigError
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, strategy_name
 from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import apply_activation_checkpointing
@@ -141,11 +142,14 @@ def parallelize(model: nn.Module,
         ConfigError: a combination the layout cannot train.
     """
     if plan is None:
-        plan = resolve_plan(
-            parallel_cfg, model_wrapper_cfg,
-            dims=topology.dims if topology is not None else None,
-            activation_checkpointing=activation_checkpointing,
-            compile_cfg=compile_cfg)
+        try:
+            plan = resolve_plan(
+                parallel_cfg, model_wrapper_cfg,
+                dims=topology.dims if topology is not None else None,
+                activation_checkpointing=activation_checkpointing,
+                compile_cfg=compile_cfg)
+        except ValueError as err:  # (check_config says ConfigError too)
+            raise ConfigError(str(err)) from None
     ac_cfg, compile_cfg = plan.activation_checkpointing, plan.compile_cfg
     if topology is None:
         model = apply_activation_checkpointing(model, ac_cfg)
