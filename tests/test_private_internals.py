@@ -46,8 +46,6 @@ ALLOWED = {
     'module torch.distributed.fsdp._runtime_utils': {'wrappers/fsdp.py'},
     'module torch.distributed.pipelining._backward': {
         'parallelize/pipeline/stage.py'},
-    'module torch.testing._internal.distributed.fake_pg': {
-        'analysis/plan.py'},
     'module torch.utils._python_dispatch': {
         'analysis/activations.py', 'parallelize/meta.py',
         'parallelize/tp_check.py'},
@@ -150,7 +148,8 @@ def test_every_private_internal_is_listed():
 
 
 def test_the_list_is_short():
-    assert len(ALLOWED) <= 32
+    # A ratchet: lower it as internals are replaced.
+    assert len(ALLOWED) <= 31
 
 
 def test_each_use_says_why():

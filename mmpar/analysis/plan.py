@@ -78,13 +78,12 @@ class Plan:
 
 
 def _fake_world(world_size: int, rank: int):
-    # The fake process group's store: no public one in torch 2.13.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise PlanError('a process group already exists in this process; '
                         'the plan needs a fresh one')
+    # torch's fake backend sends nothing; an in-memory store serves it.
     dist.init_process_group(
-        'fake', store=FakeStore(), rank=rank, world_size=world_size)
+        'fake', store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
 def build_model(cfg: Config) -> nn.Module:
