@@ -29,6 +29,7 @@ class CfgOptionsAction(DictAction):
                     self, f'{pair!r} is not KEY=VALUE; allowed: e.g. '
                     'train_cfg.max_epochs=3 or model.depth=2')
             try:
+                # MMEngine's DictAction parser (private): values as it reads.
                 options[key] = self._parse_iterable(value)
             except (AssertionError, ValueError, RecursionError) as err:
                 raise argparse.ArgumentError(

@@ -12,7 +12,7 @@ import importlib
 import inspect
 import numbers
 import os.path as osp
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Optional
 
 
 from mmpar.checkpoint.format import checkpoint_format
@@ -22,9 +22,7 @@ from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
-from mmpar.parallelize.activation import (check_activation_checkpointing,
-                                          merge_wrapper_key)
-from mmpar.parallelize.compile import check_compile_cfg
+from mmpar.parallelize.resolved import ResolvedPlan
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
@@ -158,13 +156,11 @@ def check_init_args(key: str, section: dict, cls: Any) -> None:
 
 def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     """Arguments the wrapper class does not take (e.g. FSDP-only keys on
-    DDP) and wrong types of common DDP arguments. (Activation
-    checkpointing, also accepted here, is compose's step, checked by
-    :func:`check_layout`.)"""
-    from mmpar.wrappers.builder import (DEFAULT_WRAPPER, check_wrapper_cfg,
-                                        wrapper_class)
-    _, wrapper_cfg = merge_wrapper_key(None, wrapper_cfg)
-    check_wrapper_cfg(wrapper_cfg)  # type, sync strategy, the class's check
+    DDP) and wrong types of common DDP arguments; ``wrapper_cfg`` is the
+    config's, already checked by
+    :func:`~mmpar.wrappers.builder.check_wrapper_cfg` (type, sync
+    strategy, the class's own check)."""
+    from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
     if wrapper_cfg is None:
         return
     check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(
@@ -352,45 +348,6 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
         return None  # not started by that launcher (yet): checked later
 
 
-def check_parallel(parallel: Any, launcher: Optional[str],
-                   model_wrapper_cfg: Any = None,
-                   world_size: Optional[int] = None,
-                   batch_size: Optional[int] = None,
-                   compile_cfg: Any = None
-                   ) -> Tuple[ParallelConfig, Optional[ParallelDims]]:
-    """The ``parallel`` section, parsed once: its own keys, the plan, the
-    wrapper it picks; and at the world size (``world_size``, else the
-    launcher's) its layout (:func:`mmpar.parallel.dims.resolve_dims`, the
-    one validator) and what the layout and wrapper can only get wrong
-    together (:func:`mmpar.parallelize.compose.check_composition`).
-
-    Returns:
-        The parsed section and its layout (None when the world is unknown:
-        the Runner resolves it once the process group exists).
-    """
-    from mmpar.parallelize.compose import check_composition
-    from mmpar.parallelize.pipeline import PipelineConfig
-    from mmpar.parallelize.tensor import check_tp_plan
-    from mmpar.wrappers.builder import check_use_fsdp, default_wrapper_cfg
-    config = ParallelConfig.from_cfg(parallel)
-    _, model_wrapper_cfg = merge_wrapper_key(None, model_wrapper_cfg)
-    check_use_fsdp(config, model_wrapper_cfg)
-    built_wrapper_cfg = model_wrapper_cfg or default_wrapper_cfg(config)
-    if config.tp_plan is not None:
-        check_tp_plan(config.tp_plan)
-    if config.pipeline is not None:
-        pp = config.pp or config.pipeline_parallelism
-        PipelineConfig.from_cfg(config.pipeline, pp, batch_size)
-    world_size = world_size or _launch_world_size(launcher)
-    if world_size is None:
-        return config, None
-    dims = config.dims(world_size, model_wrapper_cfg)
-    if dims.world_size > 1:
-        check_composition(config, dims, built_wrapper_cfg, compile_cfg,
-                          batch_size)
-    return config, dims
-
-
 def fused_entries(parallel: Any) -> List[str]:
     """Patterns of ``parallel.tp_plan``'s ``module_plan`` entries that split
     a fused projection part by part (``fused`` > 1); [] for other plans."""
@@ -517,39 +474,44 @@ def _as_config_error() -> Iterator[None]:
 
 
 def check_layout(cfg: Any, world_size: Optional[int] = None
-                 ) -> Tuple[ParallelConfig, Optional[ParallelDims]]:
+                 ) -> ResolvedPlan:
     """The wrapper, ``parallel``, activation-checkpointing and compile
-    sections: what ``check_config`` and the plan tool (which plans partial
-    configs) both check.
+    sections, resolved once into the plan the Runner hands down: what
+    ``check_config`` and the plan tool (which plans partial configs) both
+    check. At the world size (``world_size``, else the launcher's) the
+    layout is resolved (:func:`mmpar.parallel.dims.resolve_dims`, the one
+    validator) and checked with the wrapper
+    (:func:`mmpar.parallelize.resolved.check_composition`).
 
     Returns:
-        As :func:`check_parallel`.
+        The plan (its ``dims`` None when the world is unknown: the Runner
+        resolves it once the process group exists).
 
     Raises:
         ConfigError: naming the key, the value and what is allowed.
     """
+    from mmpar.parallelize.resolved import resolve_plan
+    loader = cfg.get('train_dataloader')
+    batch_size = loader.get('batch_size') if isinstance(loader, dict) \
+        else None
     with _as_config_error():
-        check_wrapper_args(cfg.get('model_wrapper_cfg'))
-        ac_cfg, _ = merge_wrapper_key(cfg.get('activation_checkpointing'),
-                                      cfg.get('model_wrapper_cfg'))
-        check_activation_checkpointing(ac_cfg)
-        check_compile_cfg(cfg.get('model_compile'))
-        loader = cfg.get('train_dataloader')
-        batch_size = loader.get('batch_size') if isinstance(
-            loader, dict) else None
-        parallel, dims = check_parallel(
-            cfg.get('parallel'), cfg.get('launcher'),
-            cfg.get('model_wrapper_cfg'), world_size,
-            batch_size if is_int(batch_size) else None,
-            cfg.get('model_compile'))
-    check_context_parallel(cfg, dims, parallel)
-    check_document_attention(cfg, dims.pp if dims is not None else
-                             parallel.pp)
-    return parallel, dims
+        plan = resolve_plan(
+            cfg.get('parallel'), cfg.get('model_wrapper_cfg'),
+            world_size=world_size or _launch_world_size(cfg.get('launcher')),
+            activation_checkpointing=cfg.get('activation_checkpointing'),
+            compile_cfg=cfg.get('model_compile'),
+            batch_size=batch_size if is_int(batch_size) else None,
+            meta_init=cfg.get('meta_init', True),
+            find_unused_parameters=bool(cfg.get('find_unused_parameters')))
+        check_wrapper_args(plan.given_wrapper_cfg)
+    check_context_parallel(cfg, plan.dims, plan.parallel)
+    check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
+                             plan.parallel.pp)
+    return plan
 
 
 def check_config(cfg: Any, world_size: Optional[int] = None
-                 ) -> Tuple[ParallelConfig, Optional[ParallelDims]]:
+                 ) -> ResolvedPlan:
     """Validate a full Runner config (a ``Config`` or dict) up front.
 
     Args:
@@ -559,8 +521,8 @@ def check_config(cfg: Any, world_size: Optional[int] = None
             tool passes its ``--world-size``).
 
     Returns:
-        The parsed ``parallel`` section and its layout (None when the world
-        is unknown), so the Runner parses it once.
+        The resolved plan (:func:`check_layout`), which the Runner hands
+        down, so nothing parses or checks those sections again.
 
     Raises:
         ConfigError: the first problem found, naming key, value and what is
@@ -604,10 +566,10 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     with _as_config_error():
         check_hooks(cfg, scope)
         checkpoint_format(cfg)
-    layout = check_layout(cfg, world_size)
+    plan = check_layout(cfg, world_size)
     check_fused_checkpoints(cfg)
     check_checkpoint_paths(cfg)
-    if not isinstance(cfg.get('meta_init', True), bool):
+    if not isinstance(plan.meta_init, bool):
         _fail('meta_init', cfg.get('meta_init'),
               'allowed: True (build a model the layout shards or splits on '
               'the meta device) or False (build it whole on every rank)')
@@ -617,4 +579,4 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     seed = (cfg.get('randomness') or {}).get('seed')
     if seed is not None and not is_int(seed):
         _fail('randomness.seed', seed, 'allowed: an int or None')
-    return layout
+    return plan

@@ -233,6 +233,7 @@ def exit_process(code: int = 0) -> NoReturn:
         atexit._run_exitfuncs()
         _flush_open_files()
     finally:
+        # os._exit (Python's): no teardown, which can abort a tool.
         os._exit(code)
 
 

@@ -241,7 +241,8 @@ def _apply(cfg: dict, changes: dict) -> dict:
 
 def test_default_config_passes(base_cfg):
     # One process, nothing split: the layout the Runner then builds.
-    parallel, dims = check_config(base_cfg)
+    plan = check_config(base_cfg)
+    parallel, dims = plan.parallel, plan.dims
     assert (dims.world_size, dims.dp, dims.tp, dims.pp, dims.cp) == (
         1, 1, 1, 1, 1)
     assert parallel.use_fsdp is False and parallel.tp_plan is None
@@ -315,9 +316,9 @@ PP_TP = dict(pp=2, tp=2, tp_plan='digits_vit', pipeline=dict(schedule='1F1B'))
 def test_pp_x_tp_passes(base_cfg, monkeypatch, world_size, wrapper):
     # 2-D (pp x tp) and 3-D (pp x tp x the data axis).
     _as_torchrun(monkeypatch, world_size)
-    _, dims = check_config(_apply(base_cfg, {
+    dims = check_config(_apply(base_cfg, {
         'launcher': 'pytorch', 'parallel': PP_TP,
-        'model_wrapper_cfg': wrapper}))
+        'model_wrapper_cfg': wrapper})).dims
     assert (dims.pp, dims.tp, dims.dp, dims.world_size) == (
         2, 2, world_size // 4, world_size)
 
@@ -346,10 +347,11 @@ def test_pp_x_tp_mistakes_are_refused(base_cfg, monkeypatch, changes,
 
 def test_hsdp_alias_passes(base_cfg, monkeypatch):
     _as_torchrun(monkeypatch, 4)
-    parallel, dims = check_config(_apply(base_cfg, {
+    plan = check_config(_apply(base_cfg, {
         'launcher': 'pytorch',
         'parallel': dict(model_parallelism=2, use_fsdp=True,
                          sharding_strategy='HYBRID_SHARD')}))
+    parallel, dims = plan.parallel, plan.dims
     # The seed's HSDP meaning: shard groups of model_parallelism ranks,
     # replicated over the rest; no tensor parallelism.
     assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 1)

@@ -19,11 +19,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+# Private module: torch 2.13 has no public home for TorchDispatchMode.
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmpar.parallel.dtensor import local_tensor
 from mmpar.parallelize.activation import (SAVE_OPS, _op,
                                           check_activation_checkpointing)
+from mmpar.parallelize.meta import storage_key
 from mmpar.wrappers.policies import resolve_module_classes
 
 
@@ -76,9 +78,9 @@ def activation_profile(model: nn.Module, data: Any,
     inputs: Dict[int, int] = {}
     # Parameters (and views of them, such as a transposed weight) are saved
     # too, but are no activations.
-    seen = {local_tensor(p).untyped_storage()._cdata
+    seen = {storage_key(local_tensor(p))
             for p in model.parameters()}
-    seen |= {local_tensor(b).untyped_storage()._cdata
+    seen |= {storage_key(local_tensor(b))
              for b in model.buffers()}
     handles = []
     for index, block in enumerate(blocks):
@@ -96,7 +98,7 @@ def activation_profile(model: nn.Module, data: Any,
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = local_tensor(tensor).untyped_storage()
-        key = storage._cdata  # each storage once (views share it)
+        key = storage_key(local_tensor(tensor))  # views share a storage
         if key not in seen:
             seen.add(key)
             saved[current[0]] = saved.get(current[0], 0) + storage.nbytes()

@@ -186,15 +186,15 @@ def written_candidate(cfg: Config, world_size: int) -> Candidate:
         ConfigError / ParallelismError: the config's layout is refused.
     """
     from mmpar.config_check import check_layout
-    from mmpar.parallelize.pipeline import PipelineConfig
-    parallel, dims = check_layout(cfg, world_size)
+    plan = check_layout(cfg, world_size)
+    dims = plan.dims
     sizes = tuple((axis, getattr(dims, axis)) for axis in AXES)
     if wrapper_replicates(cfg) and dims.dp_replicate > 1:
         sizes = tuple((a, 1 if a == 'dp_replicate' else
                        dims.dp if a == 'dp_shard' else s) for a, s in sizes)
     if not dims.pp_enabled:
         return Candidate(sizes, checkpointing=_own_checkpointing(cfg))
-    pipe = PipelineConfig.from_cfg(parallel.pipeline, dims.pp)
+    pipe = plan.pipeline
     return Candidate(sizes, pipe.schedule, pipe.num_microbatches,
                      pipe.stages_per_rank, _own_checkpointing(cfg))
 

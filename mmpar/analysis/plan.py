@@ -26,17 +26,19 @@ from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
 from mmpar.analysis.memory import (MemoryEstimate, current_rss, in_flight,
                                    sample_batch)
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import AXES, DATA_AXES, FLATTENED
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims, ParallelismError
 from mmpar.parallel.dtensor import local_tensor
 from mmpar.parallel.layout import ParallelLayout
 from mmpar.parallel.topology import ParallelTopology, build_topology
-from mmpar.parallelize.compose import data_axis_args, wrapper_cfg_for
+from mmpar.parallelize.compose import data_axis_args
+from mmpar.parallelize.resolved import ResolvedPlan, builds_on_meta
 from mmpar.parallelize.meta import build_on_meta
 from mmpar.registry import MODELS, SCOPE
 from mmpar.wrappers.base import describe
 from mmpar.wrappers.builder import (build_model_wrapper, check_wrapper_cfg,
-                                    declared, default_wrapper_cfg)
+                                    declared)
 
 # Optimizer state per parameter element, in parameter-sized tensors.
 OPTIMIZER_STATE_FACTORS = dict(
@@ -76,13 +78,12 @@ class Plan:
 
 
 def _fake_world(world_size: int, rank: int):
-    # The fake process group's store: no public one in torch 2.13.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         raise PlanError('a process group already exists in this process; '
                         'the plan needs a fresh one')
+    # torch's fake backend sends nothing; an in-memory store serves it.
     dist.init_process_group(
-        'fake', store=FakeStore(), rank=rank, world_size=world_size)
+        'fake', store=dist.HashStore(), rank=rank, world_size=world_size)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -155,15 +156,10 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0,
         raise PlanError(f'--rank={rank} is outside --world-size={world_size}')
     try:
         check_custom_imports(cfg.get('custom_imports'))
-        check_layout(cfg, world_size)
+        resolved = check_layout(cfg, world_size)
     except ConfigError as err:
         raise PlanError(str(err)) from None
-    parallel = ParallelConfig.from_cfg(cfg.get('parallel'))
-    explicit = cfg.get('model_wrapper_cfg') is not None
-    wrapper_cfg = copy.deepcopy(
-        dict(cfg.model_wrapper_cfg) if explicit else
-        default_wrapper_cfg(parallel))
-    dims = parallel.dims(world_size, cfg.get('model_wrapper_cfg'))
+    dims = resolved.dims
     if baseline is None:
         baseline = current_rss()  # a rank's before its model: imports
     model = build_model(cfg)
@@ -171,8 +167,7 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0,
     topology = None
     try:
         topology = build_topology(dims)
-        plan = _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
-                              explicit)
+        plan = _plan_in_world(cfg, resolved, topology, model)
         plan.estimate.baseline = baseline
         return plan
     except ParallelismError as err:
@@ -249,7 +244,7 @@ def plan_context_parallel(plan: Plan, model: nn.Module,
 
 
 def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
-                  parallel: ParallelConfig) -> List[nn.Module]:
+                  pipe) -> List[nn.Module]:
     """PP rows: each stage's layers and parameters, this rank's stages and
     the schedule's theoretical bubble. Under tp the stages are cut from the
     split model: this rank's share is its local shards.
@@ -262,13 +257,11 @@ def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
     """
     if not topology.dims.pp_enabled:
         return [model]
-    from mmpar.parallelize.pipeline.config import PipelineConfig
     from mmpar.parallelize.pipeline.schedules import (stage_indices,
                                                       theoretical_bubble)
     from mmpar.parallelize.pipeline.split import (layer_names, split_stage,
                                                   stage_starts)
     pp = topology.dims.pp
-    pipe = PipelineConfig.from_cfg(parallel.pipeline, pp)
     num_stages = pp * pipe.stages_per_rank
     starts = stage_starts(model, pipe.split_points, num_stages)
     names = layer_names(model)
@@ -306,8 +299,12 @@ def _ranks(group) -> List[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
-AXIS_NAMES = ('dp', 'dp_shard', 'dp_replicate', 'tp', 'pp', 'cp', 'dp_cp',
-              'dp_shard_cp')
+# What a wrapper's group is called, the first name whose group it is: the
+# data axis, its parts, the other axes (fastest first), the other flattened
+# axes.
+AXIS_NAMES = ('dp', ) + DATA_AXES[::-1] + tuple(
+    a for a in reversed(AXES) if a not in DATA_AXES) + tuple(
+        name for name in FLATTENED if name != 'dp')
 
 
 def _axis_name(ranks: List[int], topology: ParallelTopology) -> str:
@@ -365,11 +362,12 @@ def _replicated_axes(wrapper_cfg: dict, topology: ParallelTopology) -> dict:
     return {'reduce': (_axis_name(ranks, topology), ranks)}
 
 
-def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
-                   explicit) -> Plan:
+def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
     # The wrapper compose builds (around a TP model, DDP replicates it as
     # MMTensorParallelDDP).
-    wrapper_cfg = wrapper_cfg_for(topology.dims, wrapper_cfg)
+    parallel = resolved.parallel
+    explicit = resolved.given_wrapper_cfg is not None
+    wrapper_cfg = copy.deepcopy(resolved.wrapper_cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     elem = params[0].element_size() if params else 4
@@ -398,14 +396,14 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
             plan.notes.append(f'{", ".join(unused)} not used: '
                               'model_wrapper_cfg is given and wins')
     # One micro-batch's activations, on the plain (meta) model.
-    activations = _activations(cfg, model, parallel, topology)
+    activations = _activations(cfg, model, resolved, topology)
     # compose's order: TP, CP, PP, then the data-parallel wrapper.
     model = plan_tensor_parallel(plan, model, topology, parallel)
     if topology.dims.tp_enabled:
         # Measured again on the split model: a tp rank holds whole what the
         # plan all-gathers (the input of column-split projections, logits
         # gathered whole), which the plain model's share (1/tp) misses.
-        split = _activations(cfg, model, parallel, topology,
+        split = _activations(cfg, model, resolved, topology,
                              tp_labels=plan.tp_labels)
         if split is None:
             plan.notes.append('activations: the split model\'s meta forward '
@@ -414,7 +412,7 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
     plan_context_parallel(plan, model, topology, cfg)
     # Under pp each of this rank's stages gets its own wrapper, as in
     # training; without pp the one "stage" is the whole model.
-    stages = plan_pipeline(plan, model, topology, parallel)
+    stages = plan_pipeline(plan, model, topology, resolved.pipeline)
     sharded = wrapper_cls.shards_parameters  # FSDP units
     if sharded:
         # Before the wrapper: its errors then name the config key.
@@ -423,8 +421,7 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         # The wrapper shards in place.
         units_stages = [copy.deepcopy(stage) for stage in stages]
     if topology.dims.pp_enabled:
-        from mmpar.parallelize.pipeline import stage_wrapper_cfg
-        wrapper_cfg = stage_wrapper_cfg(wrapper_cfg, parallel.pipeline)
+        wrapper_cfg = copy.deepcopy(resolved.stage_wrapper_cfg)
     built = [_build_wrapper(plan, wrapper_cfg, stage, topology)
              for stage in stages]
     plan.axes = _replicated_axes(wrapper_cfg, topology) if built[0] is None \
@@ -451,10 +448,8 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
         state = factor * per_rank
         plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
                             'params)', state, state * elem))
-    pipe = None
-    if topology.dims.pp_enabled:
-        from mmpar.parallelize.pipeline.config import PipelineConfig
-        pipe = PipelineConfig.from_cfg(parallel.pipeline, topology.dims.pp)
+    pipe = resolved.pipeline if topology.dims.pp_enabled else None
+    if pipe is not None:
         if plan.units and pipe.reshards_per_microbatch:
             plan.notes.append(
                 'FSDP stages reshard and reduce-scatter after every '
@@ -471,7 +466,7 @@ def _plan_in_world(cfg, parallel, topology, model, wrapper_cfg,
     return plan
 
 
-def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
+def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
                  topology: ParallelTopology,
                  tp_labels: Optional[Dict[str, str]] = None
                  ) -> Optional[int]:
@@ -482,22 +477,17 @@ def _activations(cfg, model: nn.Module, parallel: ParallelConfig,
     PlanError naming the module and its style)."""
     from mmpar.analysis.activations import (_block_class, activation_profile,
                                             estimate_from_profile)
-    from mmpar.parallelize.activation import (check_activation_checkpointing,
-                                              merge_wrapper_key)
     dims = topology.dims
     batch = (cfg.get('train_dataloader') or {}).get('batch_size') or 1
     schedule, microbatches, per_rank = None, 1, 1
     if dims.pp_enabled:
-        from mmpar.parallelize.pipeline.config import PipelineConfig
-        pipe = PipelineConfig.from_cfg(parallel.pipeline, dims.pp)
+        pipe = resolved.pipeline
         schedule, microbatches = pipe.schedule, pipe.num_microbatches
         per_rank = pipe.stages_per_rank
     data = sample_batch(cfg, model, max(1, batch // microbatches))
     if data is None:
         return None
-    ac_cfg, _ = merge_wrapper_key(cfg.get('activation_checkpointing'),
-                                  cfg.get('model_wrapper_cfg'))
-    ac_cfg = check_activation_checkpointing(ac_cfg)
+    ac_cfg = resolved.activation_checkpointing
     tp_split = tp_labels is not None
     if tp_split:
         _dry_run(model, tp_labels, data)
@@ -556,7 +546,6 @@ def _gathered_numel(plan: Plan, pipe) -> int:
 
 def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
               activations: Optional[int], local_bytes: int, pipe=None):
-    from mmpar.parallelize.compose import builds_on_meta
     elem = plan.param_bytes_per_elem
     meta = bool(cfg.get('meta_init', True)) and \
         builds_on_meta(plan.dims, wrapper_cfg)

@@ -8,11 +8,13 @@ from mmengine.config import Config, DictAction
 from mmpar.analysis.memory import within_budget
 from mmpar.analysis.plan import Plan, PlanError, make_plan
 from mmpar.analysis.search_args import add_search_arguments
-from mmpar.parallel.dims import AXES, ParallelismError
+from mmpar.parallel.axes import (AXES, BY_NAME, DATA, FLATTENED, MODEL,
+                                  SAMPLE_AXES)
+from mmpar.parallel.dims import ParallelismError
 
-# Group kinds in the order the report lists them: fastest axis first.
-KINDS = ('tp', 'pp', 'dp_shard', 'dp_replicate', 'dp')
-CP_KINDS = ('cp', 'dp_cp')
+# Axes on the gradient axis beyond the data axis (cp): ranks that read
+# different tokens of the same samples.
+TOKEN_AXES = tuple(a for a in FLATTENED['dp_cp'] if a not in SAMPLE_AXES)
 ROLES = dict(reduce='all-reduces gradients over',
              shard='shards parameters over',
              replicate='replicates (all-reduces) across')
@@ -25,16 +27,26 @@ def _fmt_bytes(num: float) -> str:
         num /= 1024
 
 
+def _kinds(dims) -> tuple:
+    """Group kinds in the order the report lists them: the data and model
+    axes, fastest first, the data axis; then any other axis only when it
+    is there (most plans have no cp), and the gradient axis it makes."""
+    kinds = tuple(a for a in reversed(AXES)
+                  if BY_NAME[a].role in (DATA, MODEL)) + ('dp', )
+    more = tuple(a for a in reversed(AXES) if BY_NAME[a].role not in
+                 (DATA, MODEL) and getattr(dims, a) > 1)
+    return kinds + (more + ('dp_cp', ) if more else ())
+
+
 def _layout_lines(plan: Plan) -> List[str]:
     dims, layout, rank = plan.dims, plan.layout, plan.rank
     sizes = ' '.join(f'{axis}={getattr(dims, axis)}' for axis in AXES)
-    gradients = f'; gradients over dp_cp = dp x cp = {dims.dp_cp}' \
-        if dims.cp_enabled else ''
+    gradients = f'; gradients over dp_cp = dp x {" x ".join(TOKEN_AXES)} ' \
+        f'= {dims.dp_cp}' if dims.dp_cp != dims.dp else ''
     lines = [f'world size {plan.world_size}: {sizes}; dp={dims.dp} '
              f'(mesh dims {AXES}, shape {dims.shape}; dp = dp_replicate x '
              f'dp_shard{gradients})']
-    # cp's groups only when there is a cp axis (most plans have none).
-    kinds = KINDS + CP_KINDS if dims.cp_enabled else KINDS
+    kinds = _kinds(dims)
     for kind in kinds:
         groups = ' '.join(str(g) for g in layout.groups[kind])
         lines.append(f'  {kind} groups: {groups}')

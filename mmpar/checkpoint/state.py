@@ -14,9 +14,7 @@ import re
 from collections import OrderedDict
 
 from mmengine.optim import OptimWrapper
-# MMEngine's load into a module (key revision, strictness report);
-# private, the one its Runner uses.
-from mmengine.runner.checkpoint import _load_checkpoint_to_model
+from mmengine.runner import load_state_dict
 from torch import nn
 
 from mmpar.checkpoint import pipeline
@@ -56,9 +54,14 @@ def optimizer_state(model: nn.Module, optim_wrapper) -> dict:
 
 
 def _revise(state: dict, revise_keys: list) -> dict:
+    # torch's per-module state versions ride on the dict (state_dict()'s
+    # documented ``_metadata``); keep them, as MMEngine's loader does.
+    metadata = getattr(state, '_metadata', None)
     for pattern, replacement in revise_keys:
         state = OrderedDict(
             (re.sub(pattern, replacement, k), v) for k, v in state.items())
+    if metadata is not None:
+        state._metadata = metadata
     return state
 
 
@@ -67,10 +70,12 @@ def load_model_state(model: nn.Module, checkpoint: dict, strict: bool,
     """Load a full checkpoint's weights into ``model`` under any layout
     (every rank calls it); returns the checkpoint."""
     info = describe(model)
-    if info.pipeline is None and not info.holds_shards:
-        return _load_checkpoint_to_model(
-            info.state_module, checkpoint, strict, revise_keys=revise_keys)
     state = _revise(checkpoint.get('state_dict', checkpoint), revise_keys)
+    if info.pipeline is None and not info.holds_shards:
+        # MMEngine's load into a module (its strictness report), as its
+        # Runner's load_checkpoint does.
+        load_state_dict(info.state_module, state, strict)
+        return checkpoint
     if info.pipeline is not None:
         pipeline.load_full_state_dict(info.pipeline, state, strict=strict)
     else:

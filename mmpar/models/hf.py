@@ -219,6 +219,7 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         for name in match_modules(self, self.context_parallel_modules[0]):
             self.get_submodule(name).context_parallel = None
         self._context_parallel: Optional[ContextParallel] = None
+        # Private: transformers' one record of the attention in use.
         self._attn_without_cp = self.hf_config._attn_implementation
 
     @property

@@ -5,9 +5,9 @@ The seed API (``init_parallelism``, ``parallel_group_info``, ...) lives in
 :mod:`mmpar.parallel.seed`; the dry run (``tools/plan.py``) in
 ``mmpar.analysis.plan``.
 """
+from mmpar.parallel.axes import AXES
 from mmpar.parallel.config import ParallelConfig
-from mmpar.parallel.dims import (AXES, ParallelDims, ParallelismError,
-                                 resolve_dims)
+from mmpar.parallel.dims import ParallelDims, ParallelismError, resolve_dims
 from mmpar.parallel.groups import GroupInfo, Pending
 from mmpar.parallel.layout import ParallelLayout, layout_of
 from mmpar.parallel.mesh import ParallelMesh

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from mmpar.checks import check_int
-from mmpar.parallel.dims import AXES, REST, ParallelDims, resolve_dims
+from mmpar.parallel.axes import AXES
+from mmpar.parallel.dims import REST, ParallelDims, resolve_dims
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, is_hybrid
 
 SEED_SIZE_KEYS = ('model_parallelism', 'pipeline_parallelism')

@@ -28,17 +28,10 @@ from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 from mmpar.checks import check_int
+# The one table of axes (mesh order, roles): a new axis is added there and
+# in ParallelDims.
+from mmpar.parallel.axes import AXES, DATA_AXES, FLATTENED
 
-# The one list of axes, in mesh order: slowest-varying first. dp outermost
-# keeps the seed's groups for init_parallelism(mp, pp); then the more an axis
-# talks, the closer its ranks: tp innermost (collectives in every layer,
-# forward and backward) keeps a tp group on one node, cp next (an all-gather
-# of keys/values per layer, a reduce-scatter back), pp outside it (one
-# activation per micro-batch and stage boundary). torchtitan orders cp and
-# pp the same way (pp, dp_replicate, dp_shard, cp, tp). Config keys, layout,
-# mesh, topology and the plan report all iterate it; a new axis is added
-# here and in ParallelDims.
-AXES = ('dp_replicate', 'dp_shard', 'pp', 'cp', 'tp')
 # Sizes may be -1: "the rest of the world".
 REST = ((-1, 'the rest of the world'), )
 
@@ -109,16 +102,23 @@ class ParallelDims:
                 'allowed: sizes whose product is the world size (set one of '
                 'them to -1 to take the rest)')
 
+    def size_of(self, axes) -> int:
+        """The product of the sizes of ``axes`` (names of :data:`AXES`)."""
+        size = 1
+        for axis in axes:
+            size *= getattr(self, axis)
+        return size
+
     @property
     def dp(self) -> int:
         """The data axis: ``dp_replicate * dp_shard``."""
-        return self.dp_replicate * self.dp_shard
+        return self.size_of(FLATTENED['dp'])
 
     @property
     def dp_cp(self) -> int:
         """The gradient axis: ``dp * cp`` ranks read different tokens and
         hold the same (or, sharded, the same parts of the) weights."""
-        return self.dp * self.cp
+        return self.size_of(FLATTENED['dp_cp'])
 
     @property
     def dp_enabled(self) -> bool:
@@ -148,6 +148,23 @@ class ParallelDims:
     def shape(self) -> Tuple[int, ...]:
         """Sizes in mesh order, :data:`AXES`."""
         return tuple(getattr(self, name) for name in AXES)
+
+    def coords(self, rank: int) -> dict:
+        """``{axis: index}`` of ``rank`` in the grid (row-major over
+        :data:`AXES`, the last varying fastest)."""
+        coords = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, getattr(self, axis))
+        return {axis: coords[axis] for axis in AXES}
+
+    def rank_at(self, **coords: int) -> int:
+        """The global rank at ``coords`` (axes left out: index 0; a
+        negative index counts from the end, as in a list)."""
+        rank = 0
+        for axis in AXES:
+            size = getattr(self, axis)
+            rank = rank * size + coords.get(axis, 0) % size
+        return rank
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -225,7 +242,7 @@ def _requested(parallel, world_size: int, hybrid: bool,
             sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
         else:
             sizes['dp_replicate'] = 1
-    for name in ('dp_replicate', 'dp_shard'):
+    for name in DATA_AXES:
         if sizes[name] is None:
             taken = any(v == -1 for v in sizes.values())
             sizes[name] = 1 if taken else -1

@@ -22,13 +22,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from mmpar.parallel.dims import AXES, ParallelDims
-
-# Axes flattened into one: the data axis (samplers, metrics), the gradient
-# axis (every rank that reads different tokens) and FSDP's shard axis.
-FLATTENED = dict(dp=('dp_replicate', 'dp_shard'),
-                 dp_cp=('dp_replicate', 'dp_shard', 'cp'),
-                 dp_shard_cp=('dp_shard', 'cp'))
+from mmpar.parallel.axes import AXES, FLATTENED, SAMPLE_AXES
+from mmpar.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -73,9 +68,14 @@ class ParallelLayout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f'rank={rank} is outside world size '
                              f'{self.world_size}')
-        cp = self.dims.cp if self.dims is not None else 1
-        return (rank // (self.mp * cp * self.pp),
-                rank // (self.mp * cp) % self.pp, rank % self.mp)
+        if self.dims is None:
+            return (rank // (self.mp * self.pp), rank // self.mp % self.pp,
+                    rank % self.mp)
+        coords = self.dims.coords(rank)
+        dp_index = 0
+        for axis in SAMPLE_AXES:
+            dp_index = dp_index * getattr(self.dims, axis) + coords[axis]
+        return (dp_index, coords['pp'], coords['tp'])
 
 
 def axis_groups(dims: ParallelDims, axes: Tuple[str, ...]) -> List[List[int]]:
@@ -87,9 +87,7 @@ def axis_groups(dims: ParallelDims, axes: Tuple[str, ...]) -> List[List[int]]:
     """
     grid = torch.arange(dims.world_size).reshape(dims.shape)
     moved = [AXES.index(a) for a in axes]
-    size = 1
-    for axis in axes:
-        size *= getattr(dims, axis)
+    size = dims.size_of(axes)
     last = list(range(len(AXES) - len(moved), len(AXES)))
     return grid.movedim(moved, last).reshape(-1, size).tolist()
 

@@ -3,7 +3,7 @@
 :func:`build_mesh` turns a :class:`~mmpar.parallel.dims.ParallelDims` into
 one group per axis for this rank and a ``DeviceMesh`` with dims
 :data:`~mmpar.parallel.dims.AXES` plus the flattened axes of
-:data:`~mmpar.parallel.layout.FLATTENED`: the data axis ``'dp'``, the
+:data:`~mmpar.parallel.axes.FLATTENED`: the data axis ``'dp'``, the
 gradient axis ``'dp_cp'`` and FSDP's shard axis ``'dp_shard_cp'``.
 :func:`fallback_data_mesh` serves wrappers built without a topology (tests,
 scripts): the whole world as the data axis, or split into HSDP's
@@ -23,11 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mmpar.device import device_type
 from mmpar.dist import collective_timeout
-from mmpar.parallel.dims import AXES, ParallelDims, node_local_shard
+from mmpar.parallel.axes import AXES, DATA_AXES, FLATTENED
+from mmpar.parallel.dims import ParallelDims, node_local_shard
 from mmpar.parallel.groups import GroupInfo
-from mmpar.parallel.layout import FLATTENED, ParallelLayout, layout_of
-
-DATA_AXES = ('dp_replicate', 'dp_shard')
+from mmpar.parallel.layout import ParallelLayout, layout_of
 
 
 class ParallelMesh:

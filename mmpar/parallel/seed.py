@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mmpar.checks import check_int
 from mmpar.parallel.config import SEED_SIZE_KEYS, ParallelConfig
-from mmpar.parallel.dims import AXES, ParallelDims, ParallelismError
+from mmpar.parallel.axes import AXES, DATA_AXES
+from mmpar.parallel.dims import ParallelDims, ParallelismError
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import ParallelLayout, layout_of
 from mmpar.parallel.mesh import fallback_data_mesh
@@ -147,8 +148,8 @@ def init_parallelism(model_parallelism: int = 1,
                 'init_process_group) before init_parallelism')
         dims = seed_dims(dist.get_world_size(), model_parallelism,
                          pipeline_parallelism)
-    backends = dict(tp=mp_backend, pp=pp_backend, dp=dp_backend,
-                    dp_replicate=dp_backend, dp_shard=dp_backend)
+    backends = dict(tp=mp_backend, pp=pp_backend,
+                    **dict.fromkeys(('dp', ) + DATA_AXES, dp_backend))
     return install(build_topology(dims, backends))
 
 

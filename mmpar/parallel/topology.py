@@ -9,11 +9,13 @@ below reads a global. Its groups and mesh come from
 module slot of its own: :mod:`mmpar.parallel.seed`.
 """
 from dataclasses import dataclass
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mmpar.parallel.axes import REPLICATE_SHARD
 from mmpar.parallel.dims import ParallelDims, ParallelismError
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import ParallelLayout
@@ -24,38 +26,37 @@ from mmpar.parallel.mesh import ParallelMesh, build_mesh
 class ParallelTopology:
     """This process's groups: what :func:`parallel_group_info` returns.
 
+    This rank's group on every axis of :data:`~mmpar.parallel.axes.AXES`
+    and every flattened axis is an attribute of the axis's name:
+    ``topology.tp``, ``.pp``, ``.cp``, ``.dp_replicate``, ``.dp_shard``,
+    ``.dp`` (the data axis: what samplers and metrics work over),
+    ``.dp_cp`` (the gradient axis: the ranks that read different tokens,
+    over which gradients are reduced and the loss's token count is summed),
+    ``.dp_shard_cp``; ``mp`` is the seed name of ``tp``.
+
     Attributes:
         dims: the named axes (sizes).
-        mesh: named sub-meshes: ``mesh['tp']``, ``mesh['pp']``,
-            ``mesh['cp']``, ``mesh['dp']`` (the flattened data axis),
-            ``mesh['dp_cp']`` (the gradient axis), ``mesh['dp_shard_cp']``,
-            ``mesh['dp_replicate', 'dp_shard']``; ``mesh.root`` is the torch
-            ``DeviceMesh`` with dims ``('dp_replicate', 'dp_shard', 'pp',
-            'cp', 'tp')``.
-        tp: this rank's tensor-parallel group (``mp`` is its seed name).
-        pp: this rank's pipeline-parallel group.
-        dp: this rank's data-parallel group (dp_replicate x dp_shard): what
-            samplers and metrics work over.
-        dp_replicate: this rank's replicate group (HSDP's outer axis).
-        dp_shard: this rank's shard group (FSDP's axis without cp).
-        cp: this rank's context-parallel group (one sequence's ranks).
-        dp_cp: this rank's gradient group (dp x cp): the ranks that read
-            different tokens, over which gradients are reduced and the
-            loss's token count is summed.
+        mesh: named sub-meshes: ``mesh['tp']``, ``mesh['dp']``,
+            ``mesh['dp_cp']``, ``mesh['dp_replicate', 'dp_shard']``, ...;
+            ``mesh.root`` is the torch ``DeviceMesh`` with dims
+            :data:`~mmpar.parallel.axes.AXES`.
+        groups: this rank's :class:`GroupInfo` per axis and flattened axis.
         layout: every rank's groups (the pure layout).
     """
     dims: ParallelDims
     mesh: ParallelMesh
-    tp: GroupInfo
-    pp: GroupInfo
-    cp: GroupInfo
-    dp: GroupInfo
-    dp_replicate: GroupInfo
-    dp_shard: GroupInfo
-    dp_cp: GroupInfo
+    groups: Mapping[str, GroupInfo]
     layout: ParallelLayout
     created_groups: tuple  # every group this rank made
     world_group: dist.ProcessGroup  # the default group they were made in
+
+    def __getattr__(self, name: str) -> GroupInfo:
+        # Only names that are not fields: the axes' groups.
+        groups = self.__dict__.get('groups') or {}
+        if name in groups:
+            return groups[name]
+        raise AttributeError(
+            f'{type(self).__name__!r} object has no attribute {name!r}')
 
     @property
     def mp(self) -> GroupInfo:
@@ -100,7 +101,7 @@ class ParallelTopology:
         as well hold different shards of them. The layout decides, so every
         wrapper agrees."""
         if self.dims.dp_replicate_enabled:
-            return self.mesh['dp_replicate', 'dp_shard_cp']
+            return self.mesh[REPLICATE_SHARD]
         return self.mesh['dp_cp']
 
     def is_alive(self) -> bool:
@@ -156,10 +157,7 @@ def build_topology(dims: ParallelDims,
         raise ParallelismError(f'{dims} is for {dims.world_size} ranks, the '
                                f'world has {dist.get_world_size()}')
     built = build_mesh(dims, backends)
-    groups = built.groups
     return ParallelTopology(
-        dims, built.mesh, layout=built.layout, created_groups=built.created,
-        world_group=dist.group.WORLD,
-        **{name: groups[name] for name in ('tp', 'pp', 'cp', 'dp',
-                                           'dp_replicate', 'dp_shard',
-                                           'dp_cp')})
+        dims, built.mesh, MappingProxyType(dict(built.groups)),
+        layout=built.layout, created_groups=built.created,
+        world_group=dist.group.WORLD)

@@ -147,6 +147,7 @@ def plain_name(name: str) -> str:
     """A parameter's name in the model before checkpointing wrapped its
     modules: ``named_parameters`` of a checkpointed module carry torch's
     wrapper prefix, which only its state-dict hooks strip."""
+    # Private: the checkpoint wrapper's name prefix (no public constant).
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
         _CHECKPOINT_PREFIX
     return name.replace(_CHECKPOINT_PREFIX, '')
@@ -167,6 +168,7 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
     cfg = check_activation_checkpointing(cfg)
     if cfg is None:
         return model
+    # Private module: torch's non-reentrant checkpoint wrapper (FSDP's).
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, apply_activation_checkpointing as apply_ac,
         checkpoint_wrapper)

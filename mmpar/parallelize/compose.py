@@ -27,9 +27,9 @@ The model's ``init_weights()`` is not run here: the Runner runs it where
 MMEngine's ``Runner.train()`` runs it (:mod:`mmpar.runner.init_weights`).
 
 With ``tp > 1`` the data-parallel wrapper is the one its class names for
-tensor parallelism (:mod:`.tp_wrapper`). :func:`check_composition` is the
-one check of what only the combination of the layout and the wrapper can
-get wrong; the config check and the plan tool call it too.
+tensor parallelism (:mod:`.tp_wrapper`). What to build comes resolved
+(:class:`~mmpar.parallelize.resolved.ResolvedPlan`, checked once by
+``check_config``).
 """
 from typing import Any, Optional
 
@@ -38,17 +38,15 @@ from mmengine.dist import broadcast
 from torch import nn
 
 from mmpar.failures import ConfigError
-from mmpar.parallel.config import ParallelConfig
-from mmpar.parallel.dims import ParallelDims
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, strategy_name
 from mmpar.parallel.topology import ParallelTopology
-from mmpar.parallelize.activation import (apply_activation_checkpointing,
-                                          merge_wrapper_key)
+from mmpar.parallelize.activation import apply_activation_checkpointing
 from mmpar.parallelize.compile import apply_compile
 from mmpar.parallelize.context import apply_context_parallel
 from mmpar.parallelize.meta import MetaInit
+from mmpar.parallelize.resolved import (ResolvedPlan, builds_on_meta,
+                                        resolve_plan)
 from mmpar.parallelize.tensor import apply_tp
-from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
 from mmpar.wrappers.base import describe
 from mmpar.wrappers.builder import (DEFAULT_WRAPPER, build_model_wrapper,
                                     declared)
@@ -66,51 +64,6 @@ def broadcast_before_sharding(model: nn.Module) -> None:
         broadcast(tensor)
 
 
-def wrapper_cfg_for(dims: ParallelDims,
-                    model_wrapper_cfg: Optional[dict]) -> dict:
-    """The data-parallel wrapper config compose builds: the default DDP
-    when none is given, its tensor-parallel counterpart under ``tp > 1``."""
-    cfg = dict(model_wrapper_cfg or dict(type=DEFAULT_WRAPPER))
-    if dims.tp_enabled:
-        cfg = data_parallel_cfg_for_tp(cfg, dims.tp)
-    return cfg
-
-
-def check_composition(parallel: ParallelConfig, dims: ParallelDims,
-                      model_wrapper_cfg: Optional[dict],
-                      compile_cfg: Any = None,
-                      batch_size: Optional[int] = None) -> dict:
-    """Check what the layout and the wrapper can only get wrong together.
-
-    Returns:
-        The wrapper config compose will build.
-
-    Raises:
-        ConfigError: naming the key, the value and what is allowed.
-    """
-    from mmpar.parallelize.pipeline import (PipelineConfig,
-                                            check_pipeline_wrapper)
-    try:
-        cfg = wrapper_cfg_for(dims, model_wrapper_cfg)
-        shard_size = cfg.get('hybrid_shard_size')
-        if shard_size is not None and shard_size != dims.dp_shard:
-            raise ValueError(
-                f'model_wrapper_cfg.hybrid_shard_size={shard_size!r} '
-                f'disagrees with the layout (dp_shard={dims.dp_shard}); '
-                'allowed: leave it unset and give parallel.dp_shard instead')
-        if dims.pp_enabled:
-            PipelineConfig.from_cfg(parallel.pipeline, dims.pp, batch_size)
-            check_pipeline_wrapper(cfg, dims.dp_cp)
-            if compile_cfg:
-                raise ValueError(
-                    f'model_compile={compile_cfg!r} with parallel.pp='
-                    f'{dims.pp} is not supported yet; allowed: '
-                    'model_compile=None with pipeline parallelism')
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return cfg
-
-
 def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
     """The gradient axis (``dp x cp``; the data axis without cp) as the
     wrapper ``cfg`` names takes it, for the builder's ``default_args``: its
@@ -123,14 +76,6 @@ def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
         # NO_SHARD replicates over the whole gradient axis.
         return dict(device_mesh=topology.mesh['dp_cp'])
     return dict(device_mesh=topology.data_mesh())
-
-
-def builds_on_meta(dims: ParallelDims, wrapper_cfg: Optional[dict]) -> bool:
-    """Whether the layout shards or splits the model, so that no rank needs
-    it whole: tensor or pipeline parallelism, or a sharding wrapper."""
-    cls = declared((wrapper_cfg or {}).get('type', DEFAULT_WRAPPER))
-    return dims.world_size > 1 and (dims.tp_enabled or dims.pp_enabled or
-                                    cls.shards_parameters)
 
 
 def _finish(model: nn.Module, topology: ParallelTopology, wrapper_cfg: dict,
@@ -164,12 +109,14 @@ def _finish(model: nn.Module, topology: ParallelTopology, wrapper_cfg: dict,
 
 def parallelize(model: nn.Module,
                 topology: Optional[ParallelTopology],
-                parallel_cfg,
-                model_wrapper_cfg: Optional[dict],
+                parallel_cfg=None,
+                model_wrapper_cfg: Optional[dict] = None,
                 compile_cfg=None,
                 activation_checkpointing=None,
                 meta_init: Optional[MetaInit] = None,
-                device: Optional[torch.device] = None) -> nn.Module:
+                device: Optional[torch.device] = None,
+                *,
+                plan: Optional[ResolvedPlan] = None) -> nn.Module:
     """Lay ``model`` out over the ranks in compose's fixed order.
 
     Args:
@@ -177,7 +124,7 @@ def parallelize(model: nn.Module,
         topology: this rank's topology (None: one process; only
             checkpointing and compile apply, the model is not wrapped).
         parallel_cfg: the ``parallel`` section (dict, ParallelConfig or
-            None).
+            None), when no ``plan`` is given.
         model_wrapper_cfg: the data-parallel wrapper to build (None: DDP).
             Its ``activation_checkpointing`` key, if any, is step 4's.
         compile_cfg: ``model_compile`` (per-block ``torch.compile``).
@@ -185,6 +132,8 @@ def parallelize(model: nn.Module,
         meta_init: what :func:`~mmpar.parallelize.meta.build_on_meta`
             recorded, for a model built on the meta device (step 7).
         device: where a meta-built model's parameters go.
+        plan: the sections above, resolved once (the Runner's, from
+            ``check_config``); without it they are resolved here.
 
     Returns:
         The wrapped model.
@@ -192,15 +141,21 @@ def parallelize(model: nn.Module,
     Raises:
         ConfigError: a combination the layout cannot train.
     """
-    ac_cfg, model_wrapper_cfg = merge_wrapper_key(activation_checkpointing,
-                                                  model_wrapper_cfg)
+    if plan is None:
+        try:
+            plan = resolve_plan(
+                parallel_cfg, model_wrapper_cfg,
+                dims=topology.dims if topology is not None else None,
+                activation_checkpointing=activation_checkpointing,
+                compile_cfg=compile_cfg)
+        except ValueError as err:  # (check_config says ConfigError too)
+            raise ConfigError(str(err)) from None
+    ac_cfg, compile_cfg = plan.activation_checkpointing, plan.compile_cfg
     if topology is None:
         model = apply_activation_checkpointing(model, ac_cfg)
         return apply_compile(model, compile_cfg)
-    parallel = ParallelConfig.from_cfg(parallel_cfg)
-    dims = topology.dims
-    wrapper_cfg = check_composition(parallel, dims, model_wrapper_cfg,
-                                    compile_cfg)
+    plan = plan.at_world(topology.dims.world_size)
+    dims, wrapper_cfg = topology.dims, plan.wrapper_cfg
     meta = None
     if meta_init is not None:
         meta = (meta_init, device or torch.device('cpu'))
@@ -208,15 +163,14 @@ def parallelize(model: nn.Module,
         # (pp: before the split, while every rank holds the whole model.)
         broadcast_before_sharding(model)
     if dims.tp_enabled:
-        model = apply_tp(model, topology.mesh['tp'], parallel.tp_plan)
+        model = apply_tp(model, topology.mesh['tp'], plan.parallel.tp_plan)
     if dims.cp_enabled:
         apply_context_parallel(model, topology.mesh['cp'])
     if dims.pp_enabled:
-        from mmpar.parallelize.pipeline import (pipeline_parallelize,
-                                                stage_wrapper_cfg)
-        stage_cfg = stage_wrapper_cfg(wrapper_cfg, parallel.pipeline)
+        from mmpar.parallelize.pipeline import pipeline_parallelize
+        stage_cfg = plan.stage_wrapper_cfg
         model = pipeline_parallelize(
-            model, topology, parallel,
+            model, topology, plan.pipeline,
             lambda stage: _finish(stage, topology, stage_cfg, ac_cfg, None,
                                   meta))
     else:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+# Private module: torch 2.13 has no public home for TorchDispatchMode.
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmpar.failures import ConfigError
@@ -60,6 +61,13 @@ FACTORY_NAMES = ('empty', 'empty_strided', 'zeros', 'ones', 'full', 'rand',
                  'randn', 'randint', 'randperm', 'arange', 'linspace',
                  'logspace', 'eye', 'scalar_tensor', 'normal', '_to_copy')
 CPU = torch.device('cpu')
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (views share it)."""
+    # Storage._cdata (private): no public identity of a storage; data_ptr()
+    # is 0 for every meta tensor.
+    return tensor.untyped_storage()._cdata
 
 
 def _is_factory(func) -> bool:
@@ -121,12 +129,12 @@ class _Recorder(TorchDispatchMode):
         self.draw = draw
 
     def track(self, param: torch.Tensor, initial: torch.Tensor) -> None:
-        self.records[param.untyped_storage()._cdata] = _Record(
+        self.records[storage_key(param)] = _Record(
             tuple(param.shape), param.dtype, initial)
 
     def _record_of(self, value) -> Optional[_Record]:
         if isinstance(value, torch.Tensor) and value.is_meta:
-            return self.records.get(value.untyped_storage()._cdata)
+            return self.records.get(storage_key(value))
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -137,9 +145,12 @@ class _Recorder(TorchDispatchMode):
             return self._on_cpu(func, args, kwargs)
         target = args[0] if args else None
         record = self._record_of(target)
-        mutates = record is not None and func._schema.is_mutable and \
-            func._schema.arguments[0].alias_info is not None and \
-            func._schema.arguments[0].alias_info.is_write
+        # OpOverload._schema (private; no public way to ask whether an op
+        # writes its first argument).
+        schema = func._schema
+        mutates = record is not None and schema.is_mutable and \
+            schema.arguments[0].alias_info is not None and \
+            schema.arguments[0].alias_info.is_write
         if mutates:
             self._record(func, target, record, args, kwargs)
         else:
@@ -405,7 +416,7 @@ class MetaInit:
         for name, param in model.named_parameters(remove_duplicate=False):
             record = self.records.get(name)
             if record is not None and param.is_meta:
-                recorder.records[param.untyped_storage()._cdata] = record
+                recorder.records[storage_key(param)] = record
         before = {id(r): (r.initial, list(r.ops), r.unsupported)
                   for r in self.records.values()}
         try:
@@ -537,9 +548,9 @@ def build_on_meta(build: Callable[[], nn.Module],
             'build the model whole on every rank')
     by_storage = recorder.records
     records = {
-        name: by_storage[param.untyped_storage()._cdata]
+        name: by_storage[storage_key(param)]
         for name, param in model.named_parameters(remove_duplicate=False)
-        if param.is_meta and param.untyped_storage()._cdata in by_storage
+        if param.is_meta and storage_key(param) in by_storage
     }
     if rank0_states and dist.is_available() and dist.is_initialized() and \
             dist.get_world_size() > 1:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from mmpar.failures import ConfigError
+from mmpar.parallel.dtensor import local_tensor
 
 KEY = 'parallel.tp_plan'
 # Models whose first call is still to be dry-run -> the hook's handle.
@@ -57,7 +58,7 @@ def split_labels(model: nn.Module) -> Dict[str, str]:
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
-        local = torch.empty_like(tensor._local_tensor, device='meta')
+        local = torch.empty_like(local_tensor(tensor), device='meta')
         return DTensor.from_local(local, tensor.device_mesh,
                                   tensor.placements, run_check=False,
                                   shape=tensor.shape, stride=tensor.stride())

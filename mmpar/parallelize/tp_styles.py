@@ -197,6 +197,7 @@ class FusedColwiseParallel(ColwiseParallel):
                 'FusedColwiseParallel splits only nn.Linear')
         return distribute_module(
             module, device_mesh, self._partition_linear_fn,
+            # ColwiseParallel._prepare_input_fn (private): torch's inputs.
             partial(self._prepare_input_fn, self.input_layouts,
                     self.desired_input_layouts),
             partial(self._prepare_packed_output, self.output_layouts,

@@ -16,15 +16,30 @@ import functools
 import math
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from mmengine.dataset import DefaultSampler, InfiniteSampler
 from mmengine.evaluator import BaseMetric, Evaluator
-# MMEngine's own move of metric results (data elements too); private.
-from mmengine.evaluator.metric import _to_cpu
+from mmengine.structures import BaseDataElement
 from torch.utils.data import DataLoader
 
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import BY_NAME, PEER_AXES
 from mmpar.parallel.topology import ParallelTopology
+
+
+def _to_cpu(data):
+    """Tensors and data elements in ``data`` moved to the CPU (what
+    MMEngine's ``collect_results`` does to metric results)."""
+    if isinstance(data, (torch.Tensor, BaseDataElement)):
+        return data.to('cpu')
+    if isinstance(data, list):
+        return [_to_cpu(item) for item in data]
+    if isinstance(data, tuple):
+        return tuple(_to_cpu(item) for item in data)
+    if isinstance(data, dict):
+        return {key: _to_cpu(value) for key, value in data.items()}
+    return data
 
 
 def _needs_data_axis(topology: Optional[ParallelTopology]) -> bool:
@@ -51,7 +66,6 @@ def shard_sampler(sampler, rank: int, size: int) -> None:
         return
     if isinstance(sampler, InfiniteSampler):
         sampler.rank, sampler.world_size = rank, size
-        # Built once in __init__ from rank and world size.
         # Built once in __init__ (private; no public way to rebuild it).
         sampler.indices = sampler._indices_of_rank()
         return
@@ -94,12 +108,14 @@ def evaluate_on_data_axis(metric: BaseMetric, size: int,
     ``size``), the metric is computed on the first of them and broadcast to
     every rank.
     """
+    # The reporting rank of every peer axis (tp and cp rank 0, the last
+    # stage); the source is the one of them at data index 0.
     dims = topology.dims
-    contributes = topology.tp.rank == 0 and topology.cp.rank == 0 and \
-        topology.is_last_stage
-    # Global rank of (dp 0, last stage, cp 0, tp 0): tp fastest, then cp,
-    # then pp.
-    source = (dims.pp - 1) * dims.cp * dims.tp
+    reporter = {axis: BY_NAME[axis].reporter % getattr(dims, axis)
+                for axis in PEER_AXES}
+    contributes = all(topology.groups[axis].rank == index
+                      for axis, index in reporter.items())
+    source = dims.rank_at(**reporter)
     metrics = [None]
     if contributes:
         parts = [None] * topology.dp_size

@@ -89,7 +89,7 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
     """
 
     def run(self) -> torch.nn.Module:
-        if self._iter > 0:
+        if self.iter > 0:
             self._skip_trained_batches()
         return super().run()
 
@@ -98,11 +98,11 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
         if not isinstance(sampler, SkippableInfiniteSampler):
             print_log(
                 'The train sampler cannot skip ahead, so the data loader is '
-                f'replayed for {self._iter} batches; use sampler='
+                f'replayed for {self.iter} batches; use sampler='
                 "dict(type='InfiniteSampler') to resume instantly.",
                 logger='current',
                 level=logging.WARNING)
             return
-        sampler.skip(self._iter * self.dataloader.batch_size)
+        sampler.skip(self.iter * self.dataloader.batch_size)
         self.dataloader_iterator = _ReplayAnsweredIterator(
-            _InfiniteDataloaderIterator(self.dataloader), self._iter)
+            _InfiniteDataloaderIterator(self.dataloader), self.iter)

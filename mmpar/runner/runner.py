@@ -14,10 +14,8 @@ import torch
 from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
+from mmengine.runner import CheckpointLoader
 from mmengine.runner import Runner as MMEngineRunner
-# MMEngine's loader of URLs and other schemes (private; no public one
-# returns the checkpoint without loading it into a model).
-from mmengine.runner.checkpoint import _load_checkpoint
 from torch import nn
 
 import mmpar.checkpoint as ckpt
@@ -25,10 +23,10 @@ from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.config_check import check_config
 from mmpar.device import local_device
 from mmpar.dist import check_launcher, init_dist, usable_backend
-from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.seed import setup_parallelism
-from mmpar.parallelize.compose import builds_on_meta, parallelize
+from mmpar.parallelize.compose import parallelize
 from mmpar.parallelize.meta import MetaInit, build_on_meta
+from mmpar.parallelize.resolved import resolve_plan
 from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
@@ -37,7 +35,6 @@ from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
 from mmpar.runner.param_groups import names_rules, plain_view
 from mmpar.wrappers.base import describe
-from mmpar.wrappers.builder import DEFAULT_WRAPPER, default_wrapper_cfg
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
 
@@ -54,12 +51,13 @@ class Runner(MMEngineRunner):
         given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
         check_launcher(given.get('launcher', 'none'))
         cfg = given.get('cfg') or {}
-        self.parallel_cfg, self._dims = ParallelConfig(), None
-        if cfg:
-            # The whole config, model_wrapper_cfg and `parallel` included;
-            # the section parsed once, its layout when the launcher says the
-            # world size.
-            self.parallel_cfg, self._dims = check_config(cfg)
+        # The whole config checked, and its parallel parts resolved once
+        # (the layout too when the launcher says the world size): the plan
+        # setup_env, build_model and wrap_model hand down.
+        self.plan = check_config(cfg) if cfg else resolve_plan()
+        # What load_or_resume reads (MMEngine keeps them private).
+        self._asked = dict(resume=given.get('resume', False),
+                           load_from=given.get('load_from'))
         # 'full' or 'sharded' (mmpar/checkpoint/format.py; checked above).
         self.checkpoint_format = cfg.get('checkpoint_format', 'full')
         # What build_model recorded, for a model built on the meta device;
@@ -88,25 +86,16 @@ class Runner(MMEngineRunner):
         super().setup_env(env_cfg)
         # The one topology of the run: compose hands its groups and meshes
         # to every technique and wrapper.
-        self.topology = setup_parallelism(self.parallel_cfg,
-                                          self._model_wrapper_cfg(),
-                                          self._dims)
-
-    def _model_wrapper_cfg(self) -> dict:
-        """The config's wrapper, or the one ``parallel.use_fsdp`` picks."""
-        given = self.cfg.get('model_wrapper_cfg')
-        if given is not None:
-            return given
-        cfg = default_wrapper_cfg(self.parallel_cfg)
-        if self.cfg.get('find_unused_parameters') and \
-                cfg['type'] == DEFAULT_WRAPPER:
-            cfg['find_unused_parameters'] = True
-        return cfg
+        if is_distributed():
+            # (Resolved by check_config when the launcher said the size.)
+            self.plan = self.plan.at_world(self.world_size)
+        self.topology = setup_parallelism(self.plan.parallel,
+                                          self.plan.given_wrapper_cfg,
+                                          self.plan.dims)
 
     def _shards_or_splits(self) -> bool:
         """Whether the layout shards or splits the model."""
-        return self.topology is not None and builds_on_meta(
-            self.topology.dims, self._model_wrapper_cfg())
+        return self.topology is not None and self.plan.builds_on_meta
 
     def build_model(self, model: Union[nn.Module, dict]) -> nn.Module:
         """MMEngine's; a model the layout shards or splits is built on the
@@ -114,7 +103,7 @@ class Runner(MMEngineRunner):
         until compose materialises this rank's share. Its ``init_weights``
         waits for ``train()`` (:mod:`mmpar.runner.init_weights`)."""
         if not isinstance(model, dict) or \
-                not self.cfg.get('meta_init', True) or \
+                not self.plan.meta_init or \
                 not self._shards_or_splits():
             return super().build_model(model)
         built, self.meta_init = build_on_meta(
@@ -136,21 +125,17 @@ class Runner(MMEngineRunner):
             model = model.to(self._device())
         if names_rules(self.optim_wrapper):
             self._plain_view = plain_view(model)
-        steps = dict(compile_cfg=self.cfg.get('model_compile'),
-                     activation_checkpointing=self.cfg.get(
-                         'activation_checkpointing'))
         if self.world_size == 1:
             self.logger.info('World size 1: the model is not wrapped.')
-            return parallelize(revert_sync_batchnorm(model), None, None,
-                               self.cfg.get('model_wrapper_cfg'), **steps)
+            return parallelize(revert_sync_batchnorm(model), None,
+                               plan=self.plan)
         sync_bn = self.cfg.get('sync_bn')
         if sync_bn is not None:
             model = convert_sync_batchnorm(model, sync_bn)
         # TP, PP, activation checkpointing, compile, the data-parallel
         # wrapper, then (meta-built) this rank's parameters, in that order.
-        return parallelize(model, self.topology, self.parallel_cfg,
-                           self._model_wrapper_cfg(), meta_init=self.meta_init,
-                           device=self._device(), **steps)
+        return parallelize(model, self.topology, plan=self.plan,
+                           meta_init=self.meta_init, device=self._device())
 
     def train(self) -> nn.Module:
         # MMEngine 0.10's train() reads the same top-level key
@@ -239,7 +224,7 @@ class Runner(MMEngineRunner):
         model (:mod:`mmpar.runner.ema`)."""
         if fn_name != 'before_run':
             return super().call_hook(fn_name, **kwargs)
-        for hook in self._hooks:  # MMEngine's loop
+        for hook in self.hooks:  # MMEngine's loop
             if hasattr(hook, fn_name):
                 with self._ema.building(self, hook):
                     try:
@@ -283,7 +268,8 @@ class Runner(MMEngineRunner):
             self.logger.info(f'Load sharded checkpoint from {filename}')
             return checkpoint
         elif '://' in filename:
-            checkpoint = _load_checkpoint(filename, map_location=map_location)
+            checkpoint = CheckpointLoader.load_checkpoint(filename,
+                                                          map_location)
         else:
             checkpoint = ckpt.load_checkpoint_file(filename, map_location)
         self._after_load_hooks(checkpoint)
@@ -363,7 +349,8 @@ class Runner(MMEngineRunner):
     def load_or_resume(self) -> None:
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
         checkpoint, not whatever ``last_checkpoint`` names."""
-        if self._resume and self._load_from is None and not self._has_loaded:
+        if self._asked['resume'] and self._asked['load_from'] is None and \
+                not self._has_loaded:
             latest = ckpt.find_latest_complete_checkpoint(self.work_dir)
             if latest is None:
                 self.logger.info('No complete checkpoint in the work dir: '

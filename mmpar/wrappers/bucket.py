@@ -197,6 +197,7 @@ class MMBucketDataParallel(PythonDataParallel):
                     if bucket.used[slot]:
                         view.zero_()
                         bucket.used[slot] = False
+                # Tensor._version (private): did the user change the grad?
                 elif not (grad is bucket.written[slot] and local_tensor(
                         grad)._version == bucket.versions[slot]):
                     # In the parameter's layout (a tp gradient may come
@@ -219,6 +220,7 @@ class MMBucketDataParallel(PythonDataParallel):
             if not self._in_backward:
                 self._in_backward = True
                 self._syncing = self.require_backward_grad_sync
+                # Private: the one way to run code when backward ends.
                 Variable._execution_engine.queue_callback(self._end_backward)
             view = bucket.views[slot]
             if param.grad is not view:  # else autograd added into the bucket
@@ -279,6 +281,7 @@ class MMBucketDataParallel(PythonDataParallel):
                     grad = like_param(param, view.to(param.dtype))
                     param.grad = grad
                     bucket.written[slot] = grad
+                    # Tensor._version (private): no public write counter.
                     bucket.versions[slot] = local_tensor(grad)._version
         self._absorbed = False
 

@@ -127,8 +127,10 @@ def build_model_wrapper(model_wrapper_cfg: Optional[dict],
 
     Returns:
         The wrapper. The user's config dict is not mutated.
+
+    The config was checked once (:func:`check_wrapper_cfg`, called by
+    ``check_config``); the constructor turns its values into torch's.
     """
-    check_wrapper_cfg(model_wrapper_cfg)
     kwargs = copy.deepcopy(dict(model_wrapper_cfg or {}))
     cls = wrapper_class(kwargs.pop('type', DEFAULT_WRAPPER))
     for key, value in (default_args or {}).items():

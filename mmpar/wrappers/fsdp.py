@@ -176,6 +176,7 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         if dist.get_world_size(shard) == 1:
             return ShardingStrategy.NO_SHARD, replicate
         if dist.get_world_size(replicate) == 1:
+            # FSDP1's HYBRID ZeRO-2 strategy has only this private name.
             zero2 = strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
             return (ShardingStrategy.SHARD_GRAD_OP
                     if zero2 else ShardingStrategy.FULL_SHARD), shard
@@ -194,12 +195,13 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         stay, and the next forward uses them without gathering again, so an
         edit of the local shards in between would be lost (measured).
         """
+        # FSDP1's private _is_root: None before its lazy init (no public).
         if self._is_root is None:
             return  # before the first forward (lazy init): none gathered
         # Private: torch 2.13's FSDP1 has no public call that frees them.
         from torch.distributed.fsdp._runtime_utils import _reshard
         for module in FullyShardedDataParallel.fsdp_modules(self):
-            handle = module._handle
+            handle = module._handle  # FSDP1's private flat-param handle
             if handle is not None and handle.uses_sharded_strategy:
                 _reshard(module, handle, free_unsharded_flat_param=True)
 

@@ -60,7 +60,7 @@ def _owner(root: nn.Module, name: str):
     *path, leaf = name.split('.')
     module = root
     for part in path:
-        child = module._modules.get(part)
+        child = dict(module.named_children()).get(part)
         if child is None:
             child = nn.Module()
             module.add_module(part, child)

@@ -18,9 +18,9 @@ def _check(path, world_size, **parallel):
 
 
 def test_llama_cp_layouts_pass():
-    _, dims = _check(LLAMA, 8, cp=4)
+    dims = _check(LLAMA, 8, cp=4).dims
     assert (dims.dp, dims.cp) == (2, 4)
-    _, dims = _check(LLAMA, 4, cp=2, tp=2, tp_plan='llama')
+    dims = _check(LLAMA, 4, cp=2, tp=2, tp_plan='llama').dims
     assert (dims.dp, dims.cp, dims.tp) == (1, 2, 2)
 
 

@@ -81,9 +81,11 @@ def test_a_good_section_passes():
     section = dict(schedule='Interleaved1F1B', stages_per_rank=2,
                    split_points=['layers.1', 'layers.2', 'layers.3'],
                    num_microbatches=4)
-    parallel, dims = _check(section)
-    assert dims.pp == 2 and parallel.pipeline == section
-    pipeline = PipelineConfig.from_cfg(parallel.pipeline, pp=dims.pp)
+    plan = _check(section)
+    dims = plan.dims
+    assert dims.pp == 2 and plan.parallel.pipeline == section
+    pipeline = plan.pipeline  # parsed once, by the check
+    assert pipeline == PipelineConfig.from_cfg(section, pp=dims.pp)
     assert (pipeline.schedule, pipeline.num_stages(dims.pp),
             pipeline.num_microbatches) == ('Interleaved1F1B', 4, 4)
 
@@ -136,7 +138,9 @@ def test_stages_keep_the_original_names_and_together_are_the_model():
 ])
 def test_fsdp2_stage_arguments_follow_the_schedules_resharding(pipeline,
                                                                expected):
-    from mmpar.parallelize.pipeline import stage_wrapper_cfg
+    from mmpar.parallelize.pipeline import PipelineConfig
+    from mmpar.parallelize.resolved import stage_wrapper_cfg
+    pipeline = PipelineConfig.from_cfg(pipeline)
     cfg = dict(type='MMFullyShard')
     assert stage_wrapper_cfg(cfg, pipeline) == dict(cfg, **expected)
     # What the user set wins.

@@ -6,7 +6,7 @@ stages out of it, wraps each with the data-parallel wrapper over the data
 axis, and returns an :class:`~.step.MMPipelineParallel` whose steps run the
 schedule (:mod:`.step`). See docs/pipeline_parallel.md.
 """
-from typing import Callable, Optional
+from typing import Callable
 
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -22,62 +22,18 @@ from mmpar.parallelize.pipeline.stage import MicrobatchReshardStage
 from mmpar.parallelize.tp_check import cancel_dry_run
 from mmpar.parallelize.pipeline.step import MMPipelineParallel
 from mmpar.wrappers.base import StepMixin
-from mmpar.wrappers.builder import (DEFAULT_WRAPPER, declared,
-                                    registered_wrappers)
 
 __all__ = [
     'PipelineConfig', 'MMPipelineParallel', 'pipeline_parallelize',
-    'check_protocol', 'layer_names', 'split_stage', 'stage_starts',
-    'check_pipeline_wrapper', 'stage_wrapper_cfg'
+    'check_protocol', 'layer_names', 'split_stage', 'stage_starts'
 ]
-
-
-def check_pipeline_wrapper(model_wrapper_cfg: Optional[dict],
-                           dp: int) -> None:
-    """Refuse a data-parallel wrapper that cannot wrap a pipeline stage
-    (its class declares ``pipeline_stage_args = None``).
-
-    Raises:
-        ConfigError: naming ``model_wrapper_cfg.type`` and the allowed ones.
-    """
-    if dp <= 1:
-        return
-    wrapper = (model_wrapper_cfg or {}).get('type', DEFAULT_WRAPPER)
-    if declared(wrapper).pipeline_stage_args is None:
-        allowed = [n for n in registered_wrappers()
-                   if declared(n).pipeline_stage_args is not None]
-        name = getattr(wrapper, '__name__', str(wrapper)).split('.')[-1]
-        raise ConfigError(
-            f'model_wrapper_cfg.type={name!r} cannot wrap a pipeline stage '
-            f'(parallel.pp > 1 with dp={dp}); allowed: {", ".join(allowed)}')
-
-
-def stage_wrapper_cfg(model_wrapper_cfg: dict, pipeline) -> dict:
-    """The wrapper config for one stage: the class's stage arguments, and
-    where the schedule keeps a stage's parameters gathered through the step
-    its held-stage ones (FSDP2: no resharding after forward), unless the
-    user set them.
-
-    Args:
-        model_wrapper_cfg: the data-parallel wrapper's config.
-        pipeline: the ``parallel.pipeline`` section (a dict or a
-            :class:`PipelineConfig`).
-    """
-    cfg = dict(model_wrapper_cfg)
-    cls = declared(cfg.get('type', DEFAULT_WRAPPER))
-    stage_args = dict(cls.pipeline_stage_args or {})
-    if not PipelineConfig.from_cfg(pipeline or {}).reshards_per_microbatch:
-        stage_args.update(cls.pipeline_held_stage_args)
-    for key, value in stage_args.items():
-        cfg.setdefault(key, value)
-    return cfg
 
 
 def _unwrap(stage: nn.Module) -> nn.Module:
     return stage.module if isinstance(stage, StepMixin) else stage
 
 
-def pipeline_parallelize(model: nn.Module, topology, parallel,
+def pipeline_parallelize(model: nn.Module, topology, config: PipelineConfig,
                          wrap: Callable[[nn.Module], nn.Module]
                          ) -> MMPipelineParallel:
     """Split ``model`` into this rank's stages and finish each with ``wrap``.
@@ -86,18 +42,16 @@ def pipeline_parallelize(model: nn.Module, topology, parallel,
         model: the plain (possibly tensor-parallel) model.
         topology: this rank's :class:`~mmpar.parallel.topology.
             ParallelTopology` (``pp`` group).
-        parallel: the :class:`~mmpar.parallel.config.ParallelConfig`.
+        config: the checked ``parallel.pipeline`` section.
         wrap: the rest of compose's order for one stage (activation
             checkpointing, the data-parallel wrapper); returns the stage,
             wrapped or plain.
 
     Raises:
-        ConfigError: a bad ``parallel.pipeline`` or a model that does not
-            meet the protocol.
+        ConfigError: a model that does not meet the protocol.
     """
     dims = topology.dims
     try:
-        config = PipelineConfig.from_cfg(parallel.pipeline, dims.pp)
         check_protocol(model)
         num_stages = config.num_stages(dims.pp)
         starts = stage_starts(model, config.split_points, num_stages)
