@@ -1,0 +1,138 @@
+"""Muon under DDP, FSDP2 and tp=2 on 2 gloo ranks reaches one process's
+weights: each matrix is orthogonalised whole (gathered on its owner rank),
+never shard by shard. FSDP1 is refused by name. The launch through
+``tools/dist_train.sh``: tests/tools/test_muon_end_to_end.py."""
+import pytest
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from mmpar.failures import ConfigError
+from tests.e2e import ROOT
+
+ITERS = 3
+BATCH = 8  # the global batch
+LAYOUTS = {
+    'ddp': dict(model_wrapper_cfg=dict(type='MMDistributedDataParallel')),
+    'fsdp2': dict(model_wrapper_cfg=dict(
+        type='MMFullyShard', fsdp_auto_wrap_policy=dict(
+            type='module_class', module_classes=['LlamaBlock']))),
+    'tp2': dict(parallel=dict(tp=2, tp_plan='llama')),
+}
+DATA_RANKS = {'one': 1, 'ddp': 2, 'fsdp2': 2, 'tp2': 1}
+# bfloat16 Newton-Schulz on gradients that differ from one process's by
+# fp32 summation order: a flipped bf16 rounding moves an update element by
+# 2^-8 of it, times lr; shard-local orthogonalisation moves the weights by
+# ~1e-2 (the mutation this test was checked against).
+ATOL, RTOL = 2e-4, 1e-3
+
+
+# ------------------------------------------------- the gather and scatter
+
+
+def _whole_on_owners(shapes_dims):
+    """apply_to_whole on matrices split by Shard(dim) over 2 ranks: every
+    rank gets its part of fn(whole matrix), and each fn call on one rank."""
+    from mmpar.optim.muon import newton_schulz
+    from mmpar.optim.whole_matrix import apply_to_whole
+    mesh = init_device_mesh('cpu', (dist.get_world_size(), ))
+    gen = torch.Generator().manual_seed(0)
+    wholes = [torch.randn(shape, generator=gen) for shape, _ in shapes_dims]
+    params = [distribute_tensor(w, mesh, [Shard(d)], src_data_rank=None)
+              for w, (_, d) in zip(wholes, shapes_dims)]
+    calls = []
+
+    def fn(index, whole):
+        calls.append(index)
+        torch.testing.assert_close(whole, wholes[index], atol=0, rtol=0)
+        return newton_schulz(whole, (3.4445, -4.775, 2.0315), 5, 1e-7)
+
+    out = apply_to_whole(params, [p.to_local() for p in params], fn)
+    for param, whole, local in zip(params, wholes, out):
+        expected = distribute_tensor(
+            newton_schulz(whole, (3.4445, -4.775, 2.0315), 5, 1e-7).float(),
+            param.device_mesh, param.placements, src_data_rank=None)
+        torch.testing.assert_close(local, expected.to_local(), atol=0,
+                                   rtol=0)
+    return calls
+
+
+def test_each_matrix_orthogonalised_whole_on_one_owner(run_dist):
+    """Exact (atol=rtol=0) against the whole matrix's Newton-Schulz, for
+    row and column shards of even, uneven and empty-shard sizes; the work
+    split between the ranks, none repeated."""
+    cases = [((6, 4), 0), ((5, 3), 0), ((3, 7), 1), ((1, 4), 0),
+             ((8, 8), 1)]
+    calls = run_dist(_whole_on_owners, cases)
+    assert sorted(calls[0] + calls[1]) == list(range(len(cases)))
+    assert calls[0] and calls[1]
+
+
+# --------------------------------------------------------- the Runner
+
+
+def _cfg(work_dir: str, layout: str) -> Config:
+    cfg = Config.fromfile(
+        str(ROOT / 'configs/llama_shakespeare/llama_shakespeare.py'))
+    cfg.model.update(dim=32, num_layers=2, num_heads=2, max_seq_len=16)
+    cfg.train_dataloader.batch_size = BATCH // DATA_RANKS[layout]
+    cfg.train_dataloader.dataset.update(context_length=16, num_windows=64)
+    cfg.optim_wrapper = dict(
+        optimizer=dict(type='Muon', lr=0.02, adamw=dict(lr=3e-3)),
+        clip_grad=dict(max_norm=0.5), accumulative_counts=2)
+    cfg.param_scheduler = None
+    cfg.train_cfg = dict(by_epoch=False, max_iters=2 * ITERS)
+    cfg.val_cfg = cfg.val_dataloader = cfg.val_evaluator = None
+    cfg.test_cfg = cfg.test_dataloader = cfg.test_evaluator = None
+    cfg.default_hooks.checkpoint = None
+    cfg.custom_hooks = []
+    cfg.launcher = 'pytorch' if layout != 'one' else 'none'
+    cfg.work_dir = work_dir
+    cfg.experiment_name = f'muon_{layout}'  # MMEngine keeps loggers by name
+    cfg.update(LAYOUTS.get(layout, {}))
+    return cfg
+
+
+def _trained(layout: str, work_dir: str) -> dict:
+    from mmpar.runner import Runner
+    from mmpar.wrappers.base import describe
+    from mmpar.wrappers.full_state import full_state_dict
+    runner = Runner.from_cfg(_cfg(work_dir, layout))
+    runner.train()
+    return full_state_dict(describe(runner.model).state_module)
+
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory):
+    return _trained('one', str(tmp_path_factory.mktemp('muon_one')))
+
+
+@pytest.mark.parametrize('layout', list(LAYOUTS))
+def test_layout_reaches_one_process_weights(run_dist, tmp_path, one_process,
+                                            layout):
+    """3 steps of 2 accumulated micro-batches, clipping active."""
+    state = run_dist(_trained, layout, str(tmp_path))[0]
+    assert state.keys() == one_process.keys()
+    for key, value in one_process.items():
+        torch.testing.assert_close(state[key], value, atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, key=key: f'{key}: {m}')
+
+
+def _fsdp1_refusal(work_dir: str) -> str:
+    from mmpar.runner import Runner
+    cfg = _cfg(work_dir, 'ddp')
+    cfg.model_wrapper_cfg = dict(type='MMFullyShardedDataParallel')
+    try:
+        Runner.from_cfg(cfg).train()
+    except ConfigError as err:
+        return str(err)
+    return 'trained'
+
+
+def test_fsdp1_refused_naming_the_key(run_dist, tmp_path):
+    for message in run_dist(_fsdp1_refusal, str(tmp_path)):
+        assert message.startswith(
+            "optim_wrapper.optimizer.type='Muon' needs whole weight"), message
+        assert 'MMFullyShard (FSDP2)' in message
