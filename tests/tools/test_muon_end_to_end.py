@@ -4,11 +4,9 @@
 weights ``tools/train.py`` reaches on one process on the same global batch,
 and its sharded checkpoint holds both rules' state (Muon's momentum, AdamW's
 moments)."""
-import torch
-
 from tests.configs.test_llama_configs import SHRINK
 from tests.e2e import read_dcp_checkpoint, run_tool
-from tests.optim.test_muon_layouts import ATOL, RTOL
+from tests.optim.test_muon_layouts import RELATIVE_ERROR, relative_error
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_muon.py'
 OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()] + [
@@ -28,9 +26,9 @@ def test_dist_train_fsdp2_muon_matches_one_process(tmp_path):
     a = read_dcp_checkpoint(tmp_path / 'fsdp2' / 'iter_4')
     b = read_dcp_checkpoint(tmp_path / 'one' / 'iter_4')
     assert a['state_dict'].keys() == b['state_dict'].keys()
-    for key, value in b['state_dict'].items():
-        torch.testing.assert_close(a['state_dict'][key], value, atol=ATOL,
-                                   rtol=RTOL, msg=key)
+    errors = relative_error(a['state_dict'], b['state_dict'])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= RELATIVE_ERROR, (worst, errors[worst])
     kinds = {k for s in a['optimizer']['state'].values() for k in s}
     assert {'momentum_buffer', 'exp_avg', 'exp_avg_sq'} <= kinds
     matrix = [g['matrix'] for g in a['optimizer']['param_groups']]
