@@ -41,7 +41,7 @@ def load_plan(quick: bool) -> dict:
                     world_size=2, batch_size=2, context=16, warmup=1,
                     steps=2)
     return dict(model=dict(dim=256, num_layers=4, num_heads=4),
-                world_size=2, batch_size=4, context=128, warmup=2, steps=8)
+                world_size=2, batch_size=2, context=128, warmup=2, steps=6)
 
 
 class _Timed:
