@@ -144,7 +144,8 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
         # defaults where the config leaves them out.
         signature = inspect.signature(cls).parameters
         for key in ('lr', 'weight_decay'):
-            optimizer.setdefault(key, signature[key].default)
+            if key in signature:
+                optimizer.setdefault(key, signature[key].default)
         super().__init__(dict(optim_wrapper_cfg, optimizer=optimizer),
                          paramwise_cfg)
         self.optimizer_class = cls
@@ -167,7 +168,7 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
             self.add_params(groups, model)
         else:
             groups = [dict(params=list(model.parameters()))]
-        base = {key: optimizer_cfg[key] for key in ('lr', 'weight_decay')}
+        base = {key: optimizer_cfg.get(key) for key in ('lr', 'weight_decay')}
         adamw = dict(ADAMW_DEFAULTS, **optimizer_cfg.get('adamw') or {})
         groups = _adamw_groups(groups, route(model, adamw_modules), base,
                                adamw)

@@ -10,10 +10,11 @@ from mmengine.optim.scheduler import LinearLR
 
 from mmpar.failures import ConfigError
 from mmpar.models.llama import Llama
-from mmpar.optim import Muon
+from mmpar.optim import Muon, WholeMatrixOptimizer
 from mmpar.optim.matrix_constructor import ADAMW_MODULES, route
 from mmpar.optim.muon import newton_schulz
 from mmpar.optim.whole_matrix import assign_owners, chunk_sizes
+from mmpar.registry import OPTIMIZERS
 from mmpar.runner.optim import mmpar_optim_wrapper_cfg
 
 SHORTEST = dict(optimizer=dict(type='Muon', lr=0.02))
@@ -171,3 +172,43 @@ def test_owners_and_chunks():
     assert chunk_sizes(5, 4) == [2, 2, 1, 0]
     # Largest first, each to the least-loaded rank: balanced work.
     assert assign_owners([10, 1, 9, 2], 2) == [0, 0, 1, 1]
+
+
+@OPTIMIZERS.register_module(force=True)
+class PolarSGD(WholeMatrixOptimizer):
+    """docs/muon.md's plug-in example, without momentum: a step along the
+    polar factor ``U V^T`` of the whole gradient."""
+
+    def __init__(self, params, lr=0.01, adamw=None):
+        super().__init__(params, dict(lr=lr), adamw)
+
+    def prepare(self, param, grad, state, group):
+        return grad
+
+    def transform(self, matrix, group):
+        u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+        return u @ vh
+
+    def apply(self, param, local, update, state, group):
+        local.add_(update, alpha=-group['lr'])
+
+
+def test_another_whole_matrix_optimizer_plugs_in():
+    """A registered WholeMatrixOptimizer subclass, named in the config, gets
+    the routing and the AdamW groups."""
+    model = tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    wrapper = built(model, dict(optimizer=dict(type='PolarSGD', lr=0.1)))
+    groups = wrapper.optimizer.param_groups
+    assert [g['matrix'] for g in groups] == [True, False]
+    loss_of(model, 0).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    wrapper.step()
+    u, _, vh = torch.linalg.svd(grads['layers.0.attn.wq.weight'],
+                                full_matrices=False)
+    torch.testing.assert_close(
+        model.layers['0'].attn.wq.weight.detach(),
+        before['layers.0.attn.wq.weight'] - 0.1 * u @ vh)
+    # AdamW's first step moves each element by about its lr (1e-3).
+    moved = model.output.weight.detach() - before['output.weight']
+    assert float(moved.abs().max()) == pytest.approx(1e-3, rel=0.05)
