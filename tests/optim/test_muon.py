@@ -124,8 +124,8 @@ def test_state_dict_resumes_bit_exact_with_scheduler():
 
 
 def test_paramwise_cfg_scales_adamw_settings():
-    """A decay multiplier of 0 on 1-D parameters gives the norms no decay; an lr
-    multiplier scales AdamW's lr for AdamW's parameters."""
+    """A decay multiplier of 0 on 1-D parameters gives the norms no decay;
+    an lr multiplier scales AdamW's lr for AdamW's parameters."""
     cfg = dict(optimizer=dict(type='Muon', lr=0.02, adamw=ADAMW),
                paramwise_cfg=dict(flat_decay_mult=0.0, custom_keys={
                    'tok_embeddings': dict(lr_mult=0.5)}))
