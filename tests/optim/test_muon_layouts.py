@@ -72,6 +72,30 @@ def test_each_matrix_orthogonalised_whole_on_one_owner(run_dist):
     assert calls[0] and calls[1]
 
 
+def _whole_on_2d_mesh():
+    """FSDP2 x TP's layout (two sharded mesh dimensions): gathered whole."""
+    from mmpar.optim.muon import newton_schulz
+    from mmpar.optim.whole_matrix import apply_to_whole
+    mesh = init_device_mesh('cpu', (2, 2))
+    whole = torch.randn((6, 5), generator=torch.Generator().manual_seed(0))
+    param = distribute_tensor(whole, mesh, [Shard(0), Shard(1)],
+                              src_data_rank=None)
+
+    def fn(index, matrix):
+        torch.testing.assert_close(matrix, whole, atol=0, rtol=0)
+        return newton_schulz(matrix, (3.4445, -4.775, 2.0315), 5, 1e-7)
+
+    local = apply_to_whole([param], [param.to_local()], fn)[0]
+    expected = distribute_tensor(fn(0, whole), mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    torch.testing.assert_close(local, expected, atol=0, rtol=0)
+
+
+def test_two_sharded_mesh_dims_gathered_whole(run_dist):
+    """The repeated-work path, exact (atol=rtol=0) on a 2 x 2 mesh."""
+    run_dist(_whole_on_2d_mesh, world_size=4)
+
+
 # --------------------------------------------------------- the Runner
 
 
