@@ -49,16 +49,16 @@ LOOPS = _child('loop', MMENGINE_LOOPS, 'mmpar.runner')
 RUNNERS = _child('runner', MMENGINE_RUNNERS, 'mmpar.runner')
 
 # Children with nothing of mmpar's in them yet: they let a config with
-# default_scope='mmpar' build MMEngine's samplers, optimizers, schedulers and
+# default_scope='mmpar' build MMEngine's samplers, schedulers and
 # visualisers without a "failed to search registry with scope" warning.
 DATA_SAMPLERS = Registry(
     'data sampler', parent=MMENGINE_DATA_SAMPLERS, scope=SCOPE)
 TRANSFORMS = Registry('transform', parent=MMENGINE_TRANSFORMS, scope=SCOPE)
-OPTIMIZERS = Registry('optimizer', parent=MMENGINE_OPTIMIZERS, scope=SCOPE)
-OPTIM_WRAPPER_CONSTRUCTORS = Registry(
-    'optimizer wrapper constructor',
-    parent=MMENGINE_OPTIM_WRAPPER_CONSTRUCTORS,
-    scope=SCOPE)
+# mmpar's whole-matrix optimizers (Muon) and their constructor.
+OPTIMIZERS = _child('optimizer', MMENGINE_OPTIMIZERS, 'mmpar.optim')
+OPTIM_WRAPPER_CONSTRUCTORS = _child('optimizer wrapper constructor',
+                                    MMENGINE_OPTIM_WRAPPER_CONSTRUCTORS,
+                                    'mmpar.optim')
 PARAM_SCHEDULERS = Registry(
     'parameter scheduler', parent=MMENGINE_PARAM_SCHEDULERS, scope=SCOPE)
 EVALUATOR = Registry('evaluator', parent=MMENGINE_EVALUATOR, scope=SCOPE)

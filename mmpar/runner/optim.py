@@ -16,6 +16,7 @@ from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.optim import AmpOptimWrapper, OptimWrapper
+from mmpar.optim.matrix_constructor import with_matrix_constructor
 from mmpar.runner.param_groups import build_with_plain_rules
 from mmpar.wrappers.base import StepMixin, describe
 
@@ -31,7 +32,7 @@ _OURS = {
 
 
 def _ours(cfg: dict) -> dict:
-    cfg = dict(cfg)
+    cfg = with_matrix_constructor(dict(cfg))  # Muon: its routing rule
     given = cfg.get('type', 'OptimWrapper')
     cfg['type'] = _OURS.get(given, given)
     return cfg

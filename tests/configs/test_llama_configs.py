@@ -1,6 +1,6 @@
 """Every config under configs/llama_shakespeare/ trains and validates on gloo
-ranks, shrunk; resume is bit-exact for the one-process and FSDP2 configs
-(resumed from the straight run's own iteration-2 checkpoint); tokens/s and
+ranks, shrunk; resume is bit-exact for the one-process, FSDP2 and FSDP2 Muon
+configs (resumed from the straight run's own iteration-2 checkpoint); tokens/s and
 FLOP/s reach the log and the scalars file."""
 import json
 import math
@@ -164,12 +164,16 @@ def _train_dist(config, work_dir, name, max_iters, **extra):
     _train(config, work_dir, name, max_iters, **extra)
 
 
-def test_fsdp2_sharded_resume_is_bit_exact(run_dist, llama_run, tmp_path):
-    config = 'configs/llama_shakespeare/llama_shakespeare_fsdp2.py'
+# Muon's: both rules' state (momentum, AdamW moments) through DCP.
+@pytest.mark.parametrize('config', [
+    'configs/llama_shakespeare/llama_shakespeare_fsdp2.py',
+    'configs/llama_shakespeare/llama_shakespeare_muon.py'])
+def test_fsdp2_sharded_resume_is_bit_exact(run_dist, llama_run, tmp_path,
+                                           config):
     _, straight = llama_run(config)  # test_llama_config_trains' run
     resumed = tmp_path / 'resumed'
-    run_dist(_train_dist, config, resumed, 'llama2_resumed', 4, resume=True,
-             load_from=str(straight / 'iter_2'))
+    run_dist(_train_dist, config, resumed, f'{Path(config).stem}_resumed', 4,
+             resume=True, load_from=str(straight / 'iter_2'))
     assert not (resumed / 'iter_2').exists()  # resumed, not retrained
     a = read_dcp_checkpoint(resumed / 'iter_4')
     b = read_dcp_checkpoint(straight / 'iter_4')
