@@ -266,7 +266,8 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor,
                 doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids)
+        # doc_ids by keyword: TP plans lay out the positional (x, cos, sin).
+        x = x + self.attn(self.attn_norm(x), cos, sin, doc_ids=doc_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -418,7 +419,7 @@ class Llama(LMPipelineOutputs, BaseModel):
             h = self.tok_embeddings(h)
         cos, sin = self.rotary(h.shape[1])
         for layer in self.layers.values():
-            h = layer(h, cos, sin, doc_ids)
+            h = layer(h, cos, sin, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
