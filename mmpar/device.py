@@ -104,7 +104,7 @@ def device_name() -> Optional[str]:
 
 
 # ---------------------------------------------------------------- memory
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
     """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in bytes; 0
     where the kernel does not say."""
     try:
@@ -119,7 +119,7 @@ def _status_bytes(field: str) -> int:
 
 def current_rss() -> int:
     """This process's resident memory in bytes (0 where unknown)."""
-    return _status_bytes('VmRSS')
+    return status_bytes('VmRSS')
 
 
 def memory_in_use() -> int:
@@ -139,7 +139,7 @@ def peak_memory() -> Dict[str, int]:
         allocated = torch.accelerator.max_memory_allocated()
         reserved = torch.accelerator.max_memory_reserved()
         return dict(peak=reserved, allocated=allocated, reserved=reserved)
-    rss = _status_bytes('VmHWM')
+    rss = status_bytes('VmHWM')
     return dict(peak=rss, rss=rss)
 
 

@@ -79,19 +79,6 @@ def rank_environment(env: Dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def read_status_bytes(field_name: str) -> int:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes;
-    0 where the kernel does not say."""
-    try:
-        with open('/proc/self/status') as status:
-            for line in status:
-                if line.startswith(field_name + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 @dataclass
 class TrialResult:
     """What one trial measured.
@@ -193,17 +180,17 @@ def _trial_rank(rank: int, world_size: int, init_file: str, cfg_dict: dict,
                 warmup: int, stop_above: Optional[float], min_steps: int,
                 data_ranks: int, log_dir: str, results) -> None:
     apply_user_mmap_threshold()
-    start_rss = read_status_bytes('VmRSS')
+    start_rss = device.status_bytes('VmRSS')
     _redirect_output(os.path.join(log_dir, f'rank{rank}.log'))
     _join(rank, world_size, init_file)
     try:
         runner = Runner.from_cfg(Config(cfg_dict))
-        built_rss = read_status_bytes('VmRSS')
+        built_rss = device.status_bytes('VmRSS')
         clock = TrialClock(warmup, stop_above, min_steps, data_ranks)
         runner.register_hook(clock)
         runner.train()
         memory = [start_rss, built_rss, clock.ready_rss,
-                  read_status_bytes('VmHWM')]
+                  device.status_bytes('VmHWM')]
         gathered = [None] * world_size
         dist.all_gather_object(gathered, memory)
         if rank == 0:
@@ -315,7 +302,7 @@ def _baseline_rank(rank: int, world_size: int, init_file: str,
         loader = runner.build_dataloader(cfg.train_dataloader)
         next(iter(loader))  # the loader's iterator and one batch
         rss = [None] * world_size
-        dist.all_gather_object(rss, read_status_bytes('VmRSS'))
+        dist.all_gather_object(rss, device.status_bytes('VmRSS'))
         if rank == 0:
             results.put(max(rss))
     except BaseException:  # noqa: B902 - reported to the caller

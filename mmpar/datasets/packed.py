@@ -27,7 +27,8 @@ from torch.utils.data import Dataset
 
 from mmpar.datasets.text_files import tokenize_files
 from mmpar.datasets.token_shards import TokenShard, open_shards
-from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
+from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
+                                      lm_metainfo)
 from mmpar.registry import DATASETS
 
 # The target the loss does not count: torch's cross_entropy default, as
@@ -247,9 +248,7 @@ class PackedTokenDataset(Dataset):
 
     @property
     def metainfo(self) -> dict:
-        return dict(vocab_size=self.tokenizer.vocab_size,
-                    context_length=self.context_length,
-                    token_bytes=self.tokenizer.token_bytes())
+        return lm_metainfo(self.tokenizer, self.context_length)
 
     def __len__(self) -> int:
         return self.num_windows

@@ -18,7 +18,8 @@ from torch.utils.data import Dataset
 
 from mmpar.datasets.packed import IGNORE_INDEX
 from mmpar.datasets.text_files import expand_files
-from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
+from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
+                                      lm_metainfo)
 from mmpar.registry import DATASETS
 
 # Role -> how a message is written; {content} is the message's text.
@@ -105,9 +106,7 @@ class SFTDataset(Dataset):
 
     @property
     def metainfo(self) -> dict:
-        return dict(vocab_size=self.tokenizer.vocab_size,
-                    context_length=self.context_length,
-                    token_bytes=self.tokenizer.token_bytes())
+        return lm_metainfo(self.tokenizer, self.context_length)
 
     def __len__(self) -> int:
         return len(self.samples)

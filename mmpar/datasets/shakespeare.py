@@ -7,7 +7,8 @@ from typing import Dict, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
-from mmpar.datasets.tokenizer import Tokenizer, build_tokenizer
+from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
+                                      lm_metainfo)
 from mmpar.registry import DATASETS
 
 DATA_FILE = Path(__file__).parent / 'data' / 'tinyshakespeare.txt.xz'
@@ -119,9 +120,7 @@ class ShakespeareDataset(Dataset):
 
     @property
     def metainfo(self) -> dict:
-        return dict(vocab_size=self.tokenizer.vocab_size,
-                    context_length=self.context_length,
-                    token_bytes=self.tokenizer.token_bytes())
+        return lm_metainfo(self.tokenizer, self.context_length)
 
     def __len__(self) -> int:
         return len(self.starts)

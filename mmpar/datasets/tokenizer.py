@@ -140,3 +140,11 @@ def build_tokenizer(cfg: Optional[Union[dict, Tokenizer]]) -> Tokenizer:
     if isinstance(cfg, dict):
         return TOKENIZERS.build(cfg)
     return cfg
+
+
+def lm_metainfo(tokenizer: Tokenizer, context_length: int) -> dict:
+    """A language-model dataset's ``metainfo``: what the model and
+    :class:`~mmpar.evaluation.LanguageModelMetric` read."""
+    return dict(vocab_size=tokenizer.vocab_size,
+                context_length=context_length,
+                token_bytes=tokenizer.token_bytes())
