@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Union
 
 from mmpar.datasets.token_shards import (VERSION, TokenShardWriter,
-                                         read_header, shard_files)
+                                         read_header)
 from mmpar.datasets.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = ('.txt', '.md', '.text')
@@ -153,21 +153,16 @@ def write_documents(prefix: Union[str, Path], files: Sequence[Path],
                     tokenizer: Tokenizer, text_key: str = 'text',
                     separator: Optional[str] = None) -> dict:
     """Tokenize the documents of ``files`` into the shard ``prefix``
-    (written under a temporary name, then renamed: a reader never sees a
-    half-written shard, and ranks writing the same shard at once write the
-    same bytes).
+    (:class:`TokenShardWriter` renames it into place whole: ranks writing
+    the same shard at once write the same bytes).
 
     Returns:
         The shard's header.
     """
-    tmp = f'{prefix}.tmp{os.getpid()}'
-    with TokenShardWriter(tmp, tokenizer.vocab_size, tokenizer.name,
+    with TokenShardWriter(prefix, tokenizer.vocab_size, tokenizer.name,
                           [str(p) for p in files]) as writer:
         for text in iter_documents(files, text_key, separator):
             writer.add(tokenizer.encode(text))
-    # The header last: it marks the shard complete.
-    for src, dst in zip(shard_files(tmp), shard_files(prefix)):
-        os.replace(src, dst)
     return read_header(prefix)
 
 

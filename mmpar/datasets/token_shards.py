@@ -15,9 +15,12 @@ One shard is three files sharing a prefix (docs/data.md has the format):
 The layout of Megatron's indexed datasets and nanoGPT's ``.bin`` files: a
 reader maps both arrays (``np.memmap``) and touches only the pages of the
 windows it reads, so a shard far larger than memory costs a rank no private
-memory. The header is written last: a shard without one is incomplete.
+memory. A writer writes under temporary names and renames the files into
+place on success, the header last: a reader never sees a half-written shard,
+and ranks writing the same shard at once each write whole files.
 """
 import json
+import os
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
@@ -50,7 +53,10 @@ def shard_files(prefix: Union[str, Path]) -> List[Path]:
 class TokenShardWriter:
     """Write one shard a document at a time (the corpus never held whole).
 
-    Use as a context manager; the header is written on a clean exit only.
+    Use as a context manager. The files are written under a temporary
+    prefix and renamed into place on a clean exit, the header last; on an
+    error the temporary files are removed and an earlier shard at
+    ``prefix`` is left as it was.
 
     Args:
         prefix: the shard's path without a suffix.
@@ -62,7 +68,9 @@ class TokenShardWriter:
 
     def __init__(self, prefix: Union[str, Path], vocab_size: int,
                  tokenizer: str = '', sources: Sequence[str] = ()):
-        self.bin_path, self.idx_path, self.json_path = shard_files(prefix)
+        self.paths = shard_files(prefix)
+        self.bin_path, self.idx_path, self.json_path = shard_files(
+            f'{prefix}.tmp{os.getpid()}')
         self.vocab_size, self.dtype = vocab_size, token_dtype(vocab_size)
         self.header = dict(format=FORMAT, version=VERSION,
                            dtype=self.dtype.name, vocab_size=vocab_size,
@@ -72,7 +80,6 @@ class TokenShardWriter:
 
     def __enter__(self) -> 'TokenShardWriter':
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        self.json_path.unlink(missing_ok=True)
         self._bin = open(self.bin_path, 'wb')
         return self
 
@@ -94,12 +101,17 @@ class TokenShardWriter:
 
     def __exit__(self, exc_type, *_) -> None:
         self._bin.close()
+        tmp_paths = (self.bin_path, self.idx_path, self.json_path)
         if exc_type is not None:
+            for path in tmp_paths:
+                path.unlink(missing_ok=True)
             return
         np.asarray(self.offsets, OFFSET_DTYPE).tofile(self.idx_path)
         header = dict(self.header, num_tokens=self.offsets[-1],
                       num_documents=len(self.offsets) - 1)
         self.json_path.write_text(json.dumps(header, indent=1) + '\n')
+        for src, dst in zip(tmp_paths, self.paths):
+            os.replace(src, dst)
 
 
 def write_token_shard(prefix: Union[str, Path],

@@ -10,8 +10,9 @@ from mmpar.datasets import ByteTokenizer
 from mmpar.datasets.prepare import main as prepare_main
 from mmpar.datasets.text_files import (expand_files, iter_documents,
                                        tokenize_files)
-from mmpar.datasets.token_shards import (TokenShard, read_header,
-                                         shard_files, write_token_shard)
+from mmpar.datasets.token_shards import (TokenShard, TokenShardWriter,
+                                         read_header, shard_files,
+                                         write_token_shard)
 
 
 @pytest.mark.parametrize('vocab_size,dtype', [(300, 'uint16'),
@@ -54,6 +55,27 @@ def test_reading_refuses_incomplete_or_foreign_shards(tmp_path):
         TokenShard(prefix)
     with pytest.raises(ValueError, match='allowed: 0 .. 9'):
         write_token_shard(tmp_path / 'bad', [[3, 10]], 10)
+
+
+def test_a_shard_appears_whole_or_not_at_all(tmp_path):
+    """Written under temporary names and renamed on success: while a
+    writer runs a reader sees the earlier shard (or none), and a failed
+    write leaves the earlier shard and no temporary files. (Ranks that write
+    the same shard at once raced here: one read the header another had
+    just truncated.)"""
+    prefix = tmp_path / 'shard'
+    write_token_shard(prefix, [[1, 2, 3]], 10)
+    with TokenShardWriter(prefix, 10) as writer:
+        writer.add([4, 5])
+        assert read_header(prefix)['num_tokens'] == 3
+    assert read_header(prefix)['num_tokens'] == 2
+    with pytest.raises(ValueError, match='allowed: 0 .. 9'):
+        with TokenShardWriter(prefix, 10) as writer:
+            writer.add([6, 7, 8, 9])
+            writer.add([10])
+    assert TokenShard(prefix).document(0).tolist() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        'shard.bin', 'shard.idx', 'shard.json']
 
 
 def test_text_and_jsonl_documents(tmp_path):
