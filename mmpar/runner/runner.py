@@ -34,6 +34,7 @@ from mmpar.runner.ema import EMAHooks
 from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
 from mmpar.runner.param_groups import names_rules, plain_view
+from mmpar.runner.run_config import RunConfig
 from mmpar.wrappers.base import describe
 
 _RUNNER_SIGNATURE = inspect.signature(MMEngineRunner.__init__)
@@ -48,7 +49,11 @@ class Runner(MMEngineRunner):
     """
 
     def __init__(self, *args, **kwargs):
-        given = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs).arguments
+        bound = _RUNNER_SIGNATURE.bind_partial(None, *args, **kwargs)
+        given = bound.arguments
+        if given.get('cfg'):
+            # Its text formatted once, not at every log, dump and save.
+            given['cfg'] = RunConfig.of(given['cfg'])
         check_launcher(given.get('launcher', 'none'))
         cfg = given.get('cfg') or {}
         # The whole config checked, and its parallel parts resolved once
@@ -73,7 +78,7 @@ class Runner(MMEngineRunner):
         # constructor's rules see (mmpar/runner/param_groups.py), for an
         # optim_wrapper config with rules.
         self._plain_view: Optional[nn.Module] = None
-        super().__init__(*args, **kwargs)
+        super().__init__(*bound.args[1:], **bound.kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
         if self.distributed and not is_distributed():

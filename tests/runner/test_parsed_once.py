@@ -1,6 +1,9 @@
 """One run parses and checks each parallel section once: ``check_config``
 resolves the plan (:mod:`mmpar.parallelize.resolved`) and the Runner hands
-it to ``setup_parallelism``, the model build and compose.
+it to ``setup_parallelism``, the model build and compose. And it formats
+its config text once (yapf's ``FormatCode``), though MMEngine asks for it
+at the start-up log, the dumped config, the metainfo and every checkpoint
+(:mod:`mmpar.runner.run_config`).
 
 Each rank counts the calls of the parsers and checks, by code object (a
 profile hook sees a call however the function was imported), while it
@@ -22,7 +25,9 @@ def _counted():
     from mmpar.parallelize import resolved
     from mmpar.parallelize.pipeline.config import PipelineConfig
     from mmpar.wrappers import builder
+    from yapf.yapflib.yapf_api import FormatCode
     return {
+        'FormatCode': (FormatCode.__code__, None),
         # A dict (or None) becoming a ParallelConfig, not one handed on.
         'ParallelConfig.from_cfg': (
             ParallelConfig.from_cfg.__func__.__code__,
@@ -72,7 +77,7 @@ def _train(config, work_dir, name, train, **extra):
 
 
 ONCE = {
-    'ParallelConfig.from_cfg': 1, 'resolve_dims': 1, 'check_composition': 1,
+    'FormatCode': 1, 'ParallelConfig.from_cfg': 1, 'resolve_dims': 1, 'check_composition': 1,
     'check_wrapper_cfg': 1, 'resolve_plan': 1,
 }
 
@@ -123,5 +128,6 @@ def test_one_process_run_resolves_once(tmp_path):
                     launcher='none')
     assert counts['ParallelConfig.from_cfg'] == 1
     assert counts['resolve_plan'] == 1
+    assert counts['FormatCode'] == 1
     assert counts['default_wrapper_cfg'] == 1
     assert counts['check_composition'] == 0  # nothing to compose at 1 rank
