@@ -30,7 +30,9 @@ def _logged(output: str, key: str) -> list:
         rf'Iter\(train\).*? {key}: ([\d.]+)', output)]
 
 
-@pytest.mark.parametrize('routing', ['natural', 'balanced'])
+# Forced-balanced routing ('balanced') passed too when measured; left out
+# of the suite for its time budget (2 more tool launches).
+@pytest.mark.parametrize('routing', ['natural'])
 def test_dist_train_ep2_matches_one_process(tmp_path, routing):
     extra = ['model.moe.force_balanced=True'] if routing == 'balanced' \
         else []
