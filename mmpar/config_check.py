@@ -452,6 +452,35 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
                   f'{2 * cp} (or another parallel.cp)')
 
 
+def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
+                       parallel: ParallelConfig) -> None:
+    """With ``parallel.ep > 1``: the model has MoE layers
+    (``model.moe``) whose expert count ``ep`` divides.
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    ep = dims.ep if dims is not None else parallel.ep
+    if ep is None or ep <= 1:
+        return
+    model = cfg.get('model')
+    moe = model.get('moe') if isinstance(model, dict) else None
+    if moe is None:
+        _fail('parallel.ep', ep,
+              f'model.type={model.get("type")!r} has no mixture-of-experts '
+              'layers (model.moe is not set), so there are no experts to '
+              'split; allowed: parallel.ep=1, or model.moe=dict(num_experts'
+              '=..., ...) (docs/expert_parallel.md)')
+    from mmpar.models.moe import MoEConfig
+    with _as_config_error():
+        num_experts = MoEConfig.from_cfg(moe).num_experts
+    if num_experts % ep:
+        _fail('model.moe.num_experts', num_experts,
+              f'parallel.ep={ep} splits each layer\'s experts evenly over '
+              f'its ranks; allowed: a multiple of {ep} (or another '
+              'parallel.ep)')
+
+
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -505,6 +534,7 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
             find_unused_parameters=bool(cfg.get('find_unused_parameters')))
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
+    check_expert_model(cfg, plan.dims, plan.parallel)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
     return plan

@@ -28,6 +28,7 @@ ALLOWED = {
     'attr ._execution_engine': {'wrappers/bucket.py'},
     'attr ._exit': {'failures.py'},
     'attr ._get_backend': {'dist.py'},
+    'attr ._grouped_mm': {'models/moe.py'},
     'attr ._handle': {'wrappers/fsdp.py'},
     'attr ._instance_dict': {'failures.py'},
     'attr ._is_root': {'wrappers/fsdp.py'},
@@ -148,8 +149,9 @@ def test_every_private_internal_is_listed():
 
 
 def test_the_list_is_short():
-    # A ratchet: lower it as internals are replaced.
-    assert len(ALLOWED) <= 31
+    # A ratchet: lower it as internals are replaced (32: torch._grouped_mm,
+    # the experts' grouped GEMM, issue 36).
+    assert len(ALLOWED) <= 32
 
 
 def test_each_use_says_why():

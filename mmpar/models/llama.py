@@ -27,6 +27,7 @@ from torch import nn
 from mmpar.models import llama_hf
 from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
                                    transformer_flops_per_token)
+from mmpar.models.moe import GroupedExperts, MoE, MoEConfig
 from mmpar.parallel.sequence import ContextParallel
 from mmpar.parallelize.context import (causal_attention,
                                        context_parallel_attention)
@@ -248,6 +249,22 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def moe_loss_terms(layers: List[MoE]) -> Dict[str, torch.Tensor]:
+    """The loss dict's MoE terms: the auxiliary loss summed over layers
+    (``moe_aux_loss``, trained as a loss term) and the tokens each expert
+    got, summed over layers (``moe_tokens_e<i>``, logged)."""
+    terms = {}
+    aux = [m.aux_loss for m in layers if m.aux_loss is not None]
+    if aux:
+        terms['moe_aux_loss'] = torch.stack(aux).sum()
+    counts = [m.tokens_per_expert for m in layers
+              if m.tokens_per_expert is not None]
+    if counts:
+        total = torch.stack(counts).sum(0).float()
+        terms.update({f'moe_tokens_e{i}': c for i, c in enumerate(total)})
+    return terms
+
+
 class LlamaBlock(nn.Module):
     """Pre-norm attention and SwiGLU MLP, each with a residual connection.
 
@@ -256,12 +273,15 @@ class LlamaBlock(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, hidden_dim: int, norm_eps: float):
+                 head_dim: int, hidden_dim: int, norm_eps: float,
+                 moe: Optional[MoEConfig] = None):
         super().__init__()
         self.attn_norm = RMSNorm(dim, norm_eps)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim)
         self.mlp_norm = RMSNorm(dim, norm_eps)
-        self.mlp = FeedForward(dim, hidden_dim)
+        # With model.moe the MLP is a mixture of experts (mmpar.models.moe).
+        self.mlp = FeedForward(dim, hidden_dim) if moe is None else MoE(
+            dim, moe.hidden_dim or hidden_dim, moe, FeedForward)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor,
@@ -301,6 +321,13 @@ class Llama(LMPipelineOutputs, BaseModel):
         norm_eps: RMSNorm epsilon.
         tie_embeddings: share the input embedding with the output head.
         init_std: standard deviation of the weight initialisation.
+        moe: None (dense SwiGLU MLPs) or a dict of
+            :class:`~mmpar.models.moe.MoEConfig` keys (``num_experts``,
+            ``top_k``, ``score_func``, ``shared_expert``, ``balance``, ...):
+            every block's MLP is a mixture of experts
+            (docs/expert_parallel.md); the loss dict then also holds
+            ``moe_aux_loss`` (``balance='aux_loss'``) and the per-expert
+            token counts ``moe_tokens_e<i>``.
         data_preprocessor: MMEngine data preprocessor config.
 
     ``forward(inputs, data_samples, mode)`` with ``inputs`` and
@@ -328,9 +355,11 @@ class Llama(LMPipelineOutputs, BaseModel):
                  norm_eps: float = 1e-5,
                  tie_embeddings: bool = False,
                  init_std: float = 0.02,
+                 moe: Optional[dict] = None,
                  data_preprocessor: Optional[dict] = None):
         super().__init__(data_preprocessor=data_preprocessor)
         num_kv_heads = num_kv_heads or num_heads
+        self.moe = None if moe is None else MoEConfig.from_cfg(moe)
         _check_sizes(dim, num_heads, num_kv_heads)
         if hidden_dim is None:
             hidden_dim = multiple_of * math.ceil(8 * dim / 3 / multiple_of)
@@ -348,7 +377,7 @@ class Llama(LMPipelineOutputs, BaseModel):
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleDict({
             str(i): LlamaBlock(dim, num_heads, num_kv_heads, self.head_dim,
-                               hidden_dim, norm_eps)
+                               hidden_dim, norm_eps, self.moe)
             for i in range(num_layers)
         })
         self.norm = RMSNorm(dim, norm_eps)
@@ -362,7 +391,7 @@ class Llama(LMPipelineOutputs, BaseModel):
         self.reset_parameters()
         # Counted now: a sharding wrapper (FSDP1 flat parameters) hides the
         # real sizes later, and FLOPs are those of the whole model.
-        self._matmul_params = self.num_params()
+        self._matmul_params = self.num_params() - self._inactive_params()
 
     def reset_parameters(self) -> None:
         """Initialise every weight (also after building on the meta device).
@@ -381,6 +410,8 @@ class Llama(LMPipelineOutputs, BaseModel):
                 std = residual_std if name.endswith(
                     ('.wo', '.w2')) else self.init_std
                 nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters(self.init_std, residual_std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
@@ -432,8 +463,27 @@ class Llama(LMPipelineOutputs, BaseModel):
                 mode: str = 'tensor',
                 doc_ids: Optional[torch.Tensor] = None
                 ) -> Union[Dict, List, torch.Tensor]:
-        return lm_outputs(self.logits(inputs, doc_ids), data_samples, mode,
-                          self.context_parallel)
+        moe_layers = self.moe_layers() if mode == 'loss' else []
+        for moe in moe_layers:
+            moe.update_bias()  # from the last training forward's loads
+        outputs = lm_outputs(self.logits(inputs, doc_ids), data_samples,
+                             mode, self.context_parallel)
+        if moe_layers and self.training:
+            outputs.update(moe_loss_terms(moe_layers))
+        return outputs
+
+    def moe_layers(self) -> List[MoE]:
+        """This model's (or pipeline stage's) mixture-of-experts MLPs."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def _inactive_params(self) -> int:
+        # Experts a token does not visit do no matmul for it.
+        if self.moe is None:
+            return 0
+        unused = 1 - self.moe.top_k / self.moe.num_experts
+        return int(sum(p.numel() for m in self.modules()
+                       if isinstance(m, GroupedExperts)
+                       for p in m.parameters()) * unused)
 
     # -- the context-parallel protocol (mmpar/parallelize/context.py) -------
     context_parallel_modules = ('layers.*.attn', )

@@ -23,8 +23,9 @@ them is its *role*:
 
 The flattened axes are sets of roles, so a new axis joins them by its
 role: ``dp`` (what samplers and metrics work over), ``dp_cp`` (the gradient
-axis: every rank that reads different tokens) and ``dp_shard_cp`` (what
-FSDP shards over). Their names are the axes they flatten today.
+axis: every rank that reads different tokens), ``dp_shard_cp`` (what
+FSDP shards over) and ``efsdp`` (what FSDP shards experts over: the shard
+axes but ``ep``). Their names are the axes they flatten today.
 """
 from dataclasses import dataclass
 from typing import Dict, Tuple
@@ -60,6 +61,13 @@ class Axis:
 TABLE: Tuple[Axis, ...] = (
     Axis('dp_replicate', DATA),
     Axis('dp_shard', DATA, shards=True),
+    # Expert parallelism sits inside the data ranks (ep divides what would
+    # be dp_shard): the non-expert weights are sharded over it as over
+    # dp_shard, the experts split over it and sharded over the rest of the
+    # shard axes (FLATTENED['efsdp']). Next to dp_shard so the data axis
+    # stays one block and an ep group is consecutive ranks (its
+    # all-to-alls run twice per MoE layer and pass).
+    Axis('ep', EXPERT, shards=True),
     Axis('pp', MODEL, reporter=-1),  # the last stage holds the outputs
     Axis('cp', SEQUENCE, shards=True),
     Axis('tp', MODEL),
@@ -85,7 +93,11 @@ DATA_AXES = axes_of(DATA)
 FLATTENED: Dict[str, Tuple[str, ...]] = dict(
     dp=SAMPLE_AXES,
     dp_cp=axes_of(DATA, SEQUENCE, EXPERT),
-    dp_shard_cp=tuple(axis.name for axis in TABLE if axis.shards))
+    dp_shard_cp=tuple(axis.name for axis in TABLE if axis.shards),
+    # What experts are sharded over: the shard axes but the expert ones
+    # (torchtitan's dp_shard x cp = efsdp x ep).
+    efsdp=tuple(axis.name for axis in TABLE
+                if axis.shards and axis.role != EXPERT))
 # HSDP's 2-D data mesh: replicate over the data axes that do not shard,
 # shard over the flattened shard axis.
 REPLICATE_SHARD = tuple(a for a in DATA_AXES if not BY_NAME[a].shards) + (

@@ -2,7 +2,7 @@
 
 A config says, with the named axes (docs/topology.md)::
 
-    parallel = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1,
+    parallel = dict(dp_replicate=1, dp_shard=-1, tp=1, pp=1, cp=1, ep=1,
                     tp_plan=None, pipeline=None,
                     use_fsdp=False, cpu_offload=False,
                     sharding_strategy='FULL_SHARD', sync_module_states=True)
@@ -43,6 +43,9 @@ class ParallelConfig:
         cp: context-parallel size (int >= 1 or -1): each sequence is split
             over ``cp`` ranks; the model needs the context-parallel protocol
             (:mod:`mmpar.parallelize.context`).
+        ep: expert-parallel size (int >= 1 or -1): the experts of each MoE
+            layer are split over ``ep`` data ranks (docs/expert_parallel.md);
+            the model needs MoE layers whose expert count ``ep`` divides.
         model_parallelism: the seed name of ``tp`` (see the module doc for
             its HSDP meaning).
         pipeline_parallelism: the seed name of ``pp``.
@@ -66,6 +69,7 @@ class ParallelConfig:
     tp: Optional[int] = None
     pp: Optional[int] = None
     cp: Optional[int] = None
+    ep: Optional[int] = None
     model_parallelism: Optional[int] = None
     pipeline_parallelism: Optional[int] = None
     tp_plan: Any = None

@@ -54,9 +54,12 @@ class ParallelDims:
         tp: tensor-parallel size.
         pp: pipeline-parallel size.
         cp: context-parallel size (ranks one sequence is split over).
+        ep: expert-parallel size (ranks the experts of each MoE layer are
+            split over; data ranks that read different samples, see
+            docs/expert_parallel.md).
         world_size: the number of ranks.
 
-    One of the five sizes may be ``-1``: it becomes whatever makes the
+    One of the six sizes may be ``-1``: it becomes whatever makes the
     product equal the world size.
 
     Raises:
@@ -69,6 +72,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     world_size: int = 1
 
     def __post_init__(self) -> None:
@@ -85,9 +89,10 @@ class ParallelDims:
         known = 1
         for value in sizes.values():
             known *= max(value, 1)
-        # cp=1 (context parallelism off, as in most configs) is left out.
+        # cp=1 and ep=1 (off, as in most configs) are left out.
         product = ' * '.join(f'{n}={v}' for n, v in sizes.items()
-                             if v != -1 and (n, v) != ('cp', 1))
+                             if v != -1 and (n, v) not in (('cp', 1),
+                                                           ('ep', 1)))
         if rest:
             if self.world_size % known:
                 raise ParallelismError(
@@ -143,6 +148,16 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """What experts are sharded over: the shard axes but ``ep``
+        (``dp_shard x cp``; ``dp_shard x ep x cp = efsdp x ep``)."""
+        return self.size_of(FLATTENED['efsdp'])
 
     @property
     def shape(self) -> Tuple[int, ...]:
@@ -217,8 +232,10 @@ def _requested(parallel, world_size: int, hybrid: bool,
     pp = _pick(parallel, 'pp', 'pipeline_parallelism') or 1
     mp = parallel.model_parallelism
     cp = parallel.cp or 1
+    ep = parallel.ep or 1
     sizes = dict(dp_replicate=parallel.dp_replicate,
-                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp, cp=cp)
+                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp, cp=cp,
+                 ep=ep)
     if mp is not None and _mp_means_dp_shard(parallel, hybrid):
         sizes['tp'] = 1
         # The wrapper's explicit hybrid_shard_size wins over the alias, as
@@ -238,7 +255,7 @@ def _requested(parallel, world_size: int, hybrid: bool,
             # -1 ("the rest") on tp, pp or cp leaves no room for data
             # shards.
             dp = world_size // (max(sizes['tp'], 1) * max(pp, 1) *
-                                max(cp, 1)) or 1
+                                max(cp, 1) * max(ep, 1)) or 1
             sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
         else:
             sizes['dp_replicate'] = 1

@@ -6,19 +6,22 @@ topology it is handed:
 
 1. tensor parallelism over ``mesh['tp']`` (``parallel.tp_plan``,
    :mod:`.tensor`),
-2. context parallelism over ``mesh['cp']`` (``parallel.cp``,
+2. expert parallelism over ``mesh['ep']`` (``parallel.ep``,
+   :mod:`.expert`): the experts become DTensors sharded over ep, before
+   the data-parallel wrapper shards them further over ``mesh['efsdp']``,
+3. context parallelism over ``mesh['cp']`` (``parallel.cp``,
    :mod:`.context`): it only tags the attention modules, so it follows TP
    (it tags them as they will run) and precedes the pipeline split (the
    stage copies keep the tag) and checkpointing / compile (whose wrappers
    would hide the module names the protocol matches),
-3. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
-   :mod:`.pipeline`); steps 4-7 then run on each of this rank's stages,
-4. activation checkpointing (:mod:`.activation`),
-5. ``torch.compile`` (:mod:`.compile`),
-6. the data-parallel wrapper, given the gradient axis (``dp x cp``: cp
+4. the pipeline split over ``mesh['pp']`` (``parallel.pipeline``,
+   :mod:`.pipeline`); steps 5-8 then run on each of this rank's stages,
+5. activation checkpointing (:mod:`.activation`),
+6. ``torch.compile`` (:mod:`.compile`),
+7. the data-parallel wrapper, given the gradient axis (``dp x cp``: cp
    peers hold the same weights but read different tokens) as its class
    declares it takes it (a group, or the 1-D / replicate x shard mesh),
-7. for a model built on the meta device (:mod:`.meta`), materialising this
+8. for a model built on the meta device (:mod:`.meta`), materialising this
    rank's share (its local shards, its stages), filled as one process would
    initialise them: before the wrapper, after it (FSDP2: only local shards
    are allocated) or inside it (FSDP1), as the wrapper class declares.
@@ -43,6 +46,7 @@ from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import apply_activation_checkpointing
 from mmpar.parallelize.compile import apply_compile
 from mmpar.parallelize.context import apply_context_parallel
+from mmpar.parallelize.expert import apply_expert_parallel
 from mmpar.parallelize.meta import MetaInit
 from mmpar.parallelize.resolved import (ResolvedPlan, builds_on_meta,
                                         resolve_plan)
@@ -75,6 +79,10 @@ def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
     if not SHARDING_STRATEGIES[strategy].shards:
         # NO_SHARD replicates over the whole gradient axis.
         return dict(device_mesh=topology.mesh['dp_cp'])
+    if topology.dims.ep_enabled:
+        # The experts, split over ep, are sharded over the rest.
+        return dict(device_mesh=topology.data_mesh(),
+                    expert_mesh=topology.mesh['efsdp'])
     return dict(device_mesh=topology.data_mesh())
 
 
@@ -164,6 +172,7 @@ def parallelize(model: nn.Module,
         broadcast_before_sharding(model)
     if dims.tp_enabled:
         model = apply_tp(model, topology.mesh['tp'], plan.parallel.tp_plan)
+    apply_expert_parallel(model, topology.mesh['ep'], topology.dp_cp.group)
     if dims.cp_enabled:
         apply_context_parallel(model, topology.mesh['cp'])
     if dims.pp_enabled:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import AXES, BY_NAME, DATA_AXES, EXPERT, axes_of
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -147,6 +148,43 @@ def stage_wrapper_cfg(model_wrapper_cfg: dict,
     return cfg
 
 
+def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
+    """``parallel.ep > 1`` with what this slice supports: the data axes
+    (``dp_shard``) around it and a wrapper that takes the experts' own mesh
+    (its class declares ``expert_parallel``).
+
+    Raises:
+        ValueError: naming the key, the value and what is allowed.
+    """
+    if not dims.ep_enabled:
+        return
+    # The sharded data axes and ep itself; the others are not tested yet.
+    supported = set(axes_of(EXPERT)) | {
+        a for a in DATA_AXES if BY_NAME[a].shards}
+    for axis in AXES:
+        if axis not in supported and getattr(dims, axis) > 1:
+            raise ValueError(
+                f'parallel.{axis}={getattr(dims, axis)} with parallel.ep='
+                f'{dims.ep} is not supported yet; allowed: parallel.{axis}=1 '
+                'with ep (ep composes with dp_shard; docs/expert_parallel.md)')
+    wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
+    if not declared(wrapper).expert_parallel:
+        allowed = [n for n in registered_wrappers()
+                   if declared(n).expert_parallel]
+        name = getattr(wrapper, '__name__', str(wrapper)).split('.')[-1]
+        raise ValueError(
+            f'model_wrapper_cfg.type={name!r} cannot wrap an expert-parallel '
+            f'model (parallel.ep={dims.ep}): it would reduce the experts\' '
+            'gradients over ranks that hold other experts; allowed: '
+            f'{", ".join(allowed)}')
+    strategy = wrapper_cfg.get('sharding_strategy')
+    if strategy is not None and 'HYBRID' in str(strategy):
+        raise ValueError(
+            f'model_wrapper_cfg.sharding_strategy={strategy!r} with '
+            f'parallel.ep={dims.ep} is not supported yet; allowed: '
+            "'FULL_SHARD' or 'SHARD_GRAD_OP'")
+
+
 def check_composition(dims: ParallelDims, model_wrapper_cfg: Optional[dict],
                       pipeline: Optional[PipelineConfig] = None,
                       compile_cfg: Any = None) -> dict:
@@ -166,6 +204,7 @@ def check_composition(dims: ParallelDims, model_wrapper_cfg: Optional[dict],
                 f'model_wrapper_cfg.hybrid_shard_size={shard_size!r} '
                 f'disagrees with the layout (dp_shard={dims.dp_shard}); '
                 'allowed: leave it unset and give parallel.dp_shard instead')
+        check_expert_parallel(dims, cfg)
         if dims.pp_enabled:
             check_pipeline_wrapper(cfg, dims.dp_cp)
             if compile_cfg:

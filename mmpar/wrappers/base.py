@@ -72,6 +72,10 @@ class StepMixin:
     #: local shards are allocated), or through the named constructor
     #: argument, unit by unit as it wraps (FSDP1's ``'param_init_fn'``).
     meta_materialize: ClassVar[str] = 'before'
+    #: Takes ``expert_mesh`` (the ``efsdp`` mesh) and reduces the experts'
+    #: gradients over it only, so it can wrap an expert-parallel model
+    #: (``parallel.ep > 1``).
+    expert_parallel: ClassVar[bool] = False
 
     module: nn.Module
     # The data-parallel group gradients are reduced over (None: the world).

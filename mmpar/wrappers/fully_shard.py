@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from mmpar.device import uses_accelerator
 from mmpar.failures import ConfigError
 from mmpar.parallel.dtensor import packed_parameters
+from mmpar.parallel.experts import expert_modules
 from mmpar.parallel.mesh import fallback_data_mesh
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, Strategy
 from mmpar.parallel.sharding import strategy_name
@@ -78,6 +79,11 @@ class MMFullyShard(StepMixin, nn.Module):
         cpu_offload: None, bool or ``CPUOffloadPolicy``.
         buffer_sync: ``'broadcast'`` (default), ``'average'`` or None
             (:mod:`mmpar.wrappers.buffers`).
+        expert_mesh: under expert parallelism (the Runner passes
+            ``mesh['efsdp']``): the experts (split over ep already) are
+            sharded over it in their own units, first, and their gradients
+            divided by the whole data mesh's size as the other gradients
+            are (each rank's experts saw tokens from every ep rank).
         **kwargs: any other ``fully_shard`` argument.
 
     Clipping goes through :func:`mmpar.optim.clip.clip_grad_norm_`
@@ -91,6 +97,7 @@ class MMFullyShard(StepMixin, nn.Module):
     data_axis_arg = 'device_mesh'
     tensor_parallel_wrapper = 'MMFullyShard'
     meta_materialize = 'after'
+    expert_parallel = True
     # A stage is sharded as a whole model is: mmpar's pipeline stage
     # reshards and reduce-scatters after every micro-batch's backward
     # (parallel.pipeline.reshard_per_microbatch).
@@ -111,6 +118,7 @@ class MMFullyShard(StepMixin, nn.Module):
                  mixed_precision=None,
                  cpu_offload=None,
                  buffer_sync: Optional[str] = 'broadcast',
+                 expert_mesh: Optional[DeviceMesh] = None,
                  **kwargs) -> None:
         args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
         packed = packed_parameters(module)
@@ -142,6 +150,13 @@ class MMFullyShard(StepMixin, nn.Module):
         if offload is not None:
             shard_kwargs['offload_policy'] = offload
         shard_kwargs = {k: v for k, v in shard_kwargs.items() if v is not None}
+        if expert_mesh is not None:
+            for _, experts in expert_modules(module):
+                fully_shard(experts, **dict(shard_kwargs, mesh=expert_mesh))
+                # Mean over the data mesh, as for every other gradient:
+                # the expert's tokens came from all of its ranks.
+                experts.set_gradient_divide_factor(
+                    float(self.device_mesh.size()))
         policy = resolve_wrap_policy(fsdp_auto_wrap_policy, module)
         units = [] if policy is None else modules_to_wrap(module, policy)
         for sub in units:

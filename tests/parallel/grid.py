@@ -1,50 +1,53 @@
 """Expected process groups by definition, written without mmpar's code.
 
 The ranks of a job are numbered along the mesh order
-``(dp_replicate, dp_shard, pp, cp, tp)``, tp varying fastest
+``(dp_replicate, dp_shard, ep, pp, cp, tp)``, tp varying fastest
 (docs/topology.md). Two ranks share a group of one kind when they agree on
 every coordinate the kind does not vary; ``dp`` varies the two data
-coordinates together, ``dp_cp`` (the gradient axis) those and cp,
-``dp_shard_cp`` (FSDP's shard axis) dp_shard and cp.
+coordinates and ep together, ``dp_cp`` (the gradient axis) those and cp,
+``dp_shard_cp`` (FSDP's shard axis) dp_shard, ep and cp, ``efsdp`` (what
+experts are sharded over) dp_shard and cp.
 Plain nested loops and comparisons: no reshape, no ``layout_of``, so a
 wrong axis order or a wrong flattening in mmpar cannot hide in the oracle.
 """
 from typing import Dict, Iterator, List, Tuple
 
-MESH_ORDER = ('dp_replicate', 'dp_shard', 'pp', 'cp', 'tp')
+MESH_ORDER = ('dp_replicate', 'dp_shard', 'ep', 'pp', 'cp', 'tp')
 # Each group kind and the coordinates that vary inside one of its groups.
 VARYING = {
     'dp_replicate': ('dp_replicate', ),
     'dp_shard': ('dp_shard', ),
+    'ep': ('ep', ),
     'pp': ('pp', ),
     'cp': ('cp', ),
     'tp': ('tp', ),
-    'dp': ('dp_replicate', 'dp_shard'),
-    'dp_cp': ('dp_replicate', 'dp_shard', 'cp'),
+    'dp': ('dp_replicate', 'dp_shard', 'ep'),
+    'dp_cp': ('dp_replicate', 'dp_shard', 'ep', 'cp'),
 }
 # Mesh views with no group of their own in the topology.
-VIEWS = {'dp_shard_cp': ('dp_shard', 'cp')}
+VIEWS = {'dp_shard_cp': ('dp_shard', 'ep', 'cp'), 'efsdp': ('dp_shard', 'cp')}
 
 
-def rank_coordinates(dp_replicate: int, dp_shard: int, pp: int, cp: int,
-                     tp: int) -> List[Dict[str, int]]:
+def rank_coordinates(dp_replicate: int, dp_shard: int, ep: int, pp: int,
+                     cp: int, tp: int) -> List[Dict[str, int]]:
     """Every rank's coordinates, indexed by rank."""
     coords = []
     for r in range(dp_replicate):
         for s in range(dp_shard):
-            for p in range(pp):
-                for c in range(cp):
-                    for t in range(tp):
-                        coords.append(dict(dp_replicate=r, dp_shard=s, pp=p,
-                                           cp=c, tp=t))
+            for e in range(ep):
+                for p in range(pp):
+                    for c in range(cp):
+                        for t in range(tp):
+                            coords.append(dict(dp_replicate=r, dp_shard=s,
+                                               ep=e, pp=p, cp=c, tp=t))
     return coords
 
 
-def brute_force_groups(dp_replicate: int, dp_shard: int, pp: int, cp: int,
-                       tp: int) -> Dict[str, Dict[int, List[int]]]:
+def brute_force_groups(dp_replicate: int, dp_shard: int, ep: int, pp: int,
+                       cp: int, tp: int) -> Dict[str, Dict[int, List[int]]]:
     """``{kind: {rank: its group's ranks, sorted}}`` for every kind and
     view."""
-    coords = rank_coordinates(dp_replicate, dp_shard, pp, cp, tp)
+    coords = rank_coordinates(dp_replicate, dp_shard, ep, pp, cp, tp)
     groups = {}
     for kind, varying in {**VARYING, **VIEWS}.items():
         fixed = [axis for axis in MESH_ORDER if axis not in varying]
@@ -56,14 +59,16 @@ def brute_force_groups(dp_replicate: int, dp_shard: int, pp: int, cp: int,
     return groups
 
 
-def layouts(world_size: int) -> Iterator[Tuple[int, int, int, int, int]]:
-    """Every ``(dp_replicate, dp_shard, pp, cp, tp)`` whose product is
+def layouts(world_size: int
+            ) -> Iterator[Tuple[int, int, int, int, int, int]]:
+    """Every ``(dp_replicate, dp_shard, ep, pp, cp, tp)`` whose product is
     ``world_size``."""
     sizes = range(1, world_size + 1)
     for r in sizes:
         for s in sizes:
-            for p in sizes:
-                for c in sizes:
-                    for t in sizes:
-                        if r * s * p * c * t == world_size:
-                            yield r, s, p, c, t
+            for e in sizes:
+                for p in sizes:
+                    for c in sizes:
+                        for t in sizes:
+                            if r * s * e * p * c * t == world_size:
+                                yield r, s, e, p, c, t

@@ -63,10 +63,12 @@ def test_every_axis_is_a_size_key_and_a_dims_field():
 
 
 def test_flattened_axes_follow_the_roles():
-    assert axes.AXES == ('dp_replicate', 'dp_shard', 'pp', 'cp', 'tp')
-    assert axes.FLATTENED == dict(dp=('dp_replicate', 'dp_shard'),
-                                  dp_cp=('dp_replicate', 'dp_shard', 'cp'),
-                                  dp_shard_cp=('dp_shard', 'cp'))
+    assert axes.AXES == ('dp_replicate', 'dp_shard', 'ep', 'pp', 'cp', 'tp')
+    assert axes.FLATTENED == dict(
+        dp=('dp_replicate', 'dp_shard', 'ep'),
+        dp_cp=('dp_replicate', 'dp_shard', 'ep', 'cp'),
+        dp_shard_cp=('dp_shard', 'ep', 'cp'),
+        efsdp=('dp_shard', 'cp'))
     assert axes.DATA_AXES == ('dp_replicate', 'dp_shard')
     assert axes.PEER_AXES == ('pp', 'cp', 'tp')
     assert axes.REPLICATE_SHARD == ('dp_replicate', 'dp_shard_cp')
@@ -79,5 +81,5 @@ def test_coords_and_rank_at_invert_each_other():
         assert dims.rank_at(**dims.coords(rank)) == rank
     # tp fastest, then cp, then pp: (dp 0, last stage, cp 0, tp 0).
     assert dims.rank_at(pp=-1) == (3 - 1) * 2 * 2
-    assert dims.coords(13) == dict(dp_replicate=1, dp_shard=0, pp=0, cp=0,
-                                   tp=1)
+    assert dims.coords(13) == dict(dp_replicate=1, dp_shard=0, ep=0, pp=0,
+                                   cp=0, tp=1)

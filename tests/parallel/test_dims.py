@@ -14,11 +14,11 @@ def dims_of(world_size, model_wrapper_cfg=None, **section):
 def test_rest_axis_and_properties():
     dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=1, pp=1,
                         world_size=8)
-    assert dims.shape == (2, 4, 1, 1, 1) and dims.dp == 8
+    assert dims.shape == (2, 4, 1, 1, 1, 1) and dims.dp == 8
     assert dims.dp_enabled and dims.dp_shard_enabled
     assert dims.dp_replicate_enabled
     assert not dims.tp_enabled and not dims.pp_enabled
-    assert ParallelDims(world_size=1).shape == (1, 1, 1, 1, 1)
+    assert ParallelDims(world_size=1).shape == (1, 1, 1, 1, 1, 1)
 
 
 @pytest.mark.parametrize('kwargs,named', [
@@ -39,19 +39,19 @@ def test_bad_sizes_name_keys_and_numbers(kwargs, named):
 
 
 def test_defaults_are_all_data_parallel():
-    assert dims_of(4).shape == (1, 4, 1, 1, 1)
-    assert dims_of(4, dp_replicate=2).shape == (2, 2, 1, 1, 1)
-    assert dims_of(4, dp_shard=2).shape == (2, 2, 1, 1, 1)
+    assert dims_of(4).shape == (1, 4, 1, 1, 1, 1)
+    assert dims_of(4, dp_replicate=2).shape == (2, 2, 1, 1, 1, 1)
+    assert dims_of(4, dp_shard=2).shape == (2, 2, 1, 1, 1, 1)
     assert dims_of(8, dp_replicate=2, dp_shard=2, tp=2,
-                   tp_plan='digits_vit').shape == (2, 2, 1, 1, 2)
+                   tp_plan='digits_vit').shape == (2, 2, 1, 1, 1, 2)
 
 
 def test_pipeline_with_tensor_parallel_is_2d_or_3d():
     # pp x tp, then pp x tp x the data axis (tp innermost, pp next).
     both = dict(tp=2, tp_plan='digits_vit', pp=2, pipeline=dict())
-    assert dims_of(4, **both).shape == (1, 1, 2, 1, 2)
-    assert dims_of(8, **both).shape == (1, 2, 2, 1, 2)
-    assert dims_of(8, dp_replicate=2, **both).shape == (2, 1, 2, 1, 2)
+    assert dims_of(4, **both).shape == (1, 1, 1, 2, 1, 2)
+    assert dims_of(8, **both).shape == (1, 2, 1, 2, 1, 2)
+    assert dims_of(8, dp_replicate=2, **both).shape == (2, 1, 1, 2, 1, 2)
     with pytest.raises(ParallelismError, match='world size 6 is not '
                        'divisible by .*pp=2 \\* tp=2 = 4'):
         dims_of(6, **both)
@@ -83,13 +83,13 @@ HYBRID = dict(type='MMFullyShardedDataParallel',
 
 def test_hybrid_model_parallelism_means_dp_shard():
     # The seed's HYBRID_SHARD over (mp, dp) is HSDP.
-    assert dims_of(8, HYBRID, model_parallelism=2).shape == (4, 2, 1, 1, 1)
+    assert dims_of(8, HYBRID, model_parallelism=2).shape == (4, 2, 1, 1, 1, 1)
     assert dims_of(8, None, model_parallelism=4, use_fsdp=True,
-                   sharding_strategy='HYBRID_SHARD').shape == (2, 4, 1, 1, 1)
+                   sharding_strategy='HYBRID_SHARD').shape == (2, 4, 1, 1, 1, 1)
     # With a tp_plan, model_parallelism is tensor parallelism again (FSDP2:
     # FSDP1 with tp > 1 is refused).
     assert dims_of(8, dict(HYBRID, type='MMFullyShard'), model_parallelism=2,
-                   tp_plan='digits_vit').shape == (1, 4, 1, 1, 2)
+                   tp_plan='digits_vit').shape == (1, 4, 1, 1, 1, 2)
     with pytest.raises(ParallelismError, match='dp_shard=4 and parallel.'
                        'model_parallelism=2 disagree'):
         dims_of(8, HYBRID, model_parallelism=2, dp_shard=4)
@@ -97,9 +97,9 @@ def test_hybrid_model_parallelism_means_dp_shard():
 
 def test_hybrid_without_axes_shards_within_a_node(monkeypatch):
     monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
-    assert dims_of(8, HYBRID).shape == (2, 4, 1, 1, 1)
+    assert dims_of(8, HYBRID).shape == (2, 4, 1, 1, 1, 1)
     assert dims_of(8, dict(HYBRID, hybrid_shard_size=2)).shape == \
-        (4, 2, 1, 1, 1)
+        (4, 2, 1, 1, 1, 1)
     with pytest.raises(ParallelismError,
                        match='hybrid_shard_size=3 is not allowed'):
         dims_of(8, dict(HYBRID, hybrid_shard_size=3))
@@ -129,7 +129,7 @@ def test_layouts_that_cannot_train_are_refused(section, named):
 
 def test_single_process_clamps_tp_with_warning():
     with pytest.warns(UserWarning, match='model_parallelism=2 is larger'):
-        assert dims_of(1, model_parallelism=2).shape == (1, 1, 1, 1, 1)
+        assert dims_of(1, model_parallelism=2).shape == (1, 1, 1, 1, 1, 1)
 
 
 @pytest.mark.parametrize('section,named', [
@@ -155,11 +155,11 @@ def test_tp_plan_and_pipeline_are_kept_as_given():
 
 def test_cp_is_an_axis_between_pp_and_tp():
     dims = dims_of(8, cp=2)
-    assert dims.shape == (1, 4, 1, 2, 1)
+    assert dims.shape == (1, 4, 1, 1, 2, 1)
     assert (dims.dp, dims.cp, dims.dp_cp) == (4, 2, 8) and dims.cp_enabled
     both = dict(cp=2, tp=2, tp_plan='llama', pp=2, pipeline=dict())
-    assert dims_of(8, **both).shape == (1, 1, 2, 2, 2)
-    assert dims_of(8, cp=-1, dp_shard=2).shape == (1, 2, 1, 4, 1)
+    assert dims_of(8, **both).shape == (1, 1, 1, 2, 2, 2)
+    assert dims_of(8, cp=-1, dp_shard=2).shape == (1, 2, 1, 1, 4, 1)
 
 
 @pytest.mark.parametrize('world_size,cp', [(6, 4), (4, 3)])

@@ -34,7 +34,7 @@ TWO_BY_TWO_TP = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1,
 
 def test_groups_and_named_meshes_match_the_layout(fake_world):
     topology = init_parallelism(dims=TWO_BY_TWO_TP)
-    expected = brute_force_groups(2, 2, 1, 1, 2)
+    expected = brute_force_groups(2, 2, 1, 1, 1, 2)
     # rank 5 = (dp_replicate 1, dp_shard 0, pp 0, tp 1): tp fastest.
     assert topology.tp.global_ranks == [4, 5]
     assert topology.dp_shard.global_ranks == [5, 7]
@@ -84,8 +84,10 @@ def _check_rank_against_brute_force(sizes, world_size, rank):
             assert topology.mesh[kind].mesh.tolist() == \
                 expected[kind][rank], (where, kind)
         # HSDP's 2-D mesh: replicas as rows, shards as columns.
+        # (ep ranks are data ranks too, but not in this 2-D mesh.)
         hsdp = [[other for other in expected['dp'][rank]
-                 if rank_coordinates(*sizes)[other]['dp_replicate'] == r]
+                 if rank_coordinates(*sizes)[other]['dp_replicate'] == r
+                 and rank_coordinates(*sizes)[other]['ep'] == mine['ep']]
                 for r in range(sizes[0])]
         assert topology.mesh['dp_replicate', 'dp_shard'].mesh.tolist() == \
             hsdp, where
@@ -105,14 +107,14 @@ def _check_rank_against_brute_force(sizes, world_size, rank):
 @pytest.mark.parametrize('world_size,ranks', [
     (4, 'all'), (8, 'all'), (12, 'all'), (16, (0, 7, 9, 15))])
 def test_every_layout_builds_the_brute_force_groups(world_size, ranks):
-    """Every (dp_replicate, dp_shard, pp, cp, tp) of the world,
+    """Every (dp_replicate, dp_shard, ep, pp, cp, tp) of the world,
     dp_replicate > 1 and cp > 1 included, as every rank (at 16: four of
     them) would build it."""
     checked = 0
     for sizes in layouts(world_size):
         for rank in range(world_size) if ranks == 'all' else ranks:
             _check_rank_against_brute_force(sizes, world_size, rank)
-        checked += sizes[0] > 1 and sizes[3] > 1
+        checked += sizes[0] > 1 and sizes[4] > 1
     assert checked >= 1  # replicated layouts with cp were among them
 
 
@@ -120,7 +122,7 @@ def test_one_group_serves_identical_axes(fake_world):
     # dp_replicate=1: the dp groups are the dp_shard groups, made once.
     topology = init_parallelism(2)
     assert topology.dp.group is topology.dp_shard.group
-    assert topology.dims.shape == (1, 4, 1, 1, 2)
+    assert topology.dims.shape == (1, 4, 1, 1, 1, 2)
 
 
 @pytest.mark.parametrize('fake_world', [0, 3, 6], indirect=True)
@@ -162,7 +164,7 @@ def test_groups_and_meshes_are_made_in_one_module():
 
 
 def test_cp_meshes_flatten_with_the_data_axes(fake_world):
-    # rank 5 of dp_replicate=2 x dp_shard=2 x cp=2: (1, 0, 0, 1, 0).
+    # rank 5 of dp_replicate=2 x dp_shard=2 x cp=2: (1, 0, 1, 0, 1, 0).
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, world_size=8)
     topology = init_parallelism(dims=dims)
     assert topology.cp.global_ranks == [4, 5]

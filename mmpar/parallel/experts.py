@@ -1,0 +1,119 @@
+"""Routed tokens to the ranks that hold their experts, and back.
+
+Under expert parallelism (``parallel.ep``) the experts of an MoE layer are
+split over the ``ep`` ranks of an expert group: rank ``j`` holds experts
+``j * E/ep .. (j+1) * E/ep - 1``. A layer's routed tokens, sorted by
+expert, are sent with one ``all_to_all_single`` to the ranks of their
+experts (:func:`dispatch`), computed there, and sent back with another
+(:func:`combine`). Both go through ``torch.distributed.nn.functional``'s
+``all_to_all_single``, whose backward is the reverse all-to-all, so the
+gradients of the routed tokens flow back to the ranks that sent them (gloo
+and nccl both have it).
+
+The expert-parallel protocol a module meets (docs/expert_parallel.md): its
+parameters are stacked over experts on dim 0 and it declares
+``expert_parallel_params`` (the names of those parameters); it has an
+``expert_group`` attribute, the :class:`ExpertGroup` it dispatches over
+(None: all experts local).
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The ranks one layer's experts are split over.
+
+    Attributes:
+        group: the ep process group.
+        size: its number of ranks (``parallel.ep``).
+    """
+    group: dist.ProcessGroup
+    size: int
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What :func:`combine` needs to send computed tokens back.
+
+    Attributes:
+        order: the received tokens' positions, grouped by local expert.
+        send_splits: tokens this rank sent to each rank of the group.
+        recv_splits: tokens this rank received from each.
+    """
+    order: torch.Tensor
+    send_splits: List[int]
+    recv_splits: List[int]
+
+
+def dispatch(routed: torch.Tensor, counts: torch.Tensor,
+             experts: ExpertGroup
+             ) -> Tuple[torch.Tensor, torch.Tensor, Dispatched]:
+    """Send routed tokens to the ranks of their experts.
+
+    Collective over ``experts.group``.
+
+    Args:
+        routed: ``(N, dim)`` token copies sorted by expert (all ``E``).
+        counts: ``(E,)`` int tokens per expert, ``sum = N``.
+        experts: the expert group.
+
+    Returns:
+        ``(tokens, local_counts, dispatched)``: the tokens this rank's
+        experts compute, sorted by local expert (each expert's from every
+        rank, in rank order), their count per local expert, and what
+        :func:`combine` needs.
+    """
+    size = experts.size
+    # recv[s, e]: tokens rank s sends to this rank's local expert e.
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=experts.group)
+    send = counts.view(size, -1)
+    recv = recv.view(size, -1)
+    send_splits = send.sum(1).tolist()
+    recv_splits = recv.sum(1).tolist()
+    received = dist_fn.all_to_all_single(
+        routed.new_empty((sum(recv_splits), routed.shape[1])), routed,
+        recv_splits, send_splits, group=experts.group)
+    # Received in (source rank, local expert) order; the experts need
+    # (local expert, source rank).
+    starts = (recv.flatten().cumsum(0) - recv.flatten()).view_as(recv)
+    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv[s, e]),
+                           device=routed.device)
+              for e in range(recv.shape[1]) for s in range(size)]
+    order = torch.cat(pieces) if pieces else \
+        torch.zeros(0, dtype=torch.long, device=routed.device)
+    return received[order], recv.sum(0), Dispatched(order, send_splits,
+                                                    recv_splits)
+
+
+def combine(computed: torch.Tensor, dispatched: Dispatched,
+            experts: ExpertGroup) -> torch.Tensor:
+    """Send computed tokens back to the ranks they came from, in the order
+    they were sent (the inverse of :func:`dispatch`). Collective."""
+    unsorted = torch.empty_like(computed).index_copy(0, dispatched.order,
+                                                     computed)
+    return dist_fn.all_to_all_single(
+        computed.new_empty((sum(dispatched.send_splits),
+                            computed.shape[1])), unsorted,
+        dispatched.send_splits, dispatched.recv_splits, group=experts.group)
+
+
+def expert_modules(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """The modules of ``model`` that meet the expert-parallel protocol
+    (declare ``expert_parallel_params``), with their names."""
+    return [(name, module) for name, module in model.named_modules()
+            if getattr(module, 'expert_parallel_params', None)]
+
+
+def expert_parameter_names(model: torch.nn.Module) -> Optional[set]:
+    """The names of ``model``'s stacked expert parameters."""
+    names = set()
+    for prefix, module in expert_modules(model):
+        for param in module.expert_parallel_params:
+            names.add(f'{prefix}.{param}' if prefix else param)
+    return names
