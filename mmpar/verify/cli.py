@@ -21,8 +21,8 @@ def parse_verify_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help='the reference layout')
     parser.add_argument('--steps', type=int, default=3,
                         help='optimizer steps to compare (default 3)')
-    parser.add_argument('--rtol', type=float, default=1e-4,
-                        help='relative tolerance (default 1e-4)')
+    parser.add_argument('--rtol', type=float, default=1e-3,
+                        help='relative tolerance (default 1e-3)')
     parser.add_argument('--atol', type=float, default=1e-7,
                         help='absolute tolerance (default 1e-7)')
     parser.add_argument('--reference-world', type=int, metavar='N',

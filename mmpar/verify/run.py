@@ -149,7 +149,10 @@ def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
     verdict = None
     if failure is not None:
         step, running, err = failure
-        module = running[-1] if running else None
+        # The innermost module running, or the one mmpar's tp dry run
+        # names (it runs the first forward on a meta copy).
+        module = getattr(err, 'module', None) or (
+            running[-1] if running else None)
         lines = [f'step {step}: the layout failed' +
                  (f' in module `{module}`' if module else '') +
                  f': {type(err).__name__}: {str(err).splitlines()[0][:300]}']

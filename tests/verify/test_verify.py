@@ -17,6 +17,7 @@ from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
 from mmpar.registry import DATA_SAMPLERS, MODELS
 from mmpar.verify import check_options, run_layout, run_reference
+from mmpar.verify.cli import verify_main
 from tests.e2e import ROOT, run_tool
 from tests.trained import SMALL_MODEL
 
@@ -90,14 +91,29 @@ def verify(run_dist, config, work_dir, reference=True, **updates):
     return results[0]
 
 
+def _tool_args(config, work_dir):
+    small = [f'model.{k}={v}' for k, v in SMALL_MODEL.items()]
+    return [config, '--steps', str(STEPS), '--work-dir', str(work_dir),
+            '--cfg-options'] + small
+
+
+def _tool_layout(config, work_dir):
+    return verify_main(_tool_args(config, work_dir) + ['--launcher',
+                                                       'pytorch'])
+
+
 # -- agree ----------------------------------------------------------------------
-def test_shipped_layouts_agree(run_dist, tmp_path):
+def test_shipped_layouts_agree(run_dist, tmp_path, capsys):
     # DDP and FSDP2 at 2 ranks read the same global batch: one reference.
-    run_reference(user_cfg(CONFIG), str(tmp_path), STEPS, 2)
-    for config in (CONFIG, FSDP2):
-        agree, text = verify(run_dist, config, tmp_path, reference=False)
-        assert agree, text
-        assert f'all {STEPS} steps agree (max relative difference' in text
+    # DDP through the tool's own body (its exit status on every rank).
+    assert verify_main(_tool_args(CONFIG, tmp_path) +
+                       ['--reference-world', '2']) == 0
+    assert run_dist(_tool_layout, CONFIG, tmp_path) == [0, 0]
+    text = (tmp_path / 'report.txt').read_text()
+    assert f'all {STEPS} steps agree (max relative difference' in text, text
+    assert 'rtol 0.001, atol 1e-07' in text, text
+    agree, text = verify(run_dist, FSDP2, tmp_path, reference=False)
+    assert agree, text
     agree, text = verify(run_dist, TP, tmp_path / 'tp')
     assert agree, text
 
@@ -130,6 +146,21 @@ def test_buffer_updated_on_one_rank_named_at_its_step_and_module(
     assert not agree
     assert 'step 0: ' in text and 'agree' in text.splitlines()[0], text
     assert 'step 1 differs first at module `calib`' in text, text
+
+
+def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
+    # The user's config: their plan with fc1 and fc2's styles swapped.
+    config = tmp_path / 'my_tp.py'
+    config.write_text(
+        f"_base_ = [{str(ROOT / TP_CUSTOM)!r}]\n"
+        "parallel = dict(tp_plan=dict(plan={'blocks.*.mlp.fc1': 'rowwise', "
+        "'blocks.*.mlp.fc2': 'colwise'}))\n")
+    proc = run_tool(['bash', 'tools/dist_verify.sh', config, 2, '--steps',
+                     1, '--work-dir', tmp_path / 'verify'], check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert 'step 0: the layout failed in module `blocks.0.mlp.fc1`' in \
+        proc.stdout, proc.stdout[-3000:]
+    assert "tp: rowwise plan on 'blocks.*.mlp.fc1'" in proc.stdout
 
 
 # -- options --------------------------------------------------------------------
