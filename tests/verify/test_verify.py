@@ -17,7 +17,6 @@ from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
 from mmpar.registry import DATA_SAMPLERS, MODELS
 from mmpar.verify import check_options, run_layout, run_reference
-from mmpar.verify.cli import verify_main
 from tests.e2e import ROOT, run_tool
 from tests.trained import SMALL_MODEL
 
@@ -91,25 +90,12 @@ def verify(run_dist, config, work_dir, reference=True, **updates):
     return results[0]
 
 
-def _tool_args(config, work_dir):
-    small = [f'model.{k}={v}' for k, v in SMALL_MODEL.items()]
-    return [config, '--steps', str(STEPS), '--work-dir', str(work_dir),
-            '--cfg-options'] + small
-
-
-def _tool_layout(config, work_dir):
-    return verify_main(_tool_args(config, work_dir) + ['--launcher',
-                                                       'pytorch'])
-
-
 # -- agree ----------------------------------------------------------------------
-def test_shipped_layouts_agree(run_dist, tmp_path, capsys):
+def test_shipped_layouts_agree(run_dist, tmp_path):
     # DDP and FSDP2 at 2 ranks read the same global batch: one reference.
-    # DDP through the tool's own body (its exit status on every rank).
-    assert verify_main(_tool_args(CONFIG, tmp_path) +
-                       ['--reference-world', '2']) == 0
-    assert run_dist(_tool_layout, CONFIG, tmp_path) == [0, 0]
-    text = (tmp_path / 'report.txt').read_text()
+    run_reference(user_cfg(CONFIG), str(tmp_path), STEPS, 2)
+    agree, text = verify(run_dist, CONFIG, tmp_path, reference=False)
+    assert agree, text
     assert f'all {STEPS} steps agree (max relative difference' in text, text
     assert 'rtol 0.001, atol 1e-07' in text, text
     agree, text = verify(run_dist, FSDP2, tmp_path, reference=False)
