@@ -12,6 +12,7 @@ import pytest
 from mmpar import cli
 from mmpar.datasets.prepare import parse_args as parse_prepare_args
 from mmpar.generation import parse_generate_args
+from mmpar.verify.cli import parse_verify_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').rglob('*.md'))
@@ -21,6 +22,7 @@ PARSERS = {
     'tools/test.py': cli.parse_test_args,
     'tools/generate.py': parse_generate_args,
     'tools/prepare_data.py': parse_prepare_args,
+    'tools/verify.py': parse_verify_args,
 }
 
 

@@ -30,6 +30,7 @@ LAYERS = [
     ['mmpar.config_check'],
     ['mmpar.runner'],
     ['mmpar.cli', 'mmpar.analysis'],
+    ['mmpar.verify'],
     ['mmpar.generation'],
     ['mmpar.convert'],
     ['mmpar'],

@@ -166,14 +166,17 @@ def _judge(err: Exception, replica: nn.Module, labels: Dict[str, str],
         where = f'in {failing or type(replica).__name__!r} {after}'
     else:
         return f'the forward fails before any split layer ({error})'
-    raise ConfigError(
+    refusal = ConfigError(
         f'{key}: the split model cannot run: its forward (dry-run on the '
         f'meta device at the first call) fails {where}: {error}. Allowed: a '
         'plan whose split shapes the model accepts. A projection packing '
         "several outputs (rows [q; k; v]) needs dict(style='colwise', "
         'fused=3), and attention must take its head count from the local '
         'shape (reshape with -1 for the heads); or leave the module out of '
-        'the plan (docs/tensor_parallel.md)') from err
+        'the plan (docs/tensor_parallel.md)')
+    # The module to blame by its plain name, for tools/verify.py.
+    refusal.module = failing if failing in labels else (last or failing)
+    raise refusal from err
 
 
 def install_dry_run(model: nn.Module, labels: Dict[str, str],

@@ -54,6 +54,19 @@ def plain_named_parameters(
             yield _plain_name(name), param
 
 
+def plain_named_modules(
+        model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """Every module this rank runs of ``model`` under the plain model's
+    name (a pipeline rank: the modules of its stages); where a wrapper
+    (FSDP1, activation checkpointing) stands around a module under the same
+    plain name, the innermost one. No communication."""
+    named: Dict[str, nn.Module] = {}
+    for source in _sources(describe(model)):
+        for name, module in source.named_modules():
+            named[_plain_name(name)] = module
+    yield from named.items()
+
+
 def _owner(root: nn.Module, name: str):
     """The module of ``root`` that holds dotted ``name`` (made on the way)
     and the last part of the name."""

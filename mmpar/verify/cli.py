@@ -1,0 +1,67 @@
+"""``tools/verify.py``'s arguments and body."""
+import argparse
+import os.path as osp
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from mmpar.cli import CfgOptionsAction, load_config
+from mmpar.dist import LAUNCHERS
+from mmpar.failures import ConfigError
+from mmpar.verify.run import (AGAINST, check_options, run_layout,
+                              run_reference)
+
+
+def parse_verify_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description='Verify a layout against one process: bash '
+        'tools/dist_verify.sh CONFIG N [options] (docs/verify.md)')
+    parser.add_argument('config', help='config file')
+    parser.add_argument('--against', default='one-process', choices=AGAINST,
+                        help='the reference layout')
+    parser.add_argument('--steps', type=int, default=3,
+                        help='optimizer steps to compare (default 3)')
+    parser.add_argument('--rtol', type=float, default=1e-3,
+                        help='relative tolerance (default 1e-3)')
+    parser.add_argument('--atol', type=float, default=1e-7,
+                        help='absolute tolerance (default 1e-7)')
+    parser.add_argument('--reference-world', type=int, metavar='N',
+                        help='run only the reference, for the layout at N '
+                        'ranks (dist_verify.sh runs it first)')
+    parser.add_argument('--work-dir', help='the verify runs\' own work dir '
+                        '(default work_dirs/verify/CONFIG_NAME)')
+    parser.add_argument('--cfg-options', nargs='+', action=CfgOptionsAction,
+                        help='override config keys (both runs)')
+    parser.add_argument('--launcher', choices=LAUNCHERS, default='none')
+    parser.add_argument('--local-rank', '--local_rank', type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def verify_main(argv: Optional[List[str]] = None) -> int:
+    """Run the reference (``--reference-world``) or the layout; returns the
+    exit status: 0 when every step agrees, 1 when not."""
+    args = parse_verify_args(argv)
+    check_options(args.steps, args.rtol, args.atol, args.against)
+    name = osp.splitext(osp.basename(args.config))[0]
+    work_dir = args.work_dir or osp.join('work_dirs', 'verify', name)
+    args.work_dir = None  # load_config must keep the user's own work dir
+    cfg = load_config(args)
+    if args.reference_world is not None:
+        if args.reference_world < 1:
+            raise ConfigError(f'--reference-world={args.reference_world}; '
+                              'allowed: an int >= 1')
+        path = run_reference(cfg, work_dir, args.steps, args.reference_world)
+        print(f'verify: reference of {args.steps} steps saved to {path}')
+        return 0
+    if args.launcher == 'none':
+        raise ConfigError(
+            '--launcher=none: the layout runs in a launched job; allowed: '
+            'bash tools/dist_verify.sh CONFIG N (or --launcher pytorch / '
+            'slurm / mpi under a launcher)')
+    verdict = run_layout(cfg, work_dir, args.steps, args.rtol, args.atol)
+    if verdict is not None:
+        print(verdict.text, flush=True)
+    agree = [verdict.agree if verdict is not None else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(agree, src=0)
+    return 0 if agree[0] else 1

@@ -1,0 +1,246 @@
+"""Record, step by step, what a training run computes: for each module (by
+its name in the plain model) a fingerprint of its forward output, for each
+parameter a fingerprint of its gradient, the loss and the global grad norm.
+
+:class:`FingerprintHook` is an MMEngine hook: it rides on the Runner's own
+training (no second trainer) and sees the wrapped model through
+``describe`` (a pipeline rank's stages, FSDP and tensor-parallel DTensors).
+Every fingerprint is taken on the full tensor: a DTensor is gathered with
+``full_tensor()``; a tensor-parallel module's plain local output, narrower
+than the reference's along one dimension by the tp size, is all-gathered
+over the tp group along it; the rows of a batch that data-parallel and
+context-parallel ranks or micro-batches hold are summed (fingerprints of
+outputs add up over rows, :mod:`mmpar.verify.fingerprint`). Rank 0 merges
+the ranks' records at each step.
+"""
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from mmengine.hooks import Hook
+from mmengine.logging import MessageHub
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mmpar.verify.fingerprint import row_fingerprint, tensor_fingerprint
+from mmpar.wrappers.local_state import (plain_named_modules,
+                                        plain_named_parameters)
+
+Shapes = Dict[Tuple[str, int], Tuple[int, ...]]
+
+
+def tensor_leaves(value: Any) -> List[torch.Tensor]:
+    """The tensors in a module's output (tuples, lists, dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensor_leaves(item)]
+    return []
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class FingerprintHook(Hook):
+    """Fingerprint every training step of the Runner it is registered in.
+
+    Args:
+        reference_shapes: the reference run's full output shapes,
+            ``{(module, output index): shape}``: a local output narrower
+            along one dimension by the tp size is gathered along it. None
+            for the reference run itself.
+
+    After training, :attr:`steps` (rank 0; one dict a step: ``outputs``
+    ``{module: [(fingerprint, rows, elements) per output]}``, ``order``,
+    ``grads`` ``{parameter: (fingerprint, rows, elements)}``, ``loss``,
+    ``grad_norm``), :attr:`shapes` and :attr:`touches` (what the layout
+    does to each module: placements of its parameters, its pipeline stage).
+    """
+    priority = 'LOWEST'
+
+    def __init__(self, reference_shapes: Optional[Shapes] = None):
+        self.reference_shapes = reference_shapes or {}
+        self.steps: List[dict] = []
+        self.shapes: Shapes = {}
+        self.touches: Dict[str, List[str]] = {}
+        self.running: List[str] = []  # modules entered, not left
+        self._tp = None
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self._outputs: Dict[str, list] = {}
+        self._order: List[str] = []
+        self._grads: Dict[str, tuple] = {}
+        self._losses: List[float] = []
+
+    # -- installing ---------------------------------------------------------
+    def before_train(self, runner) -> None:
+        topology = getattr(runner, 'topology', None)
+        if topology is not None and topology.dims.tp > 1:
+            self._tp = topology.tp
+        self._model = runner.model
+        for name, module in plain_named_modules(runner.model):
+            module.register_forward_pre_hook(self._entered(name))
+            module.register_forward_hook(self._left(name))
+            self.touches[name] = self._placements(module)
+        runner.optim_wrapper.optimizer.register_step_pre_hook(
+            lambda *_: self._record_grads())
+
+    @staticmethod
+    def _placements(module: nn.Module) -> List[str]:
+        found = []
+        for leaf, param in module.named_parameters(recurse=False):
+            if isinstance(param, DTensor):
+                names = param.device_mesh.mesh_dim_names or ()
+                for i, placement in enumerate(param.placements):
+                    axis = names[i] if i < len(names) else f'mesh dim {i}'
+                    found.append(f'{axis}: {placement} of {leaf}')
+        return found
+
+    def _entered(self, name: str):
+        def hook(module, args):
+            self.running.append(name)
+        return hook
+
+    def _left(self, name: str):
+        def hook(module, args, output):
+            if self.running and self.running[-1] == name:
+                self.running.pop()
+            self._record_output(name, output)
+        return hook
+
+    # -- recording ------------------------------------------------------------
+    def _full(self, name: str, index: int, tensor: torch.Tensor):
+        if isinstance(tensor, DTensor):
+            return tensor.full_tensor()
+        want = self.reference_shapes.get((name, index))
+        if self._tp is None or want is None or len(want) != tensor.dim():
+            return tensor
+        for dim, (got, full) in enumerate(zip(tensor.shape, want)):
+            if got != full and got * self._tp.world_size == full:
+                parts = [torch.empty_like(tensor)
+                         for _ in range(self._tp.world_size)]
+                dist.all_gather(parts, tensor.contiguous(),
+                                group=self._tp.group)
+                return torch.cat(parts, dim)
+        return tensor
+
+    def _record_output(self, name: str, output: Any) -> None:
+        leaves = [t for t in tensor_leaves(output) if t.is_floating_point()]
+        if not leaves:
+            return
+        if name not in self._outputs:
+            self._order.append(name)
+            self._outputs[name] = [None] * len(leaves)
+        slots = self._outputs[name]
+        for index, tensor in enumerate(leaves[:len(slots)]):
+            tensor = self._full(name, index, tensor)
+            if tensor.dim() == 0:  # a scalar (a loss): compared as the loss
+                continue
+            self.shapes.setdefault((name, index), tuple(tensor.shape))
+            fp = row_fingerprint(tensor)
+            rows = (tensor.numel() // max(tensor.shape[-1], 1)
+                    if tensor.dim() > 1 else tensor.numel())
+            entry = (fp, float(rows), tensor.numel())
+            old = slots[index]
+            slots[index] = entry if old is None else (
+                old[0] + fp, old[1] + entry[1], old[2] + entry[2])
+
+    def _record_grads(self) -> None:
+        for name, param in plain_named_parameters(self._model):
+            grad = param.grad
+            if grad is None or name in self._grads:
+                continue
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            rows = grad.numel() // grad.shape[-1] if grad.dim() > 1 else \
+                grad.numel()
+            self._grads[name] = (tensor_fingerprint(grad), float(rows),
+                                 grad.numel())
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None,
+                         outputs=None) -> None:
+        if outputs and 'loss' in outputs:
+            self._losses.append(float(outputs['loss'].detach()))
+        if not self._grads:  # accumulating: no optimizer step yet
+            return
+        step = dict(outputs=self._outputs, order=self._order,
+                    grads=self._grads, losses=self._losses,
+                    grad_norm=_logged_grad_norm())
+        self._new_step()
+        merged = merge_ranks(gather_to_rank0(step))
+        if merged is not None:
+            self.steps.append(merged)
+
+    def after_train(self, runner) -> None:
+        parts = gather_to_rank0(dict(shapes=self.shapes,
+                                     touches=self.touches))
+        if parts is None:
+            return
+        for part in parts:
+            for key, shape in part['shapes'].items():
+                self.shapes.setdefault(key, shape)
+            for name, found in part['touches'].items():
+                if found:
+                    self.touches.setdefault(name, [])
+                    self.touches[name] = sorted(
+                        set(self.touches[name]) | set(found))
+
+
+def _logged_grad_norm() -> Optional[float]:
+    """The global grad norm the optim wrapper's clip logged at this step
+    (before clipping); None without ``clip_grad``."""
+    try:
+        return float(MessageHub.get_current_instance().get_scalar(
+            'train/grad_norm').current())
+    except KeyError:
+        return None
+
+
+def gather_to_rank0(obj: Any) -> Optional[list]:
+    """Every rank's ``obj`` on rank 0 (a list), None on the others."""
+    if not _distributed():
+        return [obj]
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
+
+
+def merge_ranks(parts: Optional[list]) -> Optional[dict]:
+    """One step of every rank as one record: output fingerprints, rows and
+    elements summed over the ranks that ran the module (the comparison
+    divides out replication, ``rows / reference rows``), a gradient from
+    the first rank holding it, the loss averaged over the ranks that report
+    it (each data rank is replicated alike over the other axes)."""
+    if parts is None:
+        return None
+    outputs: Dict[str, list] = {}
+    order: List[str] = []
+    grads: Dict[str, tuple] = {}
+    losses = []
+    for part in parts:
+        for name in part['order']:
+            if name not in outputs:
+                order.append(name)
+                outputs[name] = list(part['outputs'][name])
+                continue
+            mine = outputs[name]
+            for i, entry in enumerate(part['outputs'][name][:len(mine)]):
+                if entry is None:
+                    continue
+                old = mine[i]
+                mine[i] = entry if old is None else tuple(
+                    a + b for a, b in zip(old, entry))
+        for name, entry in part['grads'].items():
+            grads.setdefault(name, entry)
+        if part['losses']:
+            losses.append(sum(part['losses']) / len(part['losses']))
+    norms = [p['grad_norm'] for p in parts if p['grad_norm'] is not None]
+    if not norms:  # no clip: the norm of the (unclipped) full gradients
+        norms = [sum(float(g[0][1]) for g in grads.values())**0.5]
+    return dict(outputs=outputs, order=order, grads=grads,
+                loss=sum(losses) / len(losses) if losses else None,
+                grad_norm=norms[0])

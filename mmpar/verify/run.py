@@ -1,0 +1,178 @@
+"""Train K steps of a config at its layout and at the reference layout
+(one process) through mmpar's own Runner, each with a
+:class:`~mmpar.verify.recorder.FingerprintHook`, in the verify work dir,
+and compare them (docs/verify.md)."""
+import copy
+import os
+import os.path as osp
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+
+from mmpar.config_check import check_config
+from mmpar.failures import ConfigError
+from mmpar.verify.compare import Verdict, compare, touching
+from mmpar.verify.recorder import FingerprintHook
+
+AGAINST = ('one-process', )
+REFERENCE_FILE = 'reference.pt'
+REPORT_FILE = 'report.txt'
+
+
+def check_options(steps: int, rtol: float, atol: float,
+                  against: str) -> None:
+    """Raises ConfigError naming the bad option, its value and what is
+    allowed."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f'--steps={steps!r}; allowed: an int >= 1')
+    for name, value in (('--rtol', rtol), ('--atol', atol)):
+        if not value >= 0:
+            raise ConfigError(f'{name}={value!r}; allowed: a number >= 0')
+    if against not in AGAINST:
+        raise ConfigError(f'--against={against!r}; allowed: '
+                          f'{", ".join(AGAINST)}')
+
+
+def short_run(cfg: Config, work_dir: str, steps: int, role: str) -> Config:
+    """``cfg`` as a K-step run in ``work_dir``: iteration-based, no
+    validation, testing or checkpoints, nothing resumed. The user's config
+    is not changed."""
+    cfg = copy.deepcopy(cfg)
+    cfg.work_dir = work_dir
+    # Unique: MMEngine keeps loggers and message hubs by name.
+    cfg.experiment_name = f'verify_{role}_{time.time_ns()}'
+    cfg.train_cfg = dict(by_epoch=False, max_iters=steps)
+    for key in ('val_cfg', 'val_dataloader', 'val_evaluator', 'test_cfg',
+                'test_dataloader', 'test_evaluator'):
+        cfg[key] = None
+    hooks = cfg.get('default_hooks') or {}
+    hooks['checkpoint'] = None
+    hooks.setdefault('logger', dict(type='LoggerHook'))
+    if hooks['logger'] is not None:
+        hooks['logger']['interval'] = 1
+    cfg.default_hooks = hooks
+    cfg.log_processor = dict(cfg.get('log_processor') or {}, by_epoch=False)
+    cfg.resume = False
+    return cfg
+
+
+def data_size(cfg: Config, world_size: int) -> int:
+    """How many data-parallel ranks read different samples at this world
+    size (the reference's batch is that many per-rank batches)."""
+    dims = check_config(cfg, world_size=world_size).dims
+    return dims.dp_replicate * dims.dp_shard
+
+
+def reference_config(cfg: Config, world_size: int) -> Config:
+    """One process, the same global batch: ``parallel`` and the wrapper
+    dropped, the per-rank batch times the layout's data-parallel size."""
+    size = data_size(cfg, world_size)
+    cfg = copy.deepcopy(cfg)
+    cfg.pop('parallel', None)
+    cfg.pop('model_wrapper_cfg', None)
+    cfg.launcher = 'none'
+    cfg.train_dataloader.batch_size = cfg.train_dataloader.batch_size * size
+    return cfg
+
+
+def _train(cfg: Config, hook: FingerprintHook) -> float:
+    from mmpar.cli import build_runner
+    runner = build_runner(cfg)
+    runner.register_hook(hook)
+    start = time.perf_counter()
+    runner.train()
+    return time.perf_counter() - start
+
+
+def run_reference(cfg: Config, work_dir: str, steps: int,
+                  world_size: int) -> str:
+    """Train the reference and save its records; returns the file."""
+    hook = FingerprintHook()
+    ref = short_run(reference_config(cfg, world_size),
+                    osp.join(work_dir, 'reference'), steps, 'reference')
+    seconds = _train(ref, hook)
+    path = osp.join(work_dir, REFERENCE_FILE)
+    torch.save(dict(steps=hook.steps, shapes=hook.shapes,
+                    world_size=world_size, num_steps=steps,
+                    seconds=seconds), path)
+    return path
+
+
+def _load_reference(work_dir: str, world_size: int, steps: int) -> dict:
+    path = osp.join(work_dir, REFERENCE_FILE)
+    if not osp.isfile(path):
+        raise ConfigError(
+            f'no reference at {path!r}; run it first (bash '
+            'tools/dist_verify.sh CONFIG N does): python tools/verify.py '
+            f'CONFIG --reference-world {world_size} --steps {steps}')
+    saved = torch.load(path, weights_only=False)
+    if saved['world_size'] != world_size or saved['num_steps'] != steps:
+        raise ConfigError(
+            f'{path!r} is a reference for {saved["world_size"]} ranks and '
+            f'{saved["num_steps"]} steps, not --steps {steps} at '
+            f'{world_size}; allowed: rerun it with --reference-world '
+            f'{world_size} --steps {steps}')
+    return saved
+
+
+def _axes_line(cfg: Config, world_size: int) -> str:
+    dims = check_config(cfg, world_size=world_size).dims
+    sizes = [f'{axis}={getattr(dims, axis)}' for axis in
+             ('dp_replicate', 'dp_shard', 'tp', 'pp', 'cp')
+             if getattr(dims, axis) > 1]
+    return 'layout ' + (' x '.join(sizes) or 'one rank') + \
+        f' at {world_size} ranks'
+
+
+def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
+               atol: float) -> Optional[Verdict]:
+    """Train at the layout (a launched job), compare on rank 0 and write
+    the report there; returns the verdict on every rank."""
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))
+    saved = _load_reference(work_dir, world_size, steps)
+    shapes = saved['shapes']
+    hook = FingerprintHook(reference_shapes=shapes)
+    run = short_run(cfg, osp.join(work_dir, 'layout'), steps, 'layout')
+    from mmpar.cli import build_runner
+    runner = build_runner(run)
+    runner.register_hook(hook)
+    failure = None
+    start = time.perf_counter()
+    try:
+        runner.train()
+    except Exception as err:  # noqa: B902 - reported as the verdict
+        failure = (len(hook.steps), list(hook.running), err)
+    seconds = time.perf_counter() - start
+    verdict = None
+    if failure is not None:
+        step, running, err = failure
+        # The innermost module running, or the one mmpar's tp dry run
+        # names (it runs the first forward on a meta copy).
+        module = getattr(err, 'module', None) or (
+            running[-1] if running else None)
+        lines = [f'step {step}: the layout failed' +
+                 (f' in module `{module}`' if module else '') +
+                 f': {type(err).__name__}: {str(err).splitlines()[0][:300]}']
+        lines.append('  layout on it: ' + touching(
+            module, hook.touches, (cfg.get('parallel') or {}).get('tp_plan'),
+            _axes_line(cfg, world_size)))
+        verdict = Verdict(False, 0.0, lines)
+    elif not dist.is_initialized() or dist.get_rank() == 0:
+        verdict = compare(
+            saved['steps'], hook.steps, rtol=rtol, atol=atol,
+            touches=hook.touches,
+            tp_plan=(cfg.get('parallel') or {}).get('tp_plan'),
+            axes_line=_axes_line(cfg, world_size))
+    if verdict is not None and failure is None:
+        torch.save(dict(steps=hook.steps, touches=hook.touches),
+                   osp.join(work_dir, 'layout.pt'))
+    if verdict is not None:
+        verdict.lines.append(
+            f'cost: reference {saved["seconds"]:.1f} s, layout '
+            f'{seconds:.1f} s for {steps} steps (with fingerprints)')
+        with open(osp.join(work_dir, REPORT_FILE), 'w') as f:
+            f.write(verdict.text + '\n')
+    return verdict

@@ -1,0 +1,162 @@
+"""tools/verify.py as a user meets it: the shipped ViT config agrees at
+DDP, FSDP2 and tp=2; a user's own mistakes (their plan, sampler, model
+written here) are named at the right step and module.
+
+The reference runs in this process, the layout on the shared gloo pool
+(``run_dist``), through the same functions the tool calls; one launch of
+``bash tools/dist_verify.sh`` checks the entry point and its exit status.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+from mmengine.dataset import DefaultSampler
+from torch import nn
+
+from mmpar.failures import ConfigError
+from mmpar.models import DigitsViT
+from mmpar.registry import DATA_SAMPLERS, MODELS
+from mmpar.verify import check_options, run_layout, run_reference
+from tests.e2e import ROOT, run_tool
+from tests.trained import SMALL_MODEL
+
+CONFIG = 'configs/vit_digits/vit_digits.py'
+FSDP2 = 'configs/vit_digits/vit_digits_fsdp2.py'
+TP = 'configs/vit_digits/vit_digits_tp.py'
+TP_CUSTOM = 'configs/vit_digits/vit_digits_tp_custom.py'
+STEPS = 2
+TOL = dict(rtol=1e-3, atol=1e-7)
+
+
+# -- the user's code ----------------------------------------------------------
+@DATA_SAMPLERS.register_module(force=True)
+class SameOnEveryRankSampler(DefaultSampler):
+    """A user's sampler that shuffles but forgets to split by data rank."""
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=gen).tolist()
+        return iter(order[:self.num_samples])
+
+
+class Calibrate(nn.Module):
+    """A user's running shift, updated on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer('shift', torch.zeros(()))
+
+    def forward(self, x):
+        out = x - self.shift
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if self.training and rank0:
+            with torch.no_grad():
+                self.shift += 0.5 * x.mean()
+        return out
+
+
+@MODELS.register_module(force=True)
+class CalibratedViT(DigitsViT):
+    """The digits ViT behind the user's :class:`Calibrate`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calib = Calibrate()
+
+    def pipeline_embed(self, inputs):
+        return super().pipeline_embed(self.calib(inputs))
+
+
+# -- helpers ------------------------------------------------------------------
+def user_cfg(config, **updates):
+    cfg = Config.fromfile(str(ROOT / config))
+    cfg.model.update(SMALL_MODEL)
+    cfg.update(updates)
+    return cfg
+
+
+def _layout(config, updates, work_dir):
+    cfg = user_cfg(config, **updates)
+    cfg.launcher = 'pytorch'
+    verdict = run_layout(cfg, work_dir, STEPS, **TOL)
+    return None if verdict is None else (verdict.agree, verdict.text)
+
+
+def verify(run_dist, config, work_dir, reference=True, **updates):
+    """The verdict's (agree, text) from rank 0."""
+    if reference:
+        run_reference(user_cfg(config, **updates), str(work_dir), STEPS, 2)
+    results = run_dist(_layout, config, updates, str(work_dir))
+    return results[0]
+
+
+# -- agree ----------------------------------------------------------------------
+def test_shipped_layouts_agree(run_dist, tmp_path):
+    # DDP and FSDP2 at 2 ranks read the same global batch: one reference.
+    run_reference(user_cfg(CONFIG), str(tmp_path), STEPS, 2)
+    agree, text = verify(run_dist, CONFIG, tmp_path, reference=False)
+    assert agree, text
+    assert f'all {STEPS} steps agree (max relative difference' in text, text
+    assert 'rtol 0.001, atol 1e-07' in text, text
+    agree, text = verify(run_dist, FSDP2, tmp_path, reference=False)
+    assert agree, text
+    agree, text = verify(run_dist, TP, tmp_path / 'tp')
+    assert agree, text
+
+
+# -- planted faults -------------------------------------------------------------
+def test_swapped_plan_styles_named_at_the_module(run_dist, tmp_path):
+    cfg = Config.fromfile(str(ROOT / TP_CUSTOM))
+    plan = dict(cfg.parallel.tp_plan.plan)
+    plan['blocks.*.mlp.fc1'], plan['blocks.*.mlp.fc2'] = 'rowwise', 'colwise'
+    parallel = dict(tp=2, tp_plan=dict(type='module_plan', plan=plan))
+    agree, text = verify(run_dist, TP_CUSTOM, tmp_path, parallel=parallel)
+    assert not agree
+    assert 'step 0' in text and '`blocks.0.mlp.fc1`' in text, text
+    assert "tp: rowwise plan on 'blocks.*.mlp.fc1'" in text, text
+
+
+def test_sampler_ignoring_the_data_rank_named_at_the_first_module(
+        run_dist, tmp_path):
+    sampler = dict(type='SameOnEveryRankSampler', shuffle=True)
+    agree, text = verify(run_dist, CONFIG, tmp_path,
+                         train_dataloader=dict(sampler=sampler))
+    assert not agree
+    assert 'step 0 differs first at module `data_preprocessor`' in text, text
+
+
+def test_buffer_updated_on_one_rank_named_at_its_step_and_module(
+        run_dist, tmp_path):
+    model = dict(type='CalibratedViT')
+    agree, text = verify(run_dist, CONFIG, tmp_path, model=model)
+    assert not agree
+    assert 'step 0: ' in text and 'agree' in text.splitlines()[0], text
+    assert 'step 1 differs first at module `calib`' in text, text
+
+
+def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
+    # The user's config: their plan with fc1 and fc2's styles swapped.
+    config = tmp_path / 'my_tp.py'
+    config.write_text(
+        f"_base_ = [{str(ROOT / TP_CUSTOM)!r}]\n"
+        "parallel = dict(tp_plan=dict(plan={'blocks.*.mlp.fc1': 'rowwise', "
+        "'blocks.*.mlp.fc2': 'colwise'}))\n")
+    proc = run_tool(['bash', 'tools/dist_verify.sh', config, 2, '--steps',
+                     1, '--work-dir', tmp_path / 'verify'], check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert 'step 0: the layout failed in module `blocks.0.mlp.fc1`' in \
+        proc.stdout, proc.stdout[-3000:]
+    assert "tp: rowwise plan on 'blocks.*.mlp.fc1'" in proc.stdout
+
+
+# -- options --------------------------------------------------------------------
+@pytest.mark.parametrize('steps,rtol,atol,against,named', [
+    (0, 1e-3, 0.0, 'one-process', '--steps=0'),
+    (2, -1.0, 0.0, 'one-process', '--rtol=-1.0'),
+    (2, 1e-3, float('nan'), 'one-process', '--atol=nan'),
+    (2, 1e-3, 0.0, 'tp=2', "--against='tp=2'; allowed: one-process"),
+])
+def test_bad_options_name_the_option(steps, rtol, atol, against, named):
+    with pytest.raises(ConfigError, match='allowed') as err:
+        check_options(steps, rtol, atol, against)
+    assert named in str(err.value)
