@@ -23,7 +23,8 @@ from mmpar.checkpoint.background import BackgroundSave, stage
 from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.config_check import check_config
 from mmpar.device import local_device
-from mmpar.dist import check_launcher, init_dist, usable_backend
+from mmpar.dist import (check_launcher, init_dist, restart_attempt,
+                        usable_backend)
 from mmpar.parallel.seed import setup_parallelism
 from mmpar.parallelize.compose import parallelize
 from mmpar.parallelize.meta import MetaInit, build_on_meta
@@ -377,16 +378,30 @@ class Runner(MMEngineRunner):
 
     def load_or_resume(self) -> None:
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
-        checkpoint, not whatever ``last_checkpoint`` names."""
-        if self._asked['resume'] and self._asked['load_from'] is None and \
-                not self._has_loaded:
-            latest = ckpt.find_latest_complete_checkpoint(self.work_dir)
-            if latest is None:
+        checkpoint, not whatever ``last_checkpoint`` names, and a restarted
+        torchrun attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
+        the newest complete checkpoint of the work dir even without
+        ``resume`` (the first attempt's start, ``load_from`` or scratch,
+        when there is none). A checkpoint that fails to load is skipped for
+        the previous one, with a warning."""
+        if self._has_loaded:
+            return
+        auto = self._asked['resume'] and self._asked['load_from'] is None
+        restarted = restart_attempt() > 0
+        if auto or restarted:
+            for path in ckpt.complete_checkpoints(self.work_dir,
+                                                  self.logger.warning):
+                try:
+                    self.resume(path)
+                except ckpt.CheckpointLoadError as err:
+                    self.logger.warning(f'{err} Trying the previous one.')
+                    continue
+                how = 'Restart' if restarted else 'Auto'
+                self.logger.info(f'{how} resumed from the latest checkpoint '
+                                 f'{path}.')
+                return
+            if auto:
                 self.logger.info('No complete checkpoint in the work dir: '
                                  'training starts from scratch.')
                 return
-            self.logger.info(f'Auto resumed from the latest checkpoint '
-                             f'{latest}.')
-            self.resume(latest)
-            return
         super().load_or_resume()
