@@ -15,7 +15,7 @@ import os.path as osp
 from typing import Any, Iterable, Iterator, List, Optional
 
 
-from mmpar.checkpoint.format import checkpoint_format
+from mmpar.checkpoint.format import check_async_save, checkpoint_format
 from mmpar.checks import check_int, is_int
 from mmpar.datasets.packed_check import check_document_attention
 from mmpar.dist import BACKENDS
@@ -276,6 +276,11 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
         check_type(f'default_hooks.{name}', hook, HOOKS, scope,
                    required=False)
     checkpoint = default_hooks.get('checkpoint') or {}
+    if 'async_save' in checkpoint:
+        try:
+            check_async_save(checkpoint['async_save'])
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     interval = checkpoint.get('interval', 1)
     if interval != -1:  # -1: never save by interval
         if not is_int(interval) or interval < 1:

@@ -184,6 +184,14 @@ def init_dist(launcher: str,
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
 
 
+def restart_attempt() -> int:
+    """Which attempt of a torchrun job this is: 0 for the first, k > 0
+    for the k-th restart (``TORCHELASTIC_RESTART_COUNT``, set by
+    torchrun's agent; 0 outside torchrun)."""
+    value = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    return int(value) if value.isdigit() else 0
+
+
 def _restart_safe_store(place: LaunchEnv,
                         timeout: Optional[datetime.timedelta]):
     """torchrun's store, with keys private to this restart attempt.
@@ -197,7 +205,7 @@ def _restart_safe_store(place: LaunchEnv,
     """
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    attempt = restart_attempt()
     # Start-up (imports, peers arriving) may take longer than a short
     # collective timeout; the store only serves the rendezvous.
     store_timeout = max(timeout or datetime.timedelta(0),

@@ -3,7 +3,8 @@
 #   bash tools/dist_train.sh CONFIG NPROC [train.py options]
 # Several nodes: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
 # Restarts: MAX_RESTARTS=N restarts the whole job up to N times after a rank
-# fails (pass --resume to continue from the last checkpoint).
+# fails; a restarted attempt resumes from the newest complete checkpoint in
+# the work dir by itself (docs/fault_tolerance.md).
 # Any other torchrun options: TORCHRUN_ARGS="...".
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -26,7 +26,8 @@ from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     to_cpu, to_plain)
 from mmpar.checkpoint.full import collect_checkpoint
 from mmpar.models.hf_weights import is_hf_checkpoint, read_hf_state_dict
-from mmpar.checkpoint.latest import (find_latest_complete_checkpoint,
+from mmpar.checkpoint.latest import (complete_checkpoints,
+                                     find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
 from mmpar.checkpoint.rng import (all_rng_states, restore_rng_states,
                                   rng_state, set_rng_state)
@@ -38,7 +39,8 @@ from mmpar.checkpoint.state import (load_model_state,
 
 __all__ = [
     'CheckpointLoadError', 'all_rng_states', 'atomic_save',
-    'collect_checkpoint', 'find_latest_complete_checkpoint', 'from_plain',
+    'collect_checkpoint', 'complete_checkpoints',
+    'find_latest_complete_checkpoint', 'from_plain',
     'is_complete_checkpoint', 'is_hf_checkpoint', 'is_sharded_checkpoint',
     'load_checkpoint_file', 'load_model_state', 'load_sharded',
     'localize_optim_state', 'model_state', 'optimizer_state',

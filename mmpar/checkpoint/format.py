@@ -18,6 +18,19 @@ def check_checkpoint_format(value: Any) -> str:
     return value
 
 
+def check_async_save(value: Any) -> bool:
+    """``default_hooks.checkpoint.async_save``, validated.
+
+    Raises:
+        ValueError: not a bool.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(
+            f'default_hooks.checkpoint.async_save={value!r} is not allowed; '
+            'allowed: True (write checkpoints in the background) or False')
+    return value
+
+
 def checkpoint_format(cfg) -> str:
     """``cfg.checkpoint_format`` (default ``'full'``), validated."""
     return check_checkpoint_format((cfg or {}).get('checkpoint_format',

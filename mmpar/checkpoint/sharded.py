@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_state_dict)
 
 from mmpar.checkpoint import pipeline
+from mmpar.checkpoint.background import BackgroundSave
 from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
                                     is_complete_file, load_checkpoint_file)
 from mmpar.checkpoint.refs import (MODEL_PART, StoredTensor, pack_refs,
@@ -203,7 +204,8 @@ def save_sharded(model: nn.Module,
                  extras: dict,
                  save_optimizer: bool = True,
                  before_write: Optional[Callable[[dict], None]] = None,
-                 shadows: Optional[Dict[str, nn.Module]] = None) -> None:
+                 shadows: Optional[Dict[str, nn.Module]] = None,
+                 background: Optional[BackgroundSave] = None) -> None:
     """Write a sharded checkpoint to directory ``path``; every rank calls it.
 
     Args:
@@ -220,6 +222,12 @@ def save_sharded(model: nn.Module,
         shadows: part name -> a shadow of the model
             (:mod:`mmpar.checkpoint.shadow`, e.g. an averaged copy), each
             written as the model's state into ``path/<part>``.
+        background: write asynchronously on it: this returns once the
+            tensors are staged (copied to host memory by DCP's
+            ``async_save``) and the plain-data part is built; the write,
+            the plain file and the rename into ``path`` follow in its
+            thread (:mod:`mmpar.checkpoint.background`). Shadows are
+            written before this returns.
 
     Raises:
         TypeError: ``save_optimizer`` without an ``OptimWrapper``.
@@ -266,9 +274,6 @@ def save_sharded(model: nn.Module,
         for part in shadows:
             os.makedirs(osp.join(tmp, part))
     barrier()
-    # Collective: each rank writes its shards; returns once DCP's
-    # coordinator has written .metadata.
-    _quiet(dcp.save, tensors, checkpoint_id=tmp, no_dist=not _distributed())
     for part, shadow in shadows.items():
         _save_shadow(model, shadow, osp.join(tmp, part))
     if is_main_process():
@@ -276,13 +281,39 @@ def save_sharded(model: nn.Module,
         if before_write is not None:
             before_write(plain)
         pack_refs(plain)
-        atomic_save(plain, osp.join(tmp, PLAIN_FILE))
-        if osp.isdir(path):
-            shutil.rmtree(path)
-        elif osp.exists(path):
-            os.remove(path)
-        os.replace(tmp, path)
-    barrier()
+    if background is None:
+        # Collective: each rank writes its shards; returns once DCP's
+        # coordinator has written .metadata.
+        _quiet(dcp.save, tensors, checkpoint_id=tmp,
+               no_dist=not _distributed())
+        if is_main_process():
+            _finish(plain, tmp, path)
+        barrier()
+        return
+    # Collective (DCP stages every tensor before it returns); the write
+    # and DCP's plan exchange go on on the writer group.
+    written = _quiet(
+        dcp.async_save, tensors, checkpoint_id=tmp,
+        process_group=background.group(), no_dist=not _distributed())
+    plain = copy.deepcopy(plain) if is_main_process() else None
+
+    def finish() -> None:
+        written.result()  # every rank's data and .metadata are on disk
+        if plain is not None:
+            _finish(plain, tmp, path)
+
+    background.start(path, finish)
+
+
+def _finish(plain: dict, tmp: str, path: str) -> None:
+    # Rank 0, once DCP has written every rank's shards and .metadata: the
+    # plain part, then the rename that makes the checkpoint visible.
+    atomic_save(plain, osp.join(tmp, PLAIN_FILE))
+    if osp.isdir(path):
+        shutil.rmtree(path)
+    elif osp.exists(path):
+        os.remove(path)
+    os.replace(tmp, path)
 
 
 def _save_shadow(model: nn.Module, shadow: nn.Module, directory: str) -> None:

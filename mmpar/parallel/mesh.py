@@ -185,6 +185,18 @@ def build_mesh(dims: ParallelDims,
         ParallelMesh(root, flat), groups, tuple(mine.values()), layout)
 
 
+def checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group of the whole world for background checkpoint writes.
+
+    Collective: every rank calls it. DCP's ``async_save`` coordinates its
+    ranks from a writer thread while training runs collectives on the
+    layout's groups; on a group of its own (with a CPU backend, as DCP's
+    staging needs) the two never interleave on one communicator. Its
+    timeout is the default group's (``env_cfg.dist_cfg.timeout``).
+    """
+    return dist.new_group(backend='gloo', timeout=collective_timeout())
+
+
 def fallback_data_mesh(hybrid: bool,
                        shard_size: Optional[int] = None) -> DeviceMesh:
     """The whole world as the data axis, for a wrapper with no topology.

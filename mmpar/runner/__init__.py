@@ -1,5 +1,6 @@
 from mmpar.checkpoint import CheckpointLoadError, load_checkpoint_file
 from mmpar.runner.checkpoint import PlainCheckpointHook
+from mmpar.runner.checkpoint_hook import AsyncCheckpointHook
 from mmpar.runner.loops import (FastResumeIterBasedTrainLoop,
                                 SkippableInfiniteSampler)
 from mmpar.runner.nonfinite import NonFiniteLossError, NonFiniteLossHook
@@ -7,7 +8,7 @@ from mmpar.runner.runner import Runner
 from mmpar.runner.throughput import ThroughputHook
 
 __all__ = [
-    'Runner', 'PlainCheckpointHook', 'CheckpointLoadError',
+    'Runner', 'PlainCheckpointHook', 'AsyncCheckpointHook', 'CheckpointLoadError',
     'load_checkpoint_file', 'FastResumeIterBasedTrainLoop',
     'SkippableInfiniteSampler', 'NonFiniteLossHook', 'NonFiniteLossError',
     'ThroughputHook'

@@ -19,10 +19,12 @@ from mmengine.runner import Runner as MMEngineRunner
 from torch import nn
 
 import mmpar.checkpoint as ckpt
+from mmpar.checkpoint.background import BackgroundSave, stage
 from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.config_check import check_config
 from mmpar.device import local_device
-from mmpar.dist import check_launcher, init_dist, usable_backend
+from mmpar.dist import (check_launcher, init_dist, restart_attempt,
+                        usable_backend)
 from mmpar.parallel.seed import setup_parallelism
 from mmpar.parallelize.compose import parallelize
 from mmpar.parallelize.meta import MetaInit, build_on_meta
@@ -30,6 +32,7 @@ from mmpar.parallelize.resolved import resolve_plan
 from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
+from mmpar.runner.checkpoint_hook import with_async_hook
 from mmpar.runner.ema import EMAHooks
 from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
@@ -78,6 +81,8 @@ class Runner(MMEngineRunner):
         # constructor's rules see (mmpar/runner/param_groups.py), for an
         # optim_wrapper config with rules.
         self._plain_view: Optional[nn.Module] = None
+        # The checkpoint write in flight (async_save), at most one.
+        self.checkpoint_writes = BackgroundSave()
         super().__init__(*bound.args[1:], **bound.kwargs)
 
     def setup_env(self, env_cfg: dict) -> None:
@@ -149,7 +154,11 @@ class Runner(MMEngineRunner):
         # parallelize applied it already (compose's step 3).
         ac_cfg = self.cfg.pop('activation_checkpointing', None)
         try:
-            return super().train()
+            model = super().train()
+            # A background checkpoint write is complete when train()
+            # returns (its failure raised here).
+            self.checkpoint_writes.wait()
+            return model
         finally:
             if ac_cfg is not None:
                 self.cfg['activation_checkpointing'] = ac_cfg
@@ -243,6 +252,9 @@ class Runner(MMEngineRunner):
             default_hooks = sharded_hook_names(
                 default_hooks or
                 dict(checkpoint=dict(type='CheckpointHook', interval=1)))
+        # async_save=True: the hook that moves last_checkpoint only once the
+        # background write is complete.
+        default_hooks = with_async_hook(default_hooks)
         super().register_hooks(default_hooks, custom_hooks)
         self.register_hook(PlainCheckpointHook())
 
@@ -296,7 +308,8 @@ class Runner(MMEngineRunner):
                         save_param_scheduler: bool = True,
                         meta: Optional[dict] = None,
                         by_epoch: bool = True,
-                        backend_args: Optional[dict] = None) -> None:
+                        backend_args: Optional[dict] = None,
+                        async_save: bool = False) -> None:
         """Save a checkpoint atomically; called on every rank.
 
         MMEngine's version runs on rank 0 only, which cannot gather sharded
@@ -304,11 +317,21 @@ class Runner(MMEngineRunner):
         to a temporary file and renames it into place, and the ranks meet
         at a barrier, so ``last_checkpoint`` (written by CheckpointHook after
         this returns) only ever names a complete file.
+
+        With ``async_save`` this returns once the state is staged (copied to
+        host memory); the write and the rename go on in the background
+        (``runner.checkpoint_writes``, :mod:`mmpar.checkpoint.background`),
+        and :class:`~mmpar.runner.checkpoint_hook.CheckpointHook` moves
+        ``last_checkpoint`` when it is done. Any save first waits for the
+        one in flight.
         """
         if file_client_args is not None or backend_args is not None:
             raise ValueError('mmpar saves checkpoints to local paths only; '
                              'remove file_client_args / backend_args from '
                              'the CheckpointHook config')
+        # At most one save in flight; its failure is raised here.
+        self.checkpoint_writes.wait()
+        background = self.checkpoint_writes if async_save else None
         # Buffers (BatchNorm statistics) equal on every data rank first, so
         # full and sharded checkpoints hold the same ones (buffer_sync).
         describe(self.model).sync_buffers()
@@ -317,7 +340,8 @@ class Runner(MMEngineRunner):
         if self.checkpoint_format == 'sharded':
             ckpt.save_sharded(self.model, self.optim_wrapper, path, extras,
                               save_optimizer, self._before_save_sharded,
-                              shadows=self._ema.shadows())
+                              shadows=self._ema.shadows(),
+                              background=background)
             return
         checkpoint = ckpt.collect_checkpoint(self.model, self.optim_wrapper,
                                              extras, save_optimizer)
@@ -326,8 +350,14 @@ class Runner(MMEngineRunner):
         with self._ema.full_states_staged(self.model):
             if is_main_process():
                 self._before_save_hooks(checkpoint)
-                ckpt.atomic_save(checkpoint, path)
-        barrier()
+                if background is None:
+                    ckpt.atomic_save(checkpoint, path)
+                else:
+                    staged = stage(checkpoint)
+                    background.start(
+                        path, lambda: ckpt.atomic_save(staged, path))
+        if background is None:
+            barrier()
 
     def _before_save_hooks(self, checkpoint: dict) -> None:
         self.call_hook('before_save_checkpoint', checkpoint=checkpoint)
@@ -353,16 +383,30 @@ class Runner(MMEngineRunner):
 
     def load_or_resume(self) -> None:
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
-        checkpoint, not whatever ``last_checkpoint`` names."""
-        if self._asked['resume'] and self._asked['load_from'] is None and \
-                not self._has_loaded:
-            latest = ckpt.find_latest_complete_checkpoint(self.work_dir)
-            if latest is None:
+        checkpoint, not whatever ``last_checkpoint`` names, and a restarted
+        torchrun attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
+        the newest complete checkpoint of the work dir even without
+        ``resume`` (the first attempt's start, ``load_from`` or scratch,
+        when there is none). A checkpoint that fails to load is skipped for
+        the previous one, with a warning."""
+        if self._has_loaded:
+            return
+        auto = self._asked['resume'] and self._asked['load_from'] is None
+        restarted = restart_attempt() > 0
+        if auto or restarted:
+            for path in ckpt.complete_checkpoints(self.work_dir,
+                                                  self.logger.warning):
+                try:
+                    self.resume(path)
+                except ckpt.CheckpointLoadError as err:
+                    self.logger.warning(f'{err} Trying the previous one.')
+                    continue
+                how = 'Restart' if restarted else 'Auto'
+                self.logger.info(f'{how} resumed from the latest checkpoint '
+                                 f'{path}.')
+                return
+            if auto:
                 self.logger.info('No complete checkpoint in the work dir: '
                                  'training starts from scratch.')
                 return
-            self.logger.info(f'Auto resumed from the latest checkpoint '
-                             f'{latest}.')
-            self.resume(latest)
-            return
         super().load_or_resume()

@@ -53,15 +53,20 @@ def test_two_nodes_match_one_node(reference, tmp_path):
     assert not (tmp_path / 'node1' / 'epoch_1.pth').exists()
 
 
-def test_elastic_restart_resumes_from_last_checkpoint(reference, tmp_path):
+@pytest.mark.parametrize('resume', [['--resume'], []],
+                         ids=['resume', 'no_flag'])
+def test_elastic_restart_resumes_from_last_checkpoint(reference, tmp_path,
+                                                      resume):
+    """With or without ``--resume``: a restarted attempt resumes by itself
+    (mmpar.Runner.load_or_resume)."""
     config = write_config(
         tmp_path / 'cfg.py',
         "custom_hooks = [dict(type='ExitOnFirstAttempt', rank=1, "
         'at_epoch=2)]')
     work_dir = tmp_path / 'work'
     proc = run_tool(
-        ['bash', 'tools/dist_train.sh', config, 2, '--work-dir', work_dir,
-         '--resume'] + epochs(2),
+        ['bash', 'tools/dist_train.sh', config, 2, '--work-dir', work_dir] +
+        resume + epochs(2),
         timeout=JOB_TIMEOUT_S,
         env=tool_env(MAX_RESTARTS=1))
     output = proc.stdout + proc.stderr
