@@ -14,6 +14,7 @@ from mmengine.config import Config
 
 from mmpar.config_check import check_config
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import AXES
 from mmpar.verify.compare import Verdict, compare, touching
 from mmpar.verify.recorder import FingerprintHook
 
@@ -120,8 +121,7 @@ def _load_reference(work_dir: str, world_size: int, steps: int) -> dict:
 
 def _axes_line(cfg: Config, world_size: int) -> str:
     dims = check_config(cfg, world_size=world_size).dims
-    sizes = [f'{axis}={getattr(dims, axis)}' for axis in
-             ('dp_replicate', 'dp_shard', 'tp', 'pp', 'cp')
+    sizes = [f'{axis}={getattr(dims, axis)}' for axis in AXES
              if getattr(dims, axis) > 1]
     return 'layout ' + (' x '.join(sizes) or 'one rank') + \
         f' at {world_size} ranks'

@@ -168,13 +168,13 @@ def test_fake_world_groups_and_mesh(fake_world):
     assert default_dp_group() is topology.dp.group
     # Named axes, tp fastest; the seed's (dp, pp, mp) grid with a leading
     # dp_replicate=1 (mesh dims renamed: the old ('dp', 'pp', 'mp') became
-    # ('dp_replicate', 'dp_shard', 'pp', 'cp', 'tp') plus a flattened 'dp';
-    # the seed has no cp: a size-1 dim).
+    # ('dp_replicate', 'dp_shard', 'ep', 'pp', 'cp', 'tp') plus a flattened
+    # 'dp'; the seed has no ep or cp: size-1 dims).
     mesh = topology.mesh
     assert mesh.mesh_dim_names == AXES
-    assert mesh.mesh.tolist() == [[[[[0, 1]], [[2, 3]]], [[[4, 5]],
-                                                         [[6, 7]]]]]
-    assert tuple(mesh.get_coordinate()) == (0, 1, 0, 0, 1)
+    assert mesh.mesh.tolist() == [[[[[[0, 1]], [[2, 3]]]], [[[[4, 5]],
+                                                            [[6, 7]]]]]]
+    assert tuple(mesh.get_coordinate()) == (0, 1, 0, 0, 0, 1)
     for dim in ('tp', 'pp', 'cp', 'dp', 'dp_replicate', 'dp_shard',
                 'dp_cp'):
         assert mesh[dim].get_group() is getattr(topology, dim).group
@@ -221,7 +221,7 @@ def _groups_and_collectives(mp, pp, backends):
                             dp_backend='gloo')), (1, 2, {}), (4, 1, {})])
 def test_gloo_groups_match_layout(run_dist, mp, pp, backends):
     # The seed's (dp, pp, mp) is (dp_replicate=1, dp_shard, pp, tp).
-    sizes = (1, 4 // (mp * pp), pp, 1, mp)
+    sizes = (1, 4 // (mp * pp), 1, pp, 1, mp)
     expected = grid_groups(*sizes)
     expected['mp'] = expected['tp']
     coords = rank_coordinates(*sizes)
@@ -358,7 +358,7 @@ def test_setup_parallelism_builds_and_reuses(fake_world):
     # model_parallelism=2 alone is refused now (no tp_plan): a 2-D data
     # layout instead.
     topology = setup_parallelism(dict(dp_replicate=2))
-    assert topology.dims.shape == (2, 4, 1, 1, 1)
+    assert topology.dims.shape == (2, 4, 1, 1, 1, 1)
     assert setup_parallelism(dict(dp_replicate=2)) is topology
     with pytest.raises(ParallelismError, match='already initialised'):
         setup_parallelism(dict(dp_replicate=4))
@@ -553,7 +553,7 @@ def test_runner_builds_topology_and_wraps_over_dp_group(fake_world,
     runner = Runner.from_cfg(cfg)
     topology = parallel_group_info()
     assert runner.topology is topology
-    assert topology.dims.shape == (2, 4, 1, 1, 1)
+    assert topology.dims.shape == (2, 4, 1, 1, 1, 1)
     assert topology.dp.global_ranks == list(range(8))
     assert type(runner.model).__name__ == 'MMDistributedDataParallel'
     assert runner.model.process_group is topology.dp.group
