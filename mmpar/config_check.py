@@ -457,6 +457,13 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
                   f'{2 * cp} (or another parallel.cp)')
 
 
+def has_experts(cfg: Any) -> bool:
+    """Whether the config's model has mixture-of-experts layers
+    (``model.moe``): what ``parallel.ep`` splits."""
+    model = cfg.get('model')
+    return isinstance(model, dict) and model.get('moe') is not None
+
+
 def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
                        parallel: ParallelConfig) -> None:
     """With ``parallel.ep > 1``: the model has MoE layers
@@ -469,8 +476,7 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
     if ep is None or ep <= 1:
         return
     model = cfg.get('model')
-    moe = model.get('moe') if isinstance(model, dict) else None
-    if moe is None:
+    if not has_experts(cfg):
         _fail('parallel.ep', ep,
               f'model.type={model.get("type")!r} has no mixture-of-experts '
               'layers (model.moe is not set), so there are no experts to '
@@ -478,7 +484,7 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
               '=..., ...) (docs/expert_parallel.md)')
     from mmpar.models.moe import MoEConfig
     with _as_config_error():
-        num_experts = MoEConfig.from_cfg(moe).num_experts
+        num_experts = MoEConfig.from_cfg(model['moe']).num_experts
     if num_experts % ep:
         _fail('model.moe.num_experts', num_experts,
               f'parallel.ep={ep} splits each layer\'s experts evenly over '

@@ -7,6 +7,7 @@ the failing rank's traceback; the pool is then torn down and the next test
 starts a fresh one.
 """
 import datetime
+import multiprocessing
 import os
 import pickle
 import queue
@@ -39,8 +40,16 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results):
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=120))
+    parent = multiprocessing.parent_process()
     while True:  # until DistPool.close kills this process
-        fn, args, kwargs = tasks.get()
+        try:
+            fn, args, kwargs = tasks.get(timeout=5)
+        except queue.Empty:
+            # A killed test session leaves no one to close the pool: its
+            # workers go too (orphans once spent CPU for an hour).
+            if not parent.is_alive():
+                os._exit(0)
+            continue
         saved_env = dict(os.environ)
         try:
             result = fn(*args, **kwargs)

@@ -179,7 +179,7 @@ def test_pipeline_with_tensor_parallel_at_8(rank, held):
     cfg.merge_from_dict({'model.dim': 32, 'model.num_layers': 2,
                          'model.num_heads': 2})
     plan = make_plan(cfg, 8, rank)
-    assert plan.dims.shape == (1, 2, 2, 1, 2)
+    assert plan.dims.shape == (1, 2, 1, 2, 1, 2)
     assert plan.wrapper_type == 'MMFullyShard'
     # FSDP2 shards over the data axis: ranks at the same (pp, tp).
     assert plan.axes['shard'] == ('dp', brute_force_group(
