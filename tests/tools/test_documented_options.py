@@ -33,6 +33,8 @@ pp, pipeline_parallelism       ``pp_GPipe`` [both spellings]; ``pp`` in
                                every ``pp_*`` launch
 cp                             exempt here (the ViT has no cp attention):
                                tests/tools/test_cp_end_to_end.py
+ep                             exempt here (the ViT has no experts):
+                               tests/tools/test_ep_end_to_end.py
 tp_plan                        ``tp`` [module_plan dict, a fused qkv:
                                ``dict(style='colwise', fused=3)``, on
                                examples/my_pkg/tp_vit.py's SplittableViT
@@ -96,8 +98,9 @@ activation_checkpointing       ``ddp`` [module_classes, every=2], ``bucket``
 model_compile                  ``naive`` [every key; backend eager]
 ============================== ============================================
 
-Exempt everywhere: ``process_group`` / ``device_mesh`` (runtime objects:
-compose hands each wrapper the layout's data axis; a config can only leave
+Exempt everywhere: ``process_group`` / ``device_mesh`` / ``expert_mesh``
+(runtime objects: compose hands each wrapper the layout's data (or expert)
+axis; a config can only leave
 them None) and the CUDA-only values above.
 """
 import dataclasses
@@ -273,6 +276,8 @@ EXEMPT = {
         'MMBucketDataParallel', 'MMFullyShardedDataParallel')},
     ('MMFullyShardedDataParallel', 'device_mesh'): RUNTIME_OBJECT,
     ('MMFullyShard', 'device_mesh'): RUNTIME_OBJECT,
+    ('MMFullyShard', 'expert_mesh'): RUNTIME_OBJECT.replace(
+        "data axis", "expert axis"),
     ('MMDistributedDataParallel', 'device_ids'):
         'CUDA device ids: DDP refuses them for CPU modules',
     ('MMFullyShardedDataParallel', 'device_id'):
@@ -282,6 +287,10 @@ EXEMPT = {
     ('parallel', 'cp'): ('the options ViT has no context-parallel attention: '
                          'tests/tools/test_cp_end_to_end.py launches '
                          'parallel.cp=2 through dist_train.sh on the Llama'),
+    ('parallel', 'ep'): ('the options ViT has no experts: '
+                         'tests/tools/test_ep_end_to_end.py launches '
+                         'parallel.ep=2 through dist_train.sh on the MoE '
+                         'Llama'),
     # Passed through to torch with its default: listed by the docs as an
     # example of "anything else", not an mmpar option.
     ('MMFullyShardedDataParallel', 'ignored_modules'):
