@@ -100,8 +100,7 @@ model_compile                  ``naive`` [every key; backend eager]
 
 Exempt everywhere: ``process_group`` / ``device_mesh`` / ``expert_mesh``
 (runtime objects: compose hands each wrapper the layout's data (or expert)
-axis; a config can only leave
-them None) and the CUDA-only values above.
+axis; a config can only leave them None) and the CUDA-only values above.
 """
 import dataclasses
 import inspect
