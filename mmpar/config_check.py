@@ -477,8 +477,9 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
         return
     model = cfg.get('model')
     if not has_experts(cfg):
+        named = model.get('type') if isinstance(model, dict) else model
         _fail('parallel.ep', ep,
-              f'model.type={model.get("type")!r} has no mixture-of-experts '
+              f'model.type={named!r} has no mixture-of-experts '
               'layers (model.moe is not set), so there are no experts to '
               'split; allowed: parallel.ep=1, or model.moe=dict(num_experts'
               '=..., ...) (docs/expert_parallel.md)')

@@ -23,6 +23,8 @@ def test_ep_inside_the_data_ranks():
 @pytest.mark.parametrize('kwargs,message', [
     (dict(model=dict(type='Llama')), "parallel.ep=2 is not allowed; "
      "model.type='Llama' has no mixture-of-experts layers"),
+    (dict(model=None), 'parallel.ep=2 is not allowed; model.type=None has '
+     'no mixture-of-experts layers'),
     (dict(model=dict(type='Llama', moe=dict(num_experts=3))),
      'model.moe.num_experts=3 is not allowed; parallel.ep=2 splits'),
     (dict(wrapper=None), "model_wrapper_cfg.type='MMDistributedDataParallel'"
