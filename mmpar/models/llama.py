@@ -423,14 +423,17 @@ class Llama(LMPipelineOutputs, BaseModel):
     pipeline_layers = 'layers'
     pipeline_pre = ('tok_embeddings', )
     pipeline_post = ('norm', 'output')
+    # Packed windows with document attention: every stage masks by them.
+    pipeline_kwargs = ('doc_ids', )
 
     def pipeline_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
 
-    def pipeline_layer(self, layer: nn.Module,
-                       hidden: torch.Tensor) -> torch.Tensor:
+    def pipeline_layer(self, layer: nn.Module, hidden: torch.Tensor,
+                       doc_ids: Optional[torch.Tensor] = None
+                       ) -> torch.Tensor:
         # Blocks take the rotary tables, which every stage keeps (buffers).
-        return layer(hidden, *self.rotary(hidden.shape[1]))
+        return layer(hidden, *self.rotary(hidden.shape[1]), doc_ids=doc_ids)
 
     def pipeline_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(hidden))

@@ -1,8 +1,9 @@
 """Packing with document boundaries (mmpar/datasets/packed.py +
 mmpar/parallelize/documents.py): a packed window run through the Llama with
 its document ids gives every document the logits and the loss it gets run
-alone, in one process and on cp=2 ranks (fp32 tolerance stated below); with
-a pipeline the option is refused at start-up, naming the key."""
+alone, in one process, on cp=2 ranks and through a pp=2 pipeline (fp32
+tolerance stated below); with a pipelined model whose stages are not handed
+the document ids the option is refused at start-up, naming the key."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,22 +26,29 @@ LENGTHS = (5, 9, 3, 7, 5)
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def _packed_window(directory):
+def _packed_window(directory, reverse=False):
     gen = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, 256, (n, ), generator=gen).tolist()
             for n in LENGTHS]
-    write_token_shard(f'{directory}/docs', docs, 256)
-    data = PackedTokenDataset([f'{directory}/docs'],
+    if reverse:
+        docs = docs[::-1]
+    name = f'{directory}/docs' + ('_reversed' if reverse else '')
+    write_token_shard(name, docs, 256)
+    data = PackedTokenDataset([name],
                               context_length=sum(LENGTHS) - 1,
                               document_attention=True)
     assert len(data) == 1
     return docs, {k: v[None] for k, v in data[0].items()}
 
 
-def _model():
+def _model_with(num_layers=2):
     torch.manual_seed(0)
-    return Llama(vocab_size=256, dim=32, num_layers=2, num_heads=4,
+    return Llama(vocab_size=256, dim=32, num_layers=num_layers, num_heads=4,
                  num_kv_heads=2, max_seq_len=32)
+
+
+def _model():
+    return _model_with()
 
 
 def _alone(model, docs):
@@ -127,17 +135,71 @@ def test_cp_chunks_keep_their_document_masks(run_dist, tmp_path):
         assert counted == count
 
 
-def test_pipeline_refuses_document_attention():
+class _LogitsLlama(Llama):
+    """The Llama, predicting its logits (a test's view of the last
+    stage's outputs) next to the per-sample losses."""
+
+    def pipeline_predict(self, logits, data_samples):
+        preds = super().pipeline_predict(logits, data_samples)
+        return [dict(p, logits=row.detach()) for p, row in zip(preds, logits)]
+
+
+def _pp_packed(directory, schedule, stages_per_rank):
+    from mmpar.parallel import setup_parallelism
+    from mmpar.parallelize.compose import parallelize
+    docs, batch = _packed_window(directory)
+    # Two windows, one per micro-batch: the packed one and its documents in
+    # reverse order, so each micro-batch needs its own rows of doc_ids.
+    _, flipped = _packed_window(directory, reverse=True)
+    batch = {k: torch.cat([batch[k], flipped[k]]) for k in batch}
+    torch.manual_seed(0)
+    model = _LogitsLlama(vocab_size=256, dim=32, num_layers=4, num_heads=4,
+                         num_kv_heads=2, max_seq_len=32)
+    parallel = dict(pp=2, pipeline=dict(
+        schedule=schedule, num_microbatches=2,
+        stages_per_rank=stages_per_rank))
+    topology = setup_parallelism(parallel, None)  # reset by the harness
+    pipelined = parallelize(model, topology, parallel, None)
+    return pipelined.val_step(dict(batch))
+
+
+@pytest.mark.parametrize('schedule,stages_per_rank', [
+    ('1F1B', 1), ('Interleaved1F1B', 2)])
+def test_pipeline_stages_keep_their_document_masks(run_dist, tmp_path,
+                                                   schedule,
+                                                   stages_per_rank):
+    docs, batch = _packed_window(tmp_path)
+    reference = _model_with(num_layers=4)
+    count = sum(LENGTHS) - len(LENGTHS)
+    for preds in run_dist(_pp_packed, str(tmp_path), schedule,
+                          stages_per_rank):
+        for pred, order in zip(preds, (docs, docs[::-1])):
+            logits, alone_sum, _ = _alone(reference, order)
+            for part, ref in zip(_packed_parts(pred['logits'], order),
+                                 logits):
+                torch.testing.assert_close(part, ref, rtol=RTOL, atol=ATOL)
+            assert pred['num_tokens'] == count
+            assert pred['loss_sum'] == pytest.approx(float(alone_sum),
+                                                     rel=RTOL, abs=ATOL)
+
+
+def test_pipeline_refuses_document_attention_without_pipeline_kwargs():
     cfg = Config.fromfile(
         'configs/llama_shakespeare/llama_shakespeare_pp.py')
     cfg.train_dataloader.dataset = dict(
         type='PackedTokenDataset', sources=['unused'], context_length=128,
         document_attention=True)
+    check_config(cfg, 2)  # the Llama hands doc_ids to every stage
+    cfg.model.type = _PlainStagesLlama
     with pytest.raises(ConfigError) as err:
         check_config(cfg, 2)
     assert 'train_dataloader.dataset.document_attention=True is not ' \
         'supported with parallel.pp=2' in str(err.value)
     assert 'allowed: document_attention=False' in str(err.value)
+
+
+class _PlainStagesLlama(Llama):
+    pipeline_kwargs = ()
 
 
 def test_model_without_doc_ids_refuses_document_attention():

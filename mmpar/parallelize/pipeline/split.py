@@ -15,7 +15,12 @@ and after an ordered container of layers, and how to run each part::
 
 Optionally ``pipeline_layer(layer, hidden)`` runs one layer when it needs
 more than the hidden state (e.g. rotary tables the model holds); the default
-is ``layer(hidden)``. Every parameter must belong to one of the three parts. A stage is a deep copy
+is ``layer(hidden)``. Optionally ``pipeline_kwargs = ('doc_ids', )`` names
+entries of the preprocessed batch that every stage needs besides the hidden
+state: each stage gets its micro-batch's rows of them, by keyword, in
+``pipeline_layer(layer, hidden, doc_ids=...)`` (torch's schedules cut a
+``step``'s keyword tensors per micro-batch and hand them to every stage).
+Every parameter must belong to one of the three parts. A stage is a deep copy
 of the model with the modules of other stages set to ``None`` (as torchtitan
 does), so parameter names stay the original ones and one checkpoint loads at
 any layout. Its ``forward(x)`` runs ``pipeline_embed`` (first stage), its own
@@ -124,14 +129,20 @@ def _drop(model: nn.Module, name: str) -> None:
                          'pipeline_post names no module, parameter or buffer')
 
 
-def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
+def pipeline_kwargs(model: nn.Module) -> tuple:
+    """The batch entries every stage receives (``pipeline_kwargs``)."""
+    return tuple(getattr(model, 'pipeline_kwargs', ()))
+
+
+def _stage_forward(self, x: torch.Tensor, **batch_kwargs) -> torch.Tensor:
     info = self._pp_stage
     if info['first']:
         x = self.pipeline_embed(x)
     run_layer = getattr(self, 'pipeline_layer', None)
     # named_children skips the layers other stages own (set to None).
     for _, layer in self.get_submodule(self.pipeline_layers).named_children():
-        x = layer(x) if run_layer is None else run_layer(layer, x)
+        x = layer(x) if run_layer is None else run_layer(layer, x,
+                                                         **batch_kwargs)
     if info['last']:
         x = self.pipeline_head(x)
     return x

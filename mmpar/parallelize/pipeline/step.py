@@ -10,6 +10,9 @@ forward/backward of the usual step with one ``schedule.step`` per batch:
   function finds each micro-batch's data samples (of any type) by index:
   only tensors pass between stages;
 * every pp rank cuts its context-parallel chunks out of the batch (cp > 1);
+* the batch entries the model names in ``pipeline_kwargs`` (the Llama's
+  ``doc_ids``) go to the schedule as keyword tensors: torch cuts them per
+  micro-batch and every stage's forward gets its micro-batch's rows;
 * the last stage's loss is the model's ``pipeline_loss`` + ``parse_losses``,
   divided by MMEngine's accumulation factor (``optim_wrapper.scale_loss``)
   and weighted by the micro-batch's share of the batch, so the gradients are
@@ -38,6 +41,7 @@ from torch.distributed.pipelining import PipelineStage
 from mmpar.optim.tokens import TOKENS_KEY, is_token_counted
 from mmpar.parallel.sequence import shard_batch
 from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
+from mmpar.parallelize.pipeline.split import pipeline_kwargs
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import StepMixin
 from mmpar.wrappers.description import PipelineParts, WrappedModel
@@ -65,6 +69,14 @@ def _take(value: Any, index: torch.Tensor) -> Any:
     if isinstance(value, (list, tuple)):
         return [value[i] for i in index.tolist()]
     return value
+
+
+def _pad_rows(value: torch.Tensor, pad: int) -> torch.Tensor:
+    # A batch padded to a multiple of the micro-batch count repeats its
+    # last row.
+    if not pad:
+        return value
+    return torch.cat([value, value[-1:].expand(pad, *value.shape[1:])])
 
 
 def _call(fn, outputs, rest: Any, index: Optional[torch.Tensor]):
@@ -255,6 +267,18 @@ class MMPipelineParallel(StepMixin, nn.Module):
         # earlier batches. The weights make the sum the batch mean.
         return backward * weight
 
+    def _batch_parts(self, data: Any) -> Tuple[torch.Tensor, Any, dict]:
+        """``(inputs, rest, stage_kwargs)``: ``stage_kwargs`` are the
+        entries the model names in ``pipeline_kwargs`` (every stage gets
+        them), left out of ``rest`` (what the loss and predictions get)."""
+        inputs, rest = split_data(data)
+        names = pipeline_kwargs(self.model)
+        if not names or not isinstance(rest, dict):
+            return inputs, rest, {}
+        stage_kwargs = {k: rest.pop(k) for k in names
+                        if rest.get(k) is not None}
+        return inputs, rest, stage_kwargs
+
     def _run(self, data: Any, train: bool, extra: Optional[dict] = None):
         """One schedule step (``train``) or forward-only pass over a batch.
 
@@ -263,12 +287,12 @@ class MMPipelineParallel(StepMixin, nn.Module):
         left out of the loss and the predictions. torch's stages need
         micro-batches of one size, at least one per stage.
         """
-        inputs, rest = split_data(data)
+        inputs, rest, stage_kwargs = self._batch_parts(data)
         batch, m = inputs.shape[0], self.num_microbatches
         pad = -batch % m
-        if pad:
-            inputs = torch.cat(
-                [inputs, inputs[-1:].expand(pad, *inputs.shape[1:])])
+        inputs, stage_kwargs = _pad_rows(inputs, pad), {
+            k: _pad_rows(v, pad).to(self.device)
+            for k, v in stage_kwargs.items()}
         self._step_state = dict(rest=rest, log_vars=[], batch=batch, pad=pad,
                                 microbatches=m, **(extra or {}))
         schedule = self._schedule(train, m, batch + pad)
@@ -276,8 +300,9 @@ class MMPipelineParallel(StepMixin, nn.Module):
         if train:
             target = torch.arange(batch + pad, device=self.device) \
                 if self.has_last else None
-            return schedule.step(*args, target=target, return_outputs=False)
-        outputs = schedule.eval(*args)
+            return schedule.step(*args, target=target, return_outputs=False,
+                                 **stage_kwargs)
+        outputs = schedule.eval(*args, **stage_kwargs)
         return None if outputs is None else outputs[:batch]
 
     def _from_last(self, obj: Any) -> Any:
@@ -333,7 +358,7 @@ class MMPipelineParallel(StepMixin, nn.Module):
                 'run validation/test in torch 2.13; allowed for a job with '
                 'a val/test loop: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, '
                 'InterleavedZeroBubble')
-        _, rest = split_data(data)
+        _, rest, _ = self._batch_parts(data)
         outputs = self._run(data, False)
         preds = _call(self.model.pipeline_predict, outputs, rest, None) \
             if self.has_last else None
