@@ -23,7 +23,6 @@ LIBRARIES = ('torch', 'mmengine')
 ALLOWED = {
     'attr ._HYBRID_SHARD_ZERO2': {'wrappers/fsdp.py'},
     'attr ._attn_implementation': {'models/hf.py'},
-    'attr ._cdata': {'analysis/activations.py', 'parallelize/meta.py'},
     'attr ._concatenate': {'parallel/mesh.py'},
     'attr ._execution_engine': {'wrappers/bucket.py'},
     'attr ._exit': {'failures.py'},
