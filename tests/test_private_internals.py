@@ -33,7 +33,6 @@ ALLOWED = {
     'attr ._is_root': {'wrappers/fsdp.py'},
     'attr ._local_tensor': {'parallel/dtensor.py'},
     'attr ._non_persistent_buffers_set': {'wrappers/local_state.py'},
-    'attr ._prepare_input_fn': {'parallelize/tp_styles.py'},
     'attr ._run_exitfuncs': {'failures.py'},
     'attr ._schema': {'parallelize/meta.py'},
     'attr ._to_copy': {'parallelize/meta.py'},
