@@ -31,7 +31,6 @@ ALLOWED = {
     'attr ._handle': {'wrappers/fsdp.py'},
     'attr ._instance_dict': {'failures.py'},
     'attr ._is_root': {'wrappers/fsdp.py'},
-    'attr ._local_tensor': {'parallel/dtensor.py'},
     'attr ._non_persistent_buffers_set': {'wrappers/local_state.py'},
     'attr ._run_exitfuncs': {'failures.py'},
     'attr ._schema': {'parallelize/meta.py'},
