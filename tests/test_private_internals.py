@@ -50,8 +50,6 @@ ALLOWED = {
         'runner/loops.py'},
     'name torch.distributed.algorithms._checkpoint.checkpoint_wrapper.'
     '_CHECKPOINT_PREFIX': {'parallelize/activation.py'},
-    'name torch.distributed.checkpoint.state_dict._init_optim_state': {
-        'checkpoint/pipeline.py'},
     'name torch.distributed.fsdp._runtime_utils._reshard': {
         'wrappers/fsdp.py'},
     'name torch.distributed.fsdp.wrap._recursive_wrap': {
