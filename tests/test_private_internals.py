@@ -52,8 +52,6 @@ ALLOWED = {
     '_CHECKPOINT_PREFIX': {'parallelize/activation.py'},
     'name torch.distributed.fsdp._runtime_utils._reshard': {
         'wrappers/fsdp.py'},
-    'name torch.distributed.fsdp.wrap._recursive_wrap': {
-        'analysis/fsdp_units.py'},
     'name torch.distributed.tensor.debug._clear_sharding_prop_cache': {
         'parallel/topology.py'},
     'name torch.distributed.tensor.placement_types._StridedShard': {
