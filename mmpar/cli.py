@@ -29,8 +29,11 @@ class CfgOptionsAction(DictAction):
                     self, f'{pair!r} is not KEY=VALUE; allowed: e.g. '
                     'train_cfg.max_epochs=3 or model.depth=2')
             try:
-                # MMEngine's DictAction parser (private): values as it reads.
-                options[key] = self._parse_iterable(value)
+                # MMEngine's own DictAction on this one pair: values as it
+                # reads them.
+                parsed = argparse.Namespace()
+                super().__call__(parser, parsed, [pair], option_string)
+                options[key] = getattr(parsed, self.dest)[key]
             except (AssertionError, ValueError, RecursionError) as err:
                 raise argparse.ArgumentError(
                     self, f'cannot parse the value of {key!r} in {pair!r} '

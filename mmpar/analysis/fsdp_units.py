@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from torch import nn
-# What FSDP1 runs to pick its units (private; no public equivalent).
-from torch.distributed.fsdp.wrap import _recursive_wrap
 
 # Where a wrapper config names its wrap policy: mmpar's FSDP wrappers, then
 # MMEngine's / torch's spelling.
@@ -68,23 +66,16 @@ def fsdp_units(model: nn.Module, policy: Optional[Callable],
                shard_size: int, per_param: bool = False) -> List[FsdpUnit]:
     """The FSDP units ``policy`` makes of ``model``, root first.
 
-    Runs ``torch.distributed.fsdp.wrap._recursive_wrap`` (what FSDP1 runs for
-    a callable policy) with a wrapper that only records the module, so the
-    units are torch's own choice. Each unit holds the parameters not inside a
-    nested unit. FSDP1 flattens them into one parameter padded to a multiple
+    The units are :func:`mmpar.wrappers.policies.modules_to_wrap`'s choice
+    (FSDP1's recursive wrap, which the FSDP2 wrapper runs too); tests check
+    them against real FSDP1 and FSDP2 units. Each unit holds the parameters
+    not inside a nested unit. FSDP1 flattens them into one parameter padded to a multiple
     of the shard size: a rank holds ``ceil(numel / shard_size)``. FSDP2
     (``per_param``) shards every parameter along dim 0, padded per parameter:
     a rank holds ``ceil(rows / shard_size) * row_numel`` for each.
     """
-    chosen = []
-
-    def record(module, **_):
-        chosen.append(module)
-        return module
-
-    if policy is not None:
-        _recursive_wrap(model, policy, record, set(), set(),
-                        only_wrap_children=True)
+    from mmpar.wrappers.policies import modules_to_wrap
+    chosen = [] if policy is None else modules_to_wrap(model, policy)
     roots = [model] + [m for m in chosen if m is not model]
     names = {m: n for n, m in model.named_modules()}
     owner = {}

@@ -113,6 +113,35 @@ def localize_optim_state(parts: PipelineParts,
 
 
 # -- sharded (DCP) format -------------------------------------------------
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh ``optimizer`` its state tensors, for DCP to load into.
+
+    What torch's ``get_state_dict`` does first: one step on zero gradients
+    with the learning rates at 0, so the parameters do not move (the
+    restored state replaces what the step wrote). Nothing if the optimizer
+    has state already or a parameter has a gradient (a stateless optimizer
+    mid-step).
+    """
+    groups = optimizer.param_groups
+    if optimizer.state or any(p.grad is not None for group in groups
+                              for p in group['params']):
+        return
+    for group in groups:
+        for param in group['params']:
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    lrs = [group.get('lr') for group in groups]
+    for group in groups:
+        if 'lr' in group:
+            group['lr'] = torch.tensor(0.0) if isinstance(
+                group['lr'], torch.Tensor) else 0.0
+    optimizer.step()
+    for group, lr in zip(groups, lrs):
+        if 'lr' in group:
+            group['lr'] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
 def distributed_state_dict(
         parts: PipelineParts, optimizer: Optional[torch.optim.Optimizer]
 ) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
@@ -124,10 +153,7 @@ def distributed_state_dict(
         (k, v) for part in _stage_states(parts) for k, v in part.items())
     if optimizer is None:
         return model_state, None
-    # Private, as torch's own get_state_dict calls it: DCP needs optimizer
-    # state tensors to load into; no public equivalent in torch 2.13.
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-    _init_optim_state(optimizer)
+    _init_optimizer_state(optimizer)
     local = named_optim_state(optimizer, plain_param_names(parts), full=False)
     others = _gather_pp(parts, dict(state={},
                                     param_groups=local['param_groups']))

@@ -18,9 +18,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its local shard if a DTensor."""
     if isinstance(tensor, DTensor):
-        # The attribute, not to_local(): no autograd view, so in-place edits
-        # (a bucket copy, an all-reduce) land in the parameter's storage.
-        return tensor._local_tensor
+        # Outside autograd: the shard itself (a parameter's: a plain view of
+        # it), not a differentiable view, so in-place edits (a bucket copy,
+        # an all-reduce) land in the parameter's storage.
+        with torch.no_grad():
+            return tensor.to_local()
     return tensor
 
 

@@ -65,9 +65,10 @@ CPU = torch.device('cpu')
 
 def storage_key(tensor: torch.Tensor) -> int:
     """The identity of ``tensor``'s storage (views share it)."""
-    # Storage._cdata (private): no public identity of a storage; data_ptr()
-    # is 0 for every meta tensor.
-    return tensor.untyped_storage()._cdata
+    # data_ptr() is 0 for every meta tensor. torch keeps one Python object
+    # per storage for the storage's lifetime (its views return the same),
+    # so its id is the storage's identity while the tensor lives.
+    return id(tensor.untyped_storage())
 
 
 def _is_factory(func) -> bool:

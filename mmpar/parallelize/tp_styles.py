@@ -185,6 +185,19 @@ class FusedColwiseParallel(ColwiseParallel):
                 requires_grad=param.requires_grad))
 
     @staticmethod
+    def _prepare_packed_input(input_layouts, desired_input_layouts, mod,
+                              inputs, device_mesh):
+        # As torch's ColwiseParallel lays out its input.
+        tensor = inputs[0]
+        if not isinstance(tensor, DTensor):
+            tensor = DTensor.from_local(tensor, device_mesh, input_layouts,
+                                        run_check=False)
+        if input_layouts != desired_input_layouts:
+            tensor = tensor.redistribute(placements=desired_input_layouts,
+                                         async_op=True)
+        return tensor
+
+    @staticmethod
     def _prepare_packed_output(output_layouts, use_local_output, mod,
                                outputs, device_mesh):
         if output_layouts[0] is not None:
@@ -197,8 +210,7 @@ class FusedColwiseParallel(ColwiseParallel):
                 'FusedColwiseParallel splits only nn.Linear')
         return distribute_module(
             module, device_mesh, self._partition_linear_fn,
-            # ColwiseParallel._prepare_input_fn (private): torch's inputs.
-            partial(self._prepare_input_fn, self.input_layouts,
+            partial(self._prepare_packed_input, self.input_layouts,
                     self.desired_input_layouts),
             partial(self._prepare_packed_output, self.output_layouts,
                     self.use_local_output))
