@@ -1,12 +1,13 @@
 """Muon through the real launcher, as a user runs it:
 ``bash tools/dist_train.sh configs/llama_shakespeare/llama_shakespeare_muon.py
-N`` under FSDP2 (2 ranks), FSDP2 x tp=2 (4 ranks) and pp=2 (2 ranks) ends
-with the weights ``tools/train.py`` reaches on one process on the same
-global batch (10 optimizer steps of 2 accumulated micro-batches, clipping
+N`` under FSDP2 (2 ranks), FSDP2 x tp=2 (4 ranks), pp=2 (2 ranks) and, with
+mixture-of-experts blocks, ep=2 x FSDP2 (2 ranks; the 3-D expert weights go
+to AdamW) ends with the weights ``tools/train.py`` reaches on one process on
+the same global batch (10 optimizer steps of 2 accumulated micro-batches, clipping
 cutting in every step); resuming FSDP2 halfway is bit-exact, and FSDP2's
 checkpoint resumes under FSDP2 x tp=2 (Muon's momentum resharded by DCP).
 
-One launch per layout: the one-process reference and the FSDP2 run (whose
+One launch per layout: the one-process references and the FSDP2 run (whose
 halfway checkpoint both resumes start from) are shared by the module.
 """
 import re
@@ -25,19 +26,25 @@ OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()] + [
     f'default_hooks.checkpoint.interval={ITERS // 2}', 'custom_hooks=[]',
     'optim_wrapper.accumulative_counts=2',
     f'optim_wrapper.clip_grad.max_norm={MAX_NORM}']
-# (ranks, options): the global batch is 8 windows in every layout.
+MOE = ['model.moe.num_experts=4', 'model.moe.top_k=2',
+       'model.moe.hidden_dim=32']
+# The one-process references: name -> options.
+REFERENCES = {'one': [], 'one_moe': MOE}
+# name -> (ranks, options, reference): the global batch is 8 windows.
 TP2 = ['parallel.tp=2', 'parallel.tp_plan=llama']
 LAYOUTS = {
-    'fsdp2': (2, ['train_dataloader.batch_size=4']),
-    'tp2_fsdp2': (4, ['train_dataloader.batch_size=4', *TP2]),
+    'fsdp2': (2, ['train_dataloader.batch_size=4'], 'one'),
+    'tp2_fsdp2': (4, ['train_dataloader.batch_size=4', *TP2], 'one'),
     'pp2': (2, ['train_dataloader.batch_size=8', 'parallel.pp=2',
                 'parallel.pipeline.schedule=1F1B',
-                'parallel.pipeline.num_microbatches=2']),
+                'parallel.pipeline.num_microbatches=2'], 'one'),
+    'ep2_fsdp2': (2, ['train_dataloader.batch_size=4', 'parallel.ep=2',
+                      *MOE], 'one_moe'),
 }
 
 
 def _dist_train(work_dir, layout, *extra):
-    ranks, options = LAYOUTS[layout]
+    ranks, options, _ = LAYOUTS[layout]
     return run_tool(['bash', 'tools/dist_train.sh', CONFIG, ranks,
                      '--work-dir', work_dir, *extra, '--cfg-options',
                      *OPTIONS, *options])
@@ -45,8 +52,8 @@ def _dist_train(work_dir, layout, *extra):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    """``runs(name)``: (work dir, log) of the one-process reference
-    ('one') or a layout's launch, each launched once for the module."""
+    """``runs(name)``: (work dir, log) of a one-process reference
+    (REFERENCES) or a layout's launch, each launched once for the module."""
     done = {}
 
     def get(name):
@@ -54,8 +61,9 @@ def runs(tmp_path_factory):
             work_dir = tmp_path_factory.mktemp(f'muon_{name}')
             proc = run_tool(
                 ['python', 'tools/train.py', CONFIG, '--work-dir', work_dir,
-                 '--cfg-options', *OPTIONS, 'train_dataloader.batch_size=8']
-            ) if name == 'one' else _dist_train(work_dir, name)
+                 '--cfg-options', *OPTIONS, 'train_dataloader.batch_size=8',
+                 *REFERENCES[name]]
+            ) if name in REFERENCES else _dist_train(work_dir, name)
             done[name] = work_dir, proc.stdout + proc.stderr
         return done[name]
 
@@ -84,7 +92,7 @@ def test_reference_clips_every_step(runs):
 def test_dist_train_muon_matches_one_process(runs, layout):
     work_dir, log = runs(layout)
     assert "type='Muon'" in log
-    a, b = _final(work_dir), _final(runs('one')[0])
+    a, b = _final(work_dir), _final(runs(LAYOUTS[layout][2])[0])
     _assert_within_tolerance(a, b)
     kinds = {k for s in a['optimizer']['state'].values() for k in s}
     assert {'momentum_buffer', 'exp_avg', 'exp_avg_sq'} <= kinds
