@@ -1,17 +1,20 @@
-"""Step time of Muon against AdamW under FSDP2, and the share spent moving
-shards to their owner ranks and back.
+"""Step time of Muon against AdamW under FSDP2, and where Muon's time goes.
 
     PYTHONPATH=$PWD python benchmarks/bench_muon.py [--quick] [--out docs]
 
 The Llama of ``configs/llama_shakespeare/llama_shakespeare_muon.py``
-(FSDP2 on every LlamaBlock) trains on gloo ranks under ``mmpar.Runner``'s
-model and optim wrapper, once with AdamW (the base config's) and once with
-Muon (+ AdamW for the embedding, head and norms), each in fresh processes.
-A step is ``train_step`` (forward, backward, clip, optimizer step), timed on
-every rank after a barrier, the slowest rank's time kept; the median of the
-timed steps after warm-up is reported. For Muon the time inside the two
+(FSDP2 on every LlamaBlock) on 4 gloo ranks, built twice in the same
+processes under ``mmpar.Runner``'s model and optim wrapper: once with AdamW
+(the base config's), once with Muon (+ AdamW for the embedding, head and
+norms). The two train in turn, step for step (AdamW first on even steps,
+Muon first on odd ones), so that both see the same load on a shared
+machine. A step is ``train_step`` (forward, backward, clip, optimizer
+step), timed on every rank after a barrier, the slowest rank's time kept;
+the median of the timed steps after warm-up is reported. For Muon, the
+seconds per step inside the optimizer step, inside the Newton-Schulz
+iterations of the rank that does the most of them, and inside the two
 all-to-alls of :mod:`mmpar.optim.whole_matrix` (shards to owners, results
-back) and inside the optimizer step is also reported.
+back, waiting for the owners included) are also reported.
 """
 import argparse
 import os
@@ -26,22 +29,23 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._common import (measure_on_ranks, median,  # noqa: E402
-                                run_conditions, slowest_rank, time_steps,
-                                write_section)
+                                run_conditions, slowest_rank, write_section)
 
 SECTION = '## Muon vs AdamW under FSDP2: step time'
 CONFIG = os.path.join(ROOT, 'configs', 'llama_shakespeare',
                       'llama_shakespeare_muon.py')
 ADAMW = dict(type='AdamW', lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
+OPTIMIZERS = ('AdamW', 'Muon')
+PARTS = ('optim_step_s', 'newton_schulz_s', 'exchange_s')
 
 
 def load_plan(quick: bool) -> dict:
     if quick:
         return dict(model=dict(dim=32, num_layers=2, num_heads=2),
-                    world_size=2, batch_size=2, context=16, warmup=1,
+                    world_size=4, batch_size=2, context=16, warmup=1,
                     steps=2)
     return dict(model=dict(dim=256, num_layers=4, num_heads=4),
-                world_size=2, batch_size=2, context=128, warmup=2, steps=6)
+                world_size=4, batch_size=2, context=128, warmup=2, steps=6)
 
 
 class _Timed:
@@ -58,12 +62,10 @@ class _Timed:
             self.total[0] += time.perf_counter() - start
 
 
-def measure(plan: dict, optimizer: str) -> Dict[str, float]:
-    """On every rank of a started process group: seconds per step (median
-    of the slowest rank), and for Muon the all-to-all and step seconds."""
+def _build(plan: dict, optimizer: str, work_dir: str):
+    """(runner, optim wrapper) of the config with ``optimizer``."""
     from mmengine.config import Config
 
-    from mmpar.optim import whole_matrix
     from mmpar.runner import Runner
     cfg = Config.fromfile(CONFIG)
     cfg.model.update(plan['model'], max_seq_len=plan['context'])
@@ -72,31 +74,47 @@ def measure(plan: dict, optimizer: str) -> Dict[str, float]:
     for key in ('val_dataloader', 'val_cfg', 'val_evaluator'):
         cfg[key] = None
     cfg.update(launcher='pytorch', log_level='WARNING', meta_init=False,
-               experiment_name=f'bench_muon_{optimizer}')
+               experiment_name=f'bench_muon_{optimizer}',
+               work_dir=os.path.join(work_dir, optimizer))
+    runner = Runner.from_cfg(cfg)
+    return runner, runner.build_optim_wrapper(cfg.optim_wrapper)
+
+
+def measure(plan: dict) -> Dict[str, Dict[str, float]]:
+    """On every rank of a started process group: per optimizer, seconds per
+    step (median of the slowest rank), and Muon's parts (module docstring)."""
+    from mmpar.optim import whole_matrix
     gen = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, 256, (plan['batch_size'], plan['context'] + 1),
                            generator=gen)
     batch = dict(inputs=tokens[:, :-1], data_samples=tokens[:, 1:])
+    parts = {name: [0.0] for name in PARTS}
+    times = {name: [] for name in OPTIMIZERS}
     with tempfile.TemporaryDirectory() as work_dir:
-        cfg.work_dir = work_dir
-        runner = Runner.from_cfg(cfg)
-        wrapper = runner.build_optim_wrapper(cfg.optim_wrapper)
-        optim = wrapper.optimizer
-        exchange, step = [0.0], [0.0]
+        built = {name: _build(plan, name, work_dir) for name in OPTIMIZERS}
+        muon = built['Muon'][1].optimizer
+        muon.step = _Timed(muon.step, parts['optim_step_s'])
+        muon.transform = _Timed(muon.transform, parts['newton_schulz_s'])
         whole_matrix.dist.all_to_all_single = _Timed(
-            dist.all_to_all_single, exchange)
-        optim.step = _Timed(optim.step, step)
-
-        def train_step():
-            runner.model.train_step(batch, wrapper)
-
-        time_steps(train_step, plan['warmup'])
-        exchange[0] = step[0] = 0.0
-        times = slowest_rank(time_steps(train_step, plan['steps']))
-    shares = slowest_rank([exchange[0] / plan['steps'],
-                           step[0] / plan['steps']])
-    return dict(step_s=median(times), exchange_s=shares[0],
-                optim_step_s=shares[1])
+            dist.all_to_all_single, parts['exchange_s'])
+        for step in range(plan['warmup'] + plan['steps']):
+            if step == plan['warmup']:
+                for total in parts.values():
+                    total[0] = 0.0
+            order = OPTIMIZERS if step % 2 == 0 else OPTIMIZERS[::-1]
+            for name in order:
+                runner, wrapper = built[name]
+                dist.barrier()
+                start = time.perf_counter()
+                runner.model.train_step(batch, wrapper)
+                times[name].append(time.perf_counter() - start)
+    runs = {}
+    for name in OPTIMIZERS:
+        slowest = slowest_rank(times[name][plan['warmup']:])
+        runs[name] = dict(step_s=median(slowest))
+    shares = slowest_rank([parts[name][0] / plan['steps'] for name in PARTS])
+    runs['Muon'].update(zip(PARTS, shares))
+    return runs
 
 
 def format_report(runs: dict, plan: dict, meta: dict) -> str:
@@ -112,20 +130,23 @@ def format_report(runs: dict, plan: dict, meta: dict) -> str:
         f'{model["num_layers"]}, num_heads={model["num_heads"]})`, '
         f'{plan["world_size"]} gloo ranks of one thread, '
         f'{plan["batch_size"]} windows of {plan["context"]} tokens per rank; '
+        'both optimizers built in the same processes and stepped in turn; '
         f'`train_step` timed after {plan["warmup"]} warm-up steps, median of '
         f'{plan["steps"]}, slowest rank; AdamW is the base config\'s '
-        '(`python benchmarks/bench_muon.py`). *All-to-all*: both exchanges '
-        'of `mmpar/optim/whole_matrix.py` per step.', '',
-        '| optimizer | step (ms) | optimizer step (ms) | all-to-all (ms) | '
-        'step vs AdamW |',
-        '|---|---:|---:|---:|---:|',
+        '(`python benchmarks/bench_muon.py`). Muon\'s parts per step: '
+        '*Newton-Schulz* on the rank that runs the most of it, '
+        '*all-to-all* both exchanges of `mmpar/optim/whole_matrix.py` '
+        '(waiting for the owners included).', '',
+        '| optimizer | step (ms) | optimizer step (ms) | Newton-Schulz (ms) '
+        '| all-to-all (ms) | step vs AdamW |',
+        '|---|---:|---:|---:|---:|---:|',
+        f'| AdamW | {adamw["step_s"] * 1e3:.1f} | | | | 1.00x |',
+        f'| Muon | {muon["step_s"] * 1e3:.1f} | '
+        f'{muon["optim_step_s"] * 1e3:.1f} | '
+        f'{muon["newton_schulz_s"] * 1e3:.1f} | '
+        f'{muon["exchange_s"] * 1e3:.1f} | '
+        f'{muon["step_s"] / adamw["step_s"]:.2f}x |',
     ]
-    for name, run in (('AdamW', adamw), ('Muon', muon)):
-        lines.append(
-            f'| {name} | {run["step_s"] * 1e3:.1f} | '
-            f'{run["optim_step_s"] * 1e3:.1f} | '
-            f'{run["exchange_s"] * 1e3:.1f} | '
-            f'{run["step_s"] / adamw["step_s"]:.2f}x |')
     return '\n'.join(lines)
 
 
@@ -138,8 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     plan = load_plan(args.quick)
     start, load_before = time.time(), os.getloadavg()[0]
-    runs = {name: measure_on_ranks(measure, plan['world_size'], plan, name)
-            for name in ('AdamW', 'Muon')}
+    runs = measure_on_ranks(measure, plan['world_size'], plan)
     text = format_report(runs, plan, run_conditions(
         'gloo', plan['world_size'], start, load_before))
     print(text)

@@ -16,6 +16,7 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
+from mmpar.optim import bf16_matmul
 from mmpar.optim.matrix_optimizer import WholeMatrixOptimizer
 from mmpar.parallel.dtensor import local_tensor
 from mmpar.registry import OPTIMIZERS
@@ -29,7 +30,8 @@ def newton_schulz(matrix: torch.Tensor, coefficients: Tuple[float, float,
                                                             float],
                   steps: int, eps: float) -> torch.Tensor:
     """The quintic Newton–Schulz iteration torch.optim.Muon runs: roughly
-    ``U V^T`` of ``matrix = U S V^T``, in bfloat16."""
+    ``U V^T`` of ``matrix = U S V^T``, in bfloat16 (torch's products, bit
+    for bit: :mod:`mmpar.optim.bf16_matmul`)."""
     a, b, c = coefficients
     ortho = matrix.bfloat16()
     tall = matrix.size(0) > matrix.size(1)
@@ -38,8 +40,8 @@ def newton_schulz(matrix: torch.Tensor, coefficients: Tuple[float, float,
     ortho.div_(ortho.norm().clamp(min=eps))
     for _ in range(steps):
         gram = ortho @ ortho.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        ortho = torch.addmm(ortho, poly, ortho, beta=a)
+        poly = bf16_matmul.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = bf16_matmul.addmm(ortho, poly, ortho, beta=a)
     return ortho.T if tall else ortho
 
 

@@ -153,8 +153,9 @@ def test_bad_keys_name_the_key(optimizer, match):
 
 def test_newton_schulz_is_torch_muons():
     """The same operations as torch.optim.Muon's (one step, no momentum,
-    no decay: the update is lr times the orthogonalised gradient)."""
-    for shape in ((5, 3), (3, 7), (4, 4)):
+    no decay: the update is lr times the orthogonalised gradient); the
+    largest shape runs mmpar.optim.bf16_matmul's products against torch's."""
+    for shape in ((5, 3), (3, 7), (4, 4), (160, 96)):
         grad = torch.randn(shape)
         param = torch.nn.Parameter(torch.zeros(shape))
         param.grad = grad.clone()
