@@ -464,6 +464,18 @@ def has_experts(cfg: Any) -> bool:
     return isinstance(model, dict) and model.get('moe') is not None
 
 
+def _takes_moe(model: dict, cfg: Any) -> bool:
+    # A model class with a ``moe`` argument (mmpar's Llama) has experts
+    # only when model.moe is set; an unknown type is refused elsewhere.
+    import inspect
+
+    from mmpar.registry import MODELS
+    cls = check_type('model', model, MODELS, cfg.get('default_scope'),
+                     required=False)
+    return not isinstance(cls, type) or \
+        'moe' in inspect.signature(cls).parameters
+
+
 def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
                        parallel: ParallelConfig) -> None:
     """With ``parallel.ep > 1``: the model has MoE layers
@@ -477,6 +489,11 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
         return
     model = cfg.get('model')
     if not has_experts(cfg):
+        if isinstance(model, dict) and not _takes_moe(model, cfg):
+            # A user's model: its experts modules are checked against the
+            # protocol when it is built (parallelize/expert.py), before
+            # any step.
+            return
         named = model.get('type') if isinstance(model, dict) else model
         _fail('parallel.ep', ep,
               f'model.type={named!r} has no mixture-of-experts '

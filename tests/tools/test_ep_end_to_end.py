@@ -7,13 +7,12 @@ logged losses and gradient norms (the global-norm clip sees the experts'
 gradients on both ranks) and the same final weights. Routing natural
 (softmax top-2, auxiliary loss) and forced balanced.
 """
-import re
-
 import pytest
 import torch
 
 from tests.configs.test_llama_configs import SHRINK
 from tests.e2e import load_ckpt, run_tool
+from tests.tools.ep_logs import assert_close_moments, logged
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
 EP_CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe_ep.py'
@@ -23,11 +22,6 @@ OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()] + [
     # a clip that bites: the norm must be the global one to match
     'optim_wrapper.clip_grad.max_norm=0.5']
 BATCH = SHRINK['train_dataloader.batch_size']
-
-
-def _logged(output: str, key: str) -> list:
-    return [float(v) for v in re.findall(
-        rf'Iter\(train\).*? {key}: ([\d.]+)', output)]
 
 
 # Forced-balanced routing ('balanced') passed too when measured; left out
@@ -45,14 +39,16 @@ def test_dist_train_ep2_matches_one_process(tmp_path, routing):
     ep_log, one_log = ep.stdout + ep.stderr, one.stdout + one.stderr
     assert 'parallel = dict(ep=2)' in ep_log
     for key in ('loss', 'grad_norm', 'moe_aux_loss'):
-        got, want = _logged(ep_log, key), _logged(one_log, key)
+        got, want = logged(ep_log, key), logged(one_log, key)
         assert len(got) == 3, key
         # Logged with 4 decimals; the experts' matmuls run over other row
         # blocks on two ranks (sums in another order).
         assert got == pytest.approx(want, abs=2e-4), key
-    assert max(_logged(one_log, 'grad_norm')) > 0.5  # the clip bit
-    a = load_ckpt(tmp_path / 'ep' / 'iter_3.pth')['state_dict']
-    b = load_ckpt(tmp_path / 'one' / 'iter_3.pth')['state_dict']
+    assert max(logged(one_log, 'grad_norm')) > 0.5  # the clip bit
+    got = load_ckpt(tmp_path / 'ep' / 'iter_3.pth')
+    want = load_ckpt(tmp_path / 'one' / 'iter_3.pth')
+    assert_close_moments(got, want)
+    a, b = got['state_dict'], want['state_dict']
     assert a.keys() == b.keys()
     assert a['layers.0.mlp.experts.w1'].shape[0] == 4  # saved whole
     for key in a:
