@@ -502,7 +502,15 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
               '=..., ...) (docs/expert_parallel.md)')
     from mmpar.models.moe import MoEConfig
     with _as_config_error():
-        num_experts = MoEConfig.from_cfg(model['moe']).num_experts
+        moe = MoEConfig.from_cfg(model['moe'])
+    num_experts = moe.num_experts
+    pp = dims.pp if dims is not None else parallel.pp
+    if pp is not None and pp > 1 and moe.balance is not None:
+        _fail('model.moe.balance', moe.balance,
+              f'with parallel.pp={pp} and parallel.ep={ep} a pipeline '
+              'stage runs its blocks without the model\'s forward, which '
+              'adds the auxiliary loss and moves the balancing bias; '
+              'allowed: None (or parallel.pp=1)')
     if num_experts % ep:
         _fail('model.moe.num_experts', num_experts,
               f'parallel.ep={ep} splits each layer\'s experts evenly over '

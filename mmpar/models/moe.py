@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from mmpar.parallel.experts import local_experts
+from mmpar.parallel.experts import SharedGroup, local_experts
 
 SCORE_FUNCS = ('softmax', 'sigmoid')
 BALANCE = ('aux_loss', 'bias', None)
@@ -250,7 +250,7 @@ class MoE(nn.Module):
         self.register_buffer('expert_bias', torch.zeros(cfg.num_experts))
         # The ranks whose counts the bias update sums (set by
         # mmpar.parallelize.expert; None: this process's).
-        self.balance_group: Optional[dist.ProcessGroup] = None
+        self.balance_group: Optional[SharedGroup] = None
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
 
@@ -318,7 +318,7 @@ class MoE(nn.Module):
             return
         counts = self.tokens_per_expert.float()
         if self.balance_group is not None:
-            dist.all_reduce(counts, group=self.balance_group)
+            dist.all_reduce(counts, group=self.balance_group.group)
         self.expert_bias.add_(self.cfg.bias_update_rate *
                               torch.sign(counts.mean() - counts))
         self.tokens_per_expert = None

@@ -38,6 +38,21 @@ from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
+class SharedGroup:
+    """A process group a module holds, which the module's deep copies
+    share: a pipeline stage is cut from a copy of the model, and a process
+    group cannot be copied (the copy runs on the same ranks).
+
+    Attributes:
+        group: the process group.
+    """
+    group: dist.ProcessGroup
+
+    def __deepcopy__(self, memo: dict) -> 'SharedGroup':
+        return self
+
+
+@dataclass(frozen=True)
 class ExpertGroup:
     """The ranks one layer's experts are split over.
 

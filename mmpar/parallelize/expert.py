@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from mmpar.failures import ConfigError
-from mmpar.parallel.experts import (Dispatched, ExpertGroup, combine,
-                                    dispatch, expert_modules,
+from mmpar.parallel.experts import (Dispatched, ExpertGroup, SharedGroup,
+                                    combine, dispatch, expert_modules,
                                     protocol_params)
 
 
@@ -51,7 +51,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Optional[DeviceMesh],
     """
     for module in model.modules():
         if hasattr(module, 'balance_group'):
-            module.balance_group = balance_group
+            module.balance_group = None if balance_group is None else \
+                SharedGroup(balance_group)
     if ep_mesh is None or ep_mesh.size() == 1:
         return model
     found = check_experts_modules(model, ep_mesh.size())

@@ -23,6 +23,12 @@ def test_ep_inside_the_data_ranks():
         2, 2, 4, 4, 2)
 
 
+def test_ep_with_pp_without_balancing():
+    dims = _check(world=4, pp=2, pipeline=dict(schedule='1F1B'),
+                  model=dict(type='Llama', moe=dict(balance=None))).dims
+    assert (dims.ep, dims.pp, dims.dp_shard, dims.efsdp) == (2, 2, 1, 1)
+
+
 @pytest.mark.parametrize('kwargs,message', [
     (dict(model=dict(type='Llama')), "parallel.ep=2 is not allowed; "
      "model.type='Llama' has no mixture-of-experts layers"),
@@ -37,6 +43,9 @@ def test_ep_inside_the_data_ranks():
     (dict(world=4, dp_replicate=2), 'parallel.dp_replicate=2 with '
      'parallel.ep=2 is not supported yet'),
     (dict(world=3), 'world size 3 is not divisible by'),
+    (dict(world=4, pp=2, pipeline=dict(schedule='1F1B')),
+     "model.moe.balance='aux_loss' is not allowed; with parallel.pp=2 and "
+     'parallel.ep=2 a pipeline stage'),
 ])
 def test_refused_naming_the_key(kwargs, message):
     with pytest.raises((ConfigError, ValueError)) as err:

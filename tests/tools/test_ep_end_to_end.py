@@ -50,14 +50,39 @@ def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
                    f'train_dataloader.batch_size={2 * BATCH // ranks}'])
     ep_log = ep.stdout + ep.stderr
     assert layout in ep_log
-    for key in ('loss', 'grad_norm', 'moe_aux_loss'):
+    _assert_matches(ep_log, tmp_path / 'ep', one_log, one_dir,
+                    ('loss', 'grad_norm', 'moe_aux_loss'))
+
+
+def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
+    """pp=2 x ep=2 on 4 ranks (1F1B, 2 micro-batches): each stage's
+    experts split over its 2 ep ranks, dispatched per micro-batch. Without
+    balancing (a stage runs no model forward to add the auxiliary loss)."""
+    options = [*OPTIONS, 'model.moe.balance=None']
+    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
+                   '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
+                   'parallel.pp=2', 'parallel.pipeline.schedule=1F1B',
+                   'parallel.pipeline.num_microbatches=2',
+                   f'train_dataloader.batch_size={BATCH}'])
+    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
+                    tmp_path / 'one', '--cfg-options', *options,
+                    f'train_dataloader.batch_size={2 * BATCH}'])
+    ep_log = ep.stdout + ep.stderr
+    assert "ep=2, pipeline=dict(num_microbatches=2, schedule='1F1B'), " \
+        'pp=2' in ep_log
+    _assert_matches(ep_log, tmp_path / 'ep', one.stdout + one.stderr,
+                    tmp_path / 'one', ('loss', 'grad_norm'))
+
+
+def _assert_matches(ep_log, ep_dir, one_log, one_dir, keys):
+    for key in keys:
         got, want = logged(ep_log, key), logged(one_log, key)
         assert len(got) == 3, key
         # Logged with 4 decimals; the experts' matmuls run over other row
         # blocks on several ranks (sums in another order).
         assert got == pytest.approx(want, abs=2e-4), key
     assert max(logged(one_log, 'grad_norm')) > 0.5  # the clip bit
-    got = load_ckpt(tmp_path / 'ep' / 'iter_3.pth')
+    got = load_ckpt(ep_dir / 'iter_3.pth')
     want = load_ckpt(one_dir / 'iter_3.pth')
     assert_close_moments(got, want)
     a, b = got['state_dict'], want['state_dict']
