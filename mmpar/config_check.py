@@ -464,6 +464,18 @@ def has_experts(cfg: Any) -> bool:
     return isinstance(model, dict) and model.get('moe') is not None
 
 
+def _takes_moe(model: dict, cfg: Any) -> bool:
+    # A model class with a ``moe`` argument (mmpar's Llama) has experts
+    # only when model.moe is set; an unknown type is refused elsewhere.
+    import inspect
+
+    from mmpar.registry import MODELS
+    cls = check_type('model', model, MODELS, cfg.get('default_scope'),
+                     required=False)
+    return not isinstance(cls, type) or \
+        'moe' in inspect.signature(cls).parameters
+
+
 def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
                        parallel: ParallelConfig) -> None:
     """With ``parallel.ep > 1``: the model has MoE layers
@@ -477,6 +489,11 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
         return
     model = cfg.get('model')
     if not has_experts(cfg):
+        if isinstance(model, dict) and not _takes_moe(model, cfg):
+            # A user's model: its experts modules are checked against the
+            # protocol when it is built (parallelize/expert.py), before
+            # any step.
+            return
         named = model.get('type') if isinstance(model, dict) else model
         _fail('parallel.ep', ep,
               f'model.type={named!r} has no mixture-of-experts '
@@ -485,7 +502,15 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
               '=..., ...) (docs/expert_parallel.md)')
     from mmpar.models.moe import MoEConfig
     with _as_config_error():
-        num_experts = MoEConfig.from_cfg(model['moe']).num_experts
+        moe = MoEConfig.from_cfg(model['moe'])
+    num_experts = moe.num_experts
+    pp = dims.pp if dims is not None else parallel.pp
+    if pp is not None and pp > 1 and moe.balance is not None:
+        _fail('model.moe.balance', moe.balance,
+              f'with parallel.pp={pp} and parallel.ep={ep} a pipeline '
+              'stage runs its blocks without the model\'s forward, which '
+              'adds the auxiliary loss and moves the balancing bias; '
+              'allowed: None (or parallel.pp=1)')
     if num_experts % ep:
         _fail('model.moe.num_experts', num_experts,
               f'parallel.ep={ep} splits each layer\'s experts evenly over '

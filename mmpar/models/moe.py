@@ -35,9 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from mmpar.parallel.experts import ExpertGroup, combine, dispatch
+from mmpar.parallel.experts import SharedGroup, local_experts
 
 SCORE_FUNCS = ('softmax', 'sigmoid')
 BALANCE = ('aux_loss', 'bias', None)
@@ -194,14 +193,10 @@ def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
     return torch.cat(outs) if outs else x.new_zeros((0, w2.shape[2]))
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    # Split over ep ranks: the DTensor's local experts, with autograd.
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts as stacked weights; meets the
-    expert-parallel protocol (:mod:`mmpar.parallel.experts`)."""
+    expert-parallel protocol (:mod:`mmpar.parallel.experts`): under ep the
+    tokens reach this rank's experts through hooks on :meth:`forward`."""
 
     expert_parallel_params = ('w1', 'w2', 'w3')
 
@@ -212,7 +207,6 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.expert_group: Optional[ExpertGroup] = None
 
     def reset_parameters(self, std: float, residual_std: float) -> None:
         nn.init.normal_(self.w1, std=std)
@@ -221,15 +215,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, routed: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
-        """``routed`` ``(N, dim)`` sorted by expert, ``counts`` ``(E,)``."""
-        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
-        if self.expert_group is None:
-            return expert_swiglu(routed, counts, w1, w3, w2, self.grouped_mm)
-        tokens, local_counts, sent = dispatch(routed, counts,
-                                              self.expert_group)
-        out = expert_swiglu(tokens, local_counts, w1, w3, w2,
-                            self.grouped_mm)
-        return combine(out, sent, self.expert_group)
+        """``routed`` ``(N, dim)`` sorted by expert, ``counts`` the rows of
+        each expert this rank holds."""
+        return expert_swiglu(routed, counts, local_experts(self.w1),
+                             local_experts(self.w3), local_experts(self.w2),
+                             self.grouped_mm)
 
 
 class MoE(nn.Module):
@@ -260,7 +250,7 @@ class MoE(nn.Module):
         self.register_buffer('expert_bias', torch.zeros(cfg.num_experts))
         # The ranks whose counts the bias update sums (set by
         # mmpar.parallelize.expert; None: this process's).
-        self.balance_group: Optional[dist.ProcessGroup] = None
+        self.balance_group: Optional[SharedGroup] = None
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
 
@@ -328,7 +318,7 @@ class MoE(nn.Module):
             return
         counts = self.tokens_per_expert.float()
         if self.balance_group is not None:
-            dist.all_reduce(counts, group=self.balance_group)
+            dist.all_reduce(counts, group=self.balance_group.group)
         self.expert_bias.add_(self.cfg.bias_update_rate *
                               torch.sign(counts.mean() - counts))
         self.tokens_per_expert = None

@@ -10,18 +10,46 @@ experts (:func:`dispatch`), computed there, and sent back with another
 gradients of the routed tokens flow back to the ranks that sent them (gloo
 and nccl both have it).
 
-The expert-parallel protocol a module meets (docs/expert_parallel.md): its
-parameters are stacked over experts on dim 0 and it declares
-``expert_parallel_params`` (the names of those parameters); it has an
-``expert_group`` attribute, the :class:`ExpertGroup` it dispatches over
-(None: all experts local).
+The expert-parallel protocol (docs/expert_parallel.md), which mmpar's
+:class:`~mmpar.models.moe.GroupedExperts` and a user's own experts module
+meet alike:
+
+- the module declares ``expert_parallel_params``, the names of its
+  parameters stacked over its experts on dim 0 (every one the same length
+  ``E`` on dim 0), and has no other parameters;
+- its ``forward(routed, counts, *rest)`` takes the routed token copies
+  ``(N, dim)`` sorted by expert and ``counts`` ``(E,)``, the rows of each
+  expert, and returns one output row per input row in the same order,
+  computing expert ``e``'s rows with entry ``e`` of the stacked weights it
+  holds (read through :func:`local_experts`: under ep, ``E/ep`` of them,
+  and ``counts`` then has ``E/ep`` entries).
+
+Under ep mmpar splits the stacked parameters on dim 0 over the ep ranks
+and hooks the forward: :func:`dispatch` before it, :func:`combine` after
+it; the module itself knows nothing of ep.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class SharedGroup:
+    """A process group a module holds, which the module's deep copies
+    share: a pipeline stage is cut from a copy of the model, and a process
+    group cannot be copied (the copy runs on the same ranks).
+
+    Attributes:
+        group: the process group.
+    """
+    group: dist.ProcessGroup
+
+    def __deepcopy__(self, memo: dict) -> 'SharedGroup':
+        return self
 
 
 @dataclass(frozen=True)
@@ -101,6 +129,54 @@ def combine(computed: torch.Tensor, dispatched: Dispatched,
         computed.new_empty((sum(dispatched.send_splits),
                             computed.shape[1])), unsorted,
         dispatched.send_splits, dispatched.recv_splits, group=experts.group)
+
+
+def local_experts(weight: torch.Tensor) -> torch.Tensor:
+    """The experts of a stacked parameter this rank computes: under ep its
+    DTensor's local ``E/ep`` (with autograd), else ``weight`` itself."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def protocol_params(name: str, module: torch.nn.Module) -> Sequence[str]:
+    """``module``'s stacked expert parameters, checked against the
+    protocol.
+
+    Returns:
+        The names it declares in ``expert_parallel_params``.
+
+    Raises:
+        ValueError: naming the module, what it breaks and what is
+            allowed.
+    """
+    label = f'{name or "the model"} ({type(module).__name__})'
+    names = module.expert_parallel_params
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f'{label}.expert_parallel_params={names!r} is not allowed; '
+            'allowed: a tuple of the names of its stacked expert parameters')
+    own = dict(module.named_parameters())
+    lengths = set()
+    for param in names:
+        weight = own.get(param)
+        if weight is None or weight.dim() < 1:
+            raise ValueError(
+                f'{label} declares expert_parallel_params {param!r}, which '
+                'is not a parameter of it with the experts on dim 0; '
+                f'allowed: its parameters {sorted(own)}')
+        lengths.add(weight.shape[0])
+    if len(lengths) > 1:
+        raise ValueError(
+            f'{label}: its expert_parallel_params {tuple(names)} stack '
+            f'{sorted(lengths)} experts on dim 0; allowed: the same number '
+            'of experts in each')
+    others = sorted(set(own) - set(names))
+    if others:
+        raise ValueError(
+            f'{label} has parameters {others} besides its experts '
+            f'{tuple(names)}; allowed: only stacked expert parameters in an '
+            'experts module (keep the router and shared layers outside it; '
+            'docs/expert_parallel.md)')
+    return tuple(names)
 
 
 def expert_modules(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:

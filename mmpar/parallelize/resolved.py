@@ -158,15 +158,17 @@ def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
     """
     if not dims.ep_enabled:
         return
-    # The sharded data axes and ep itself; the others are not tested yet.
+    # The sharded data axes, ep itself and pp (each stage's experts split
+    # over its ep ranks); the others are not tested yet.
     supported = set(axes_of(EXPERT)) | {
-        a for a in DATA_AXES if BY_NAME[a].shards}
+        a for a in DATA_AXES if BY_NAME[a].shards} | {'pp'}
     for axis in AXES:
         if axis not in supported and getattr(dims, axis) > 1:
             raise ValueError(
                 f'parallel.{axis}={getattr(dims, axis)} with parallel.ep='
                 f'{dims.ep} is not supported yet; allowed: parallel.{axis}=1 '
-                'with ep (ep composes with dp_shard; docs/expert_parallel.md)')
+                'with ep (ep composes with dp_shard and pp; '
+                'docs/expert_parallel.md)')
     wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
     if not declared(wrapper).expert_parallel:
         allowed = [n for n in registered_wrappers()

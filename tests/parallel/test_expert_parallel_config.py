@@ -1,9 +1,12 @@
 """parallel.ep is refused at start-up where it cannot train, naming the
-key (no process group needed)."""
+key, and a model's experts modules are checked against the expert-parallel
+protocol when it is built, naming the module (no process group needed)."""
 import pytest
+import torch
 
 from mmpar.config_check import check_layout
 from mmpar.failures import ConfigError
+from mmpar.parallelize.expert import check_experts_modules
 
 FSDP2 = dict(type='MMFullyShard')
 MOE = dict(type='Llama', moe=dict(num_experts=4))
@@ -20,6 +23,12 @@ def test_ep_inside_the_data_ranks():
         2, 2, 4, 4, 2)
 
 
+def test_ep_with_pp_without_balancing():
+    dims = _check(world=4, pp=2, pipeline=dict(schedule='1F1B'),
+                  model=dict(type='Llama', moe=dict(balance=None))).dims
+    assert (dims.ep, dims.pp, dims.dp_shard, dims.efsdp) == (2, 2, 1, 1)
+
+
 @pytest.mark.parametrize('kwargs,message', [
     (dict(model=dict(type='Llama')), "parallel.ep=2 is not allowed; "
      "model.type='Llama' has no mixture-of-experts layers"),
@@ -34,8 +43,65 @@ def test_ep_inside_the_data_ranks():
     (dict(world=4, dp_replicate=2), 'parallel.dp_replicate=2 with '
      'parallel.ep=2 is not supported yet'),
     (dict(world=3), 'world size 3 is not divisible by'),
+    (dict(world=4, pp=2, pipeline=dict(schedule='1F1B')),
+     "model.moe.balance='aux_loss' is not allowed; with parallel.pp=2 and "
+     'parallel.ep=2 a pipeline stage'),
 ])
 def test_refused_naming_the_key(kwargs, message):
     with pytest.raises((ConfigError, ValueError)) as err:
         _check(**kwargs)
     assert message in str(err.value)
+
+
+class _Experts(torch.nn.Module):
+    expert_parallel_params = ('up', 'down')
+
+    def __init__(self, up=(4, 8, 8), down=(4, 8, 8), extra=False):
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.zeros(up))
+        self.down = torch.nn.Parameter(torch.zeros(down))
+        if extra:
+            self.gate = torch.nn.Linear(8, 4)
+
+
+def _model(experts):
+    model = torch.nn.Module()
+    model.experts = experts
+    return model
+
+
+def test_a_protocol_module_is_found_with_its_stacked_params():
+    experts = _Experts()
+    assert check_experts_modules(_model(experts), 2) == [
+        ('experts', experts, ('up', 'down'))]
+
+
+def _declaring(names):
+    experts = _Experts()
+    experts.expert_parallel_params = names
+    return experts
+
+
+@pytest.mark.parametrize('model,message', [
+    (torch.nn.Linear(4, 4), 'parallel.ep=2 is not allowed for model Linear:'
+     ' none of its modules declares expert_parallel_params'),
+    (_model(_declaring(('up', 'w9'))), "parallel.ep=2: experts (_Experts) "
+     "declares expert_parallel_params 'w9', which is not a parameter"),
+    (_model(_declaring('up')), "experts (_Experts).expert_parallel_params="
+     "'up' is not allowed"),
+    (_model(_Experts(down=(2, 8, 8))), "stack [2, 4] experts on dim 0"),
+    (_model(_Experts(extra=True)), "has parameters ['gate.bias', "
+     "'gate.weight'] besides its experts"),
+    (_model(_Experts(up=(3, 8, 8), down=(3, 8, 8))), 'parallel.ep=2 does '
+     'not divide the 3 experts of experts (_Experts)'),
+])
+def test_protocol_breaches_are_refused_naming_the_module(model, message):
+    with pytest.raises(ConfigError) as err:
+        check_experts_modules(model, 2)
+    assert message in str(err.value)
+
+
+def test_a_users_model_is_left_to_the_build_check():
+    """A model class without mmpar's ``moe`` key passes the start-up check
+    (its experts modules are checked when it is built)."""
+    assert _check(model=dict(type='DigitsViT')).dims.ep == 2

@@ -1,19 +1,20 @@
 """Expert parallelism through the real launcher, as a user runs it:
 ``bash tools/dist_train.sh llama_shakespeare_moe_ep.py 2`` (ep=2: each rank
 holds 2 of the 4 experts of every layer, tokens sent to them with
-all-to-alls, the rest FSDP2-sharded) trains as ``tools/train.py`` on one
-process with the same global batch (twice the per-rank batch): the same
-logged losses and gradient norms (the global-norm clip sees the experts'
-gradients on both ranks) and the same final weights. Routing natural
-(softmax top-2, auxiliary loss) and forced balanced.
+all-to-alls, the rest FSDP2-sharded), and the same at ep=2 x dp_shard=2 on
+4 ranks (each rank half of its 2 experts), trains as ``tools/train.py`` on
+one process with the same global batch: the same logged losses and
+gradient norms (the global-norm clip sees the experts' gradients on every
+rank), the same final weights and Adam moments. Routing natural (softmax
+top-2, auxiliary loss); forced-balanced routing is checked by
+tests/tools/test_ep_resume.py's continued steps.
 """
-import re
-
 import pytest
 import torch
 
 from tests.configs.test_llama_configs import SHRINK
 from tests.e2e import load_ckpt, run_tool
+from tests.tools.ep_logs import assert_close_moments, logged
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
 EP_CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe_ep.py'
@@ -25,34 +26,66 @@ OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()] + [
 BATCH = SHRINK['train_dataloader.batch_size']
 
 
-def _logged(output: str, key: str) -> list:
-    return [float(v) for v in re.findall(
-        rf'Iter\(train\).*? {key}: ([\d.]+)', output)]
-
-
-# Forced-balanced routing ('balanced') passed too when measured; left out
-# of the suite for its time budget (2 more tool launches).
-@pytest.mark.parametrize('routing', ['natural'])
-def test_dist_train_ep2_matches_one_process(tmp_path, routing):
-    extra = ['model.moe.force_balanced=True'] if routing == 'balanced' \
-        else []
-    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 2,
-                   '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
-                   *extra])
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory):
+    """The one-process reference, with both layouts' global batch."""
+    work_dir = tmp_path_factory.mktemp('one')
     one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
-                    tmp_path / 'one', '--cfg-options', *OPTIONS, *extra,
+                    work_dir, '--cfg-options', *OPTIONS,
                     f'train_dataloader.batch_size={2 * BATCH}'])
-    ep_log, one_log = ep.stdout + ep.stderr, one.stdout + one.stderr
-    assert 'parallel = dict(ep=2)' in ep_log
-    for key in ('loss', 'grad_norm', 'moe_aux_loss'):
-        got, want = _logged(ep_log, key), _logged(one_log, key)
+    return work_dir, one.stdout + one.stderr
+
+
+@pytest.mark.parametrize('ranks,layout', [
+    (2, 'parallel = dict(ep=2)'),
+    # the experts also sharded by FSDP2 over efsdp = dp_shard = 2
+    (4, 'parallel = dict(dp_shard=2, ep=2)')], ids=['ep2', 'ep2_dp_shard2'])
+def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
+                                            layout):
+    one_dir, one_log = one_process
+    dp_shard = [f'parallel.dp_shard={ranks // 2}'] if ranks > 2 else []
+    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, ranks,
+                   '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
+                   *dp_shard,
+                   f'train_dataloader.batch_size={2 * BATCH // ranks}'])
+    ep_log = ep.stdout + ep.stderr
+    assert layout in ep_log
+    _assert_matches(ep_log, tmp_path / 'ep', one_log, one_dir,
+                    ('loss', 'grad_norm', 'moe_aux_loss'))
+
+
+def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
+    """pp=2 x ep=2 on 4 ranks (1F1B, 2 micro-batches): each stage's
+    experts split over its 2 ep ranks, dispatched per micro-batch. Without
+    balancing (a stage runs no model forward to add the auxiliary loss)."""
+    options = [*OPTIONS, 'model.moe.balance=None']
+    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
+                   '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
+                   'parallel.pp=2', 'parallel.pipeline.schedule=1F1B',
+                   'parallel.pipeline.num_microbatches=2',
+                   f'train_dataloader.batch_size={BATCH}'])
+    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
+                    tmp_path / 'one', '--cfg-options', *options,
+                    f'train_dataloader.batch_size={2 * BATCH}'])
+    ep_log = ep.stdout + ep.stderr
+    assert "ep=2, pipeline=dict(num_microbatches=2, schedule='1F1B'), " \
+        'pp=2' in ep_log
+    _assert_matches(ep_log, tmp_path / 'ep', one.stdout + one.stderr,
+                    tmp_path / 'one', ('loss', 'grad_norm'))
+
+
+def _assert_matches(ep_log, ep_dir, one_log, one_dir, keys):
+    for key in keys:
+        got, want = logged(ep_log, key), logged(one_log, key)
         assert len(got) == 3, key
         # Logged with 4 decimals; the experts' matmuls run over other row
-        # blocks on two ranks (sums in another order).
+        # blocks on several ranks (sums in another order).
         assert got == pytest.approx(want, abs=2e-4), key
-    assert max(_logged(one_log, 'grad_norm')) > 0.5  # the clip bit
-    a = load_ckpt(tmp_path / 'ep' / 'iter_3.pth')['state_dict']
-    b = load_ckpt(tmp_path / 'one' / 'iter_3.pth')['state_dict']
+    assert max(logged(one_log, 'grad_norm')) > 0.5  # the clip bit
+    got = load_ckpt(ep_dir / 'iter_3.pth')
+    want = load_ckpt(one_dir / 'iter_3.pth')
+    assert_close_moments(got, want)
+    a, b = got['state_dict'], want['state_dict']
     assert a.keys() == b.keys()
     assert a['layers.0.mlp.experts.w1'].shape[0] == 4  # saved whole
     for key in a:
