@@ -55,7 +55,9 @@ class FingerprintHook(Hook):
 
     After training, :attr:`steps` (rank 0; one dict a step: ``outputs``
     ``{module: [(fingerprint, rows, elements) per output]}``, ``order``,
-    ``grads`` ``{parameter: (fingerprint, rows, elements)}``, ``loss``,
+    ``grads`` ``{parameter: (fingerprint, rows, elements)}``,
+    ``grad_order`` (the order gradients were ready in; the reference run
+    only), ``loss``,
     ``grad_norm``), :attr:`shapes` and :attr:`touches` (what the layout
     does to each module: placements of its parameters, its pipeline stage).
     """
@@ -74,6 +76,7 @@ class FingerprintHook(Hook):
         self._outputs: Dict[str, list] = {}
         self._order: List[str] = []
         self._grads: Dict[str, tuple] = {}
+        self._grad_order: List[str] = []
         self._losses: List[float] = []
 
     # -- installing ---------------------------------------------------------
@@ -86,6 +89,14 @@ class FingerprintHook(Hook):
             module.register_forward_pre_hook(self._entered(name))
             module.register_forward_hook(self._left(name))
             self.touches[name] = self._placements(module)
+        if not self.reference_shapes:  # the reference: plain parameters
+            # The order gradients are ready in, which names the module a
+            # gradient first differs at (the root's own parameters, used
+            # first, are ready last).
+            for name, param in plain_named_parameters(runner.model):
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(
+                        self._grad_ready(name))
         runner.optim_wrapper.optimizer.register_step_pre_hook(
             lambda *_: self._record_grads())
 
@@ -110,6 +121,12 @@ class FingerprintHook(Hook):
             if self.running and self.running[-1] == name:
                 self.running.pop()
             self._record_output(name, output)
+        return hook
+
+    def _grad_ready(self, name: str):
+        def hook(param):
+            if name not in self._grad_order:
+                self._grad_order.append(name)
         return hook
 
     # -- recording ------------------------------------------------------------
@@ -168,7 +185,8 @@ class FingerprintHook(Hook):
         if not self._grads:  # accumulating: no optimizer step yet
             return
         step = dict(outputs=self._outputs, order=self._order,
-                    grads=self._grads, losses=self._losses,
+                    grads=self._grads, grad_order=self._grad_order,
+                    losses=self._losses,
                     grad_norm=_logged_grad_norm())
         self._new_step()
         merged = merge_ranks(gather_to_rank0(step))
@@ -242,5 +260,6 @@ def merge_ranks(parts: Optional[list]) -> Optional[dict]:
     if not norms:  # no clip: the norm of the (unclipped) full gradients
         norms = [sum(float(g[0][1]) for g in grads.values())**0.5]
     return dict(outputs=outputs, order=order, grads=grads,
+                grad_order=parts[0]['grad_order'],
                 loss=sum(losses) / len(losses) if losses else None,
                 grad_norm=norms[0])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.dataset import DefaultSampler
 from torch import nn
+from torch.nn import functional as F
 
 from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
@@ -65,6 +66,60 @@ class CalibratedViT(DigitsViT):
 
     def pipeline_embed(self, inputs):
         return super().pipeline_embed(self.calib(inputs))
+
+
+class RankSeededDropout(nn.Module):
+    """A user's token dropout drawing from its own generator, seeded from
+    the rank: tensor-parallel replicas of one activation drop different
+    tokens."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.gen = None
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        if self.gen is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.gen = torch.Generator().manual_seed(1000 + rank)
+        keep = torch.rand(x.shape[:-1], generator=self.gen) >= self.p
+        return x * keep.unsqueeze(-1) / (1 - self.p)
+
+
+@MODELS.register_module(force=True)
+class DroppingViT(DigitsViT):
+    """The digits ViT with torch's dropout (the default generator: the same
+    draws at both layouts), then the user's :class:`RankSeededDropout`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(0.1)
+        self.token_drop = RankSeededDropout(0.1)
+
+    def pipeline_embed(self, inputs):
+        return self.token_drop(self.drop(super().pipeline_embed(inputs)))
+
+
+@MODELS.register_module(force=True)
+class UnlabelledViT(DigitsViT):
+    """A user's digits ViT where class 0 is "unlabelled" (not counted): the
+    loss is a mean over the counted samples of this rank's batch, which
+    differs from the mean over the global batch when ranks count
+    differently. ``count=True`` returns the count (``num_tokens``) too, so
+    that mmpar normalises by the count over all ranks."""
+
+    def __init__(self, count: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def pipeline_loss(self, logits, data_samples):
+        targets = data_samples.masked_fill(data_samples == 0, -100)
+        out = dict(loss=F.cross_entropy(logits, targets, ignore_index=-100))
+        if self.count:
+            out['num_tokens'] = (targets != -100).sum().float()
+        return out
 
 
 # -- helpers ------------------------------------------------------------------
@@ -132,6 +187,33 @@ def test_buffer_updated_on_one_rank_named_at_its_step_and_module(
     assert not agree
     assert 'step 0: ' in text and 'agree' in text.splitlines()[0], text
     assert 'step 1 differs first at module `calib`' in text, text
+
+
+def test_rank_seeded_dropout_named_at_its_module(run_dist, tmp_path):
+    # torch's own dropout (module `drop`) runs first and agrees at tp=2;
+    # the user's generator seeded from the rank is the first to differ.
+    agree, text = verify(run_dist, TP, tmp_path,
+                         model=dict(type='DroppingViT'))
+    assert not agree
+    assert 'step 0 differs first at module `token_drop`' in text, text
+    assert '`drop`' in text.splitlines()[1], text
+
+
+def test_loss_averaged_per_rank_named_at_the_head_gradient(run_dist,
+                                                           tmp_path):
+    # Every module output agrees. The loss moves by about 1e-4 only (at the
+    # start every sample's loss is near ln 10, however they are weighed);
+    # the gradient the loss sends back is the first beyond tolerance, at the
+    # head, the first module in backward order.
+    agree, text = verify(run_dist, CONFIG, tmp_path,
+                         model=dict(type='UnlabelledViT'))
+    assert not agree
+    assert 'step 0 differs first at module `head` (gradient of' in text, text
+    assert '(the loss within ' in text and '`norm`, `head`' in text, text
+    # The same loss with its count: mmpar averages over the global count.
+    agree, text = verify(run_dist, CONFIG, tmp_path / 'counted',
+                         model=dict(type='UnlabelledViT', count=True))
+    assert agree, text
 
 
 def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
