@@ -20,9 +20,11 @@ import torch.distributed as dist
 from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from mmpar.verify.fingerprint import row_fingerprint, tensor_fingerprint
+from mmpar.wrappers.base import describe
 from mmpar.wrappers.local_state import (plain_named_modules,
                                         plain_named_parameters)
 
@@ -167,6 +169,19 @@ class FingerprintHook(Hook):
                 old[0] + fp, old[1] + entry[1], old[2] + entry[2])
 
     def _record_grads(self) -> None:
+        root = describe(self._model).state_module
+        if not isinstance(root, FullyShardedDataParallel):
+            self._fingerprint_grads()
+            return
+        # FSDP1's gradients are views into this rank's part of a flat
+        # gradient; its public summon_full_params shows each parameter's
+        # whole gradient under the plain name (collective: every rank's
+        # optimizer step runs this hook).
+        with FullyShardedDataParallel.summon_full_params(
+                root, writeback=False, with_grads=True):
+            self._fingerprint_grads()
+
+    def _fingerprint_grads(self) -> None:
         for name, param in plain_named_parameters(self._model):
             grad = param.grad
             if grad is None or name in self._grads:

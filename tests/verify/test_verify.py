@@ -1,5 +1,5 @@
 """tools/verify.py as a user meets it: the shipped ViT config agrees at
-DDP, FSDP2 and tp=2; a user's own mistakes (their plan, sampler, model
+DDP, FSDP1, FSDP2 and tp=2; a user's own mistakes (their plan, sampler, model
 written here) are named at the right step and module.
 
 The reference runs in this process, the layout on the shared gloo pool
@@ -22,6 +22,7 @@ from tests.e2e import ROOT, run_tool
 from tests.trained import SMALL_MODEL
 
 CONFIG = 'configs/vit_digits/vit_digits.py'
+FSDP1 = 'configs/vit_digits/vit_digits_fsdp.py'
 FSDP2 = 'configs/vit_digits/vit_digits_fsdp2.py'
 TP = 'configs/vit_digits/vit_digits_tp.py'
 TP_CUSTOM = 'configs/vit_digits/vit_digits_tp_custom.py'
@@ -154,6 +155,9 @@ def test_shipped_layouts_agree(run_dist, tmp_path):
     assert f'all {STEPS} steps agree (max relative difference' in text, text
     assert 'rtol 0.001, atol 1e-07' in text, text
     agree, text = verify(run_dist, FSDP2, tmp_path, reference=False)
+    assert agree, text
+    # FSDP1's gradients are views of flat shards: verify shows them whole.
+    agree, text = verify(run_dist, FSDP1, tmp_path, reference=False)
     assert agree, text
     agree, text = verify(run_dist, TP, tmp_path / 'tp')
     assert agree, text
