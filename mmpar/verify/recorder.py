@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from mmpar.verify.fingerprint import row_fingerprint, tensor_fingerprint
+from mmpar.verify.stage_probe import StageProbe
 from mmpar.wrappers.base import describe
 from mmpar.wrappers.local_state import (plain_named_modules,
                                         plain_named_parameters)
@@ -72,6 +73,8 @@ class FingerprintHook(Hook):
         self.touches: Dict[str, List[str]] = {}
         self.running: List[str] = []  # modules entered, not left
         self._tp = None
+        self._probe: Optional[StageProbe] = None
+        self._held: Dict[str, list] = {}  # the stages' shape probe
         self._new_step()
 
     def _new_step(self) -> None:
@@ -87,6 +90,10 @@ class FingerprintHook(Hook):
         if topology is not None and topology.dims.tp > 1:
             self._tp = topology.tp
         self._model = runner.model
+        pipeline = describe(runner.model).pipeline
+        if pipeline is not None:
+            self._probe = StageProbe(pipeline.stage_modules,
+                                     runner.model.num_microbatches)
         for name, module in plain_named_modules(runner.model):
             module.register_forward_pre_hook(self._entered(name))
             module.register_forward_hook(self._left(name))
@@ -154,19 +161,17 @@ class FingerprintHook(Hook):
         if name not in self._outputs:
             self._order.append(name)
             self._outputs[name] = [None] * len(leaves)
-        slots = self._outputs[name]
-        for index, tensor in enumerate(leaves[:len(slots)]):
+        store = self._held if self._probe and self._probe.active \
+            else self._outputs
+        for index, tensor in enumerate(leaves):
             tensor = self._full(name, index, tensor)
             if tensor.dim() == 0:  # a scalar (a loss): compared as the loss
                 continue
             self.shapes.setdefault((name, index), tuple(tensor.shape))
-            fp = row_fingerprint(tensor)
             rows = (tensor.numel() // max(tensor.shape[-1], 1)
                     if tensor.dim() > 1 else tensor.numel())
-            entry = (fp, float(rows), tensor.numel())
-            old = slots[index]
-            slots[index] = entry if old is None else (
-                old[0] + fp, old[1] + entry[1], old[2] + entry[2])
+            _add(store, name, len(leaves), index,
+                 (row_fingerprint(tensor), float(rows), tensor.numel()))
 
     def _record_grads(self) -> None:
         root = describe(self._model).state_module
@@ -199,6 +204,14 @@ class FingerprintHook(Hook):
             self._losses.append(float(outputs['loss'].detach()))
         if not self._grads:  # accumulating: no optimizer step yet
             return
+        if self._probe is not None and self._probe.first_step:
+            if not self._probe.was_probe():  # real micro-batches: count them
+                for name, slots in self._held.items():
+                    for index, entry in enumerate(slots):
+                        if entry is not None:
+                            _add(self._outputs, name, len(slots), index,
+                                 entry)
+            self._held = {}
         step = dict(outputs=self._outputs, order=self._order,
                     grads=self._grads, grad_order=self._grad_order,
                     losses=self._losses,
@@ -221,6 +234,18 @@ class FingerprintHook(Hook):
                     self.touches.setdefault(name, [])
                     self.touches[name] = sorted(
                         set(self.touches[name]) | set(found))
+
+
+def _add(store: Dict[str, list], name: str, num_outputs: int, index: int,
+         entry: tuple) -> None:
+    """Add one call's ``(fingerprint, rows, elements)`` of output
+    ``index`` to ``store[name]`` (fingerprints add up over calls)."""
+    slots = store.setdefault(name, [None] * num_outputs)
+    if index >= len(slots):
+        return
+    old = slots[index]
+    slots[index] = entry if old is None else tuple(
+        a + b for a, b in zip(old, entry))
 
 
 def _logged_grad_norm() -> Optional[float]:

@@ -1,6 +1,6 @@
 """tools/verify.py as a user meets it: the shipped ViT config agrees at
-DDP, FSDP1, FSDP2 and tp=2; a user's own mistakes (their plan, sampler, model
-written here) are named at the right step and module.
+DDP, FSDP1, FSDP2, tp=2 and pp=2; a user's own mistakes (their plan,
+sampler, loss, model written here) are named at the right step and module.
 
 The reference runs in this process, the layout on the shared gloo pool
 (``run_dist``), through the same functions the tool calls; one launch of
@@ -25,6 +25,7 @@ CONFIG = 'configs/vit_digits/vit_digits.py'
 FSDP1 = 'configs/vit_digits/vit_digits_fsdp.py'
 FSDP2 = 'configs/vit_digits/vit_digits_fsdp2.py'
 TP = 'configs/vit_digits/vit_digits_tp.py'
+PP = 'configs/vit_digits/vit_digits_pp.py'
 TP_CUSTOM = 'configs/vit_digits/vit_digits_tp_custom.py'
 STEPS = 2
 TOL = dict(rtol=1e-3, atol=1e-7)
@@ -160,6 +161,17 @@ def test_shipped_layouts_agree(run_dist, tmp_path):
     agree, text = verify(run_dist, FSDP1, tmp_path, reference=False)
     assert agree, text
     agree, text = verify(run_dist, TP, tmp_path / 'tp')
+    assert agree, text
+
+
+def test_pipeline_agrees(run_dist, tmp_path):
+    # torch's stages run once more at the first step to infer shapes; that
+    # call is no micro-batch of the reference and is not counted.
+    # The small model has 2 blocks: the split moves to the second.
+    pipeline = dict(split_points=['blocks.1'], schedule='1F1B',
+                    num_microbatches=4)
+    agree, text = verify(run_dist, PP, tmp_path,
+                         parallel=dict(pp=2, pipeline=pipeline))
     assert agree, text
 
 
