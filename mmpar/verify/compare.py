@@ -1,7 +1,7 @@
 """Compare a layout's step records with the reference's and say where they
 first part: the first step, and in it the first module in execution order
-(forward outputs in the order modules finish, then the loss and the global
-grad norm, then parameter gradients in backward order) whose fingerprint
+(forward outputs in the order modules finish, then the loss, then
+parameter gradients in backward order, then the global grad norm) whose fingerprint
 differs beyond ``atol + rtol x size``."""
 import fnmatch
 from dataclasses import dataclass, field
@@ -61,12 +61,14 @@ def _checks(ref: dict, got: dict):
             yield (label, name, lambda r, a, fp=fp, want=want:
                    _difference(fp, want[0], want[2], want[1], r, a))
     yield ('loss', None, lambda r, a: _scalar(got['loss'], ref['loss'], r, a))
-    yield ('global grad norm', None,
-           lambda r, a: _scalar(got['grad_norm'], ref['grad_norm'], r, a))
     position = {name: i for i, name in enumerate(ref['order'])}
+    ready = {name: i for i, name in enumerate(ref.get('grad_order', ()))}
 
-    def backward_order(param: str) -> int:
-        return -position.get(param.rpartition('.')[0], -1)
+    def backward_order(param: str) -> tuple:
+        # As the reference's gradients were ready; else the reverse of the
+        # owner's forward.
+        return (ready.get(param, len(ready)),
+                -position.get(param.rpartition('.')[0], -1))
 
     for param in sorted(ref['grads'], key=backward_order):
         have = got['grads'].get(param)
@@ -77,6 +79,10 @@ def _checks(ref: dict, got: dict):
                param.rpartition('.')[0],
                lambda r, a, have=have, want=want:
                _difference(have[0], want[0], want[2], want[1], r, a))
+    # Last: the norm is computed from the gradients above, which name a
+    # module; it alone differs when only its reduction is wrong.
+    yield ('global grad norm', None,
+           lambda r, a: _scalar(got['grad_norm'], ref['grad_norm'], r, a))
 
 
 def plan_entries(tp_plan, module: str) -> List[str]:
@@ -108,23 +114,26 @@ def compare(reference: List[dict], layout: List[dict], *, rtol: float,
     for step, (ref, got) in enumerate(zip(reference, layout)):
         agreed: List[str] = []
         count = 0
+        loss = ''
         for label, module, check in _checks(ref, got):
             ok, rel = check(rtol, atol)
             if ok:
                 worst = max(worst, rel)
                 count += 1
+                if label == 'loss':
+                    loss = f' (the loss within {rel:.3g})'
                 if module is not None and label.startswith('output'):
                     agreed.append(module)
                 continue
-            where = f'module `{module}` ({label})' if module is not None \
-                else label
+            where = f'module `{module or "(the model itself)"}` ({label})' \
+                if module is not None else label
             lines.append(f'step {step} differs first at {where}: relative '
                          f'difference {rel:.3g} (rtol {rtol:g}, atol '
                          f'{atol:g})')
             shown = ', '.join(f'`{m}`' for m in agreed[-5:])
             more = f'{len(agreed) - 5} more, then ' if len(agreed) > 5 else ''
             lines.append(f'  agreed before it in step {step}: {count} values'
-                         + (f'; module outputs: {more}{shown}'
+                         + loss + (f'; module outputs: {more}{shown}'
                             if agreed else ''))
             lines.append('  layout on it: ' + touching(module, touches,
                                                         tp_plan, axes_line))

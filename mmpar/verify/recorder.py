@@ -20,9 +20,12 @@ import torch.distributed as dist
 from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from mmpar.verify.fingerprint import row_fingerprint, tensor_fingerprint
+from mmpar.verify.stage_probe import StageProbe
+from mmpar.wrappers.base import describe
 from mmpar.wrappers.local_state import (plain_named_modules,
                                         plain_named_parameters)
 
@@ -55,7 +58,9 @@ class FingerprintHook(Hook):
 
     After training, :attr:`steps` (rank 0; one dict a step: ``outputs``
     ``{module: [(fingerprint, rows, elements) per output]}``, ``order``,
-    ``grads`` ``{parameter: (fingerprint, rows, elements)}``, ``loss``,
+    ``grads`` ``{parameter: (fingerprint, rows, elements)}``,
+    ``grad_order`` (the order gradients were ready in; the reference run
+    only), ``loss``,
     ``grad_norm``), :attr:`shapes` and :attr:`touches` (what the layout
     does to each module: placements of its parameters, its pipeline stage).
     """
@@ -68,12 +73,15 @@ class FingerprintHook(Hook):
         self.touches: Dict[str, List[str]] = {}
         self.running: List[str] = []  # modules entered, not left
         self._tp = None
+        self._probe: Optional[StageProbe] = None
+        self._held: Dict[str, list] = {}  # the stages' shape probe
         self._new_step()
 
     def _new_step(self) -> None:
         self._outputs: Dict[str, list] = {}
         self._order: List[str] = []
         self._grads: Dict[str, tuple] = {}
+        self._grad_order: List[str] = []
         self._losses: List[float] = []
 
     # -- installing ---------------------------------------------------------
@@ -82,10 +90,22 @@ class FingerprintHook(Hook):
         if topology is not None and topology.dims.tp > 1:
             self._tp = topology.tp
         self._model = runner.model
+        pipeline = describe(runner.model).pipeline
+        if pipeline is not None:
+            self._probe = StageProbe(pipeline.stage_modules,
+                                     runner.model.num_microbatches)
         for name, module in plain_named_modules(runner.model):
             module.register_forward_pre_hook(self._entered(name))
             module.register_forward_hook(self._left(name))
             self.touches[name] = self._placements(module)
+        if not self.reference_shapes:  # the reference: plain parameters
+            # The order gradients are ready in, which names the module a
+            # gradient first differs at (the root's own parameters, used
+            # first, are ready last).
+            for name, param in plain_named_parameters(runner.model):
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(
+                        self._grad_ready(name))
         runner.optim_wrapper.optimizer.register_step_pre_hook(
             lambda *_: self._record_grads())
 
@@ -112,6 +132,12 @@ class FingerprintHook(Hook):
             self._record_output(name, output)
         return hook
 
+    def _grad_ready(self, name: str):
+        def hook(param):
+            if name not in self._grad_order:
+                self._grad_order.append(name)
+        return hook
+
     # -- recording ------------------------------------------------------------
     def _full(self, name: str, index: int, tensor: torch.Tensor):
         if isinstance(tensor, DTensor):
@@ -135,21 +161,32 @@ class FingerprintHook(Hook):
         if name not in self._outputs:
             self._order.append(name)
             self._outputs[name] = [None] * len(leaves)
-        slots = self._outputs[name]
-        for index, tensor in enumerate(leaves[:len(slots)]):
+        store = self._held if self._probe and self._probe.active \
+            else self._outputs
+        for index, tensor in enumerate(leaves):
             tensor = self._full(name, index, tensor)
             if tensor.dim() == 0:  # a scalar (a loss): compared as the loss
                 continue
             self.shapes.setdefault((name, index), tuple(tensor.shape))
-            fp = row_fingerprint(tensor)
             rows = (tensor.numel() // max(tensor.shape[-1], 1)
                     if tensor.dim() > 1 else tensor.numel())
-            entry = (fp, float(rows), tensor.numel())
-            old = slots[index]
-            slots[index] = entry if old is None else (
-                old[0] + fp, old[1] + entry[1], old[2] + entry[2])
+            _add(store, name, len(leaves), index,
+                 (row_fingerprint(tensor), float(rows), tensor.numel()))
 
     def _record_grads(self) -> None:
+        root = describe(self._model).state_module
+        if not isinstance(root, FullyShardedDataParallel):
+            self._fingerprint_grads()
+            return
+        # FSDP1's gradients are views into this rank's part of a flat
+        # gradient; its public summon_full_params shows each parameter's
+        # whole gradient under the plain name (collective: every rank's
+        # optimizer step runs this hook).
+        with FullyShardedDataParallel.summon_full_params(
+                root, writeback=False, with_grads=True):
+            self._fingerprint_grads()
+
+    def _fingerprint_grads(self) -> None:
         for name, param in plain_named_parameters(self._model):
             grad = param.grad
             if grad is None or name in self._grads:
@@ -167,8 +204,17 @@ class FingerprintHook(Hook):
             self._losses.append(float(outputs['loss'].detach()))
         if not self._grads:  # accumulating: no optimizer step yet
             return
+        if self._probe is not None and self._probe.first_step:
+            if not self._probe.was_probe():  # real micro-batches: count them
+                for name, slots in self._held.items():
+                    for index, entry in enumerate(slots):
+                        if entry is not None:
+                            _add(self._outputs, name, len(slots), index,
+                                 entry)
+            self._held = {}
         step = dict(outputs=self._outputs, order=self._order,
-                    grads=self._grads, losses=self._losses,
+                    grads=self._grads, grad_order=self._grad_order,
+                    losses=self._losses,
                     grad_norm=_logged_grad_norm())
         self._new_step()
         merged = merge_ranks(gather_to_rank0(step))
@@ -188,6 +234,18 @@ class FingerprintHook(Hook):
                     self.touches.setdefault(name, [])
                     self.touches[name] = sorted(
                         set(self.touches[name]) | set(found))
+
+
+def _add(store: Dict[str, list], name: str, num_outputs: int, index: int,
+         entry: tuple) -> None:
+    """Add one call's ``(fingerprint, rows, elements)`` of output
+    ``index`` to ``store[name]`` (fingerprints add up over calls)."""
+    slots = store.setdefault(name, [None] * num_outputs)
+    if index >= len(slots):
+        return
+    old = slots[index]
+    slots[index] = entry if old is None else tuple(
+        a + b for a, b in zip(old, entry))
 
 
 def _logged_grad_norm() -> Optional[float]:
@@ -242,5 +300,6 @@ def merge_ranks(parts: Optional[list]) -> Optional[dict]:
     if not norms:  # no clip: the norm of the (unclipped) full gradients
         norms = [sum(float(g[0][1]) for g in grads.values())**0.5]
     return dict(outputs=outputs, order=order, grads=grads,
+                grad_order=parts[0]['grad_order'],
                 loss=sum(losses) / len(losses) if losses else None,
                 grad_norm=norms[0])

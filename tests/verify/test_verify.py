@@ -1,6 +1,6 @@
 """tools/verify.py as a user meets it: the shipped ViT config agrees at
-DDP, FSDP2 and tp=2; a user's own mistakes (their plan, sampler, model
-written here) are named at the right step and module.
+DDP, FSDP1, FSDP2, tp=2 and pp=2; a user's own mistakes (their plan,
+sampler, loss, model written here) are named at the right step and module.
 
 The reference runs in this process, the layout on the shared gloo pool
 (``run_dist``), through the same functions the tool calls; one launch of
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.dataset import DefaultSampler
 from torch import nn
+from torch.nn import functional as F
 
 from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
@@ -21,8 +22,10 @@ from tests.e2e import ROOT, run_tool
 from tests.trained import SMALL_MODEL
 
 CONFIG = 'configs/vit_digits/vit_digits.py'
+FSDP1 = 'configs/vit_digits/vit_digits_fsdp.py'
 FSDP2 = 'configs/vit_digits/vit_digits_fsdp2.py'
 TP = 'configs/vit_digits/vit_digits_tp.py'
+PP = 'configs/vit_digits/vit_digits_pp.py'
 TP_CUSTOM = 'configs/vit_digits/vit_digits_tp_custom.py'
 STEPS = 2
 TOL = dict(rtol=1e-3, atol=1e-7)
@@ -67,6 +70,60 @@ class CalibratedViT(DigitsViT):
         return super().pipeline_embed(self.calib(inputs))
 
 
+class RankSeededDropout(nn.Module):
+    """A user's token dropout drawing from its own generator, seeded from
+    the rank: tensor-parallel replicas of one activation drop different
+    tokens."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.gen = None
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        if self.gen is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.gen = torch.Generator().manual_seed(1000 + rank)
+        keep = torch.rand(x.shape[:-1], generator=self.gen) >= self.p
+        return x * keep.unsqueeze(-1) / (1 - self.p)
+
+
+@MODELS.register_module(force=True)
+class DroppingViT(DigitsViT):
+    """The digits ViT with torch's dropout (the default generator: the same
+    draws at both layouts), then the user's :class:`RankSeededDropout`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(0.1)
+        self.token_drop = RankSeededDropout(0.1)
+
+    def pipeline_embed(self, inputs):
+        return self.token_drop(self.drop(super().pipeline_embed(inputs)))
+
+
+@MODELS.register_module(force=True)
+class UnlabelledViT(DigitsViT):
+    """A user's digits ViT where class 0 is "unlabelled" (not counted): the
+    loss is a mean over the counted samples of this rank's batch, which
+    differs from the mean over the global batch when ranks count
+    differently. ``count=True`` returns the count (``num_tokens``) too, so
+    that mmpar normalises by the count over all ranks."""
+
+    def __init__(self, count: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def pipeline_loss(self, logits, data_samples):
+        targets = data_samples.masked_fill(data_samples == 0, -100)
+        out = dict(loss=F.cross_entropy(logits, targets, ignore_index=-100))
+        if self.count:
+            out['num_tokens'] = (targets != -100).sum().float()
+        return out
+
+
 # -- helpers ------------------------------------------------------------------
 def user_cfg(config, **updates):
     cfg = Config.fromfile(str(ROOT / config))
@@ -100,7 +157,21 @@ def test_shipped_layouts_agree(run_dist, tmp_path):
     assert 'rtol 0.001, atol 1e-07' in text, text
     agree, text = verify(run_dist, FSDP2, tmp_path, reference=False)
     assert agree, text
+    # FSDP1's gradients are views of flat shards: verify shows them whole.
+    agree, text = verify(run_dist, FSDP1, tmp_path, reference=False)
+    assert agree, text
     agree, text = verify(run_dist, TP, tmp_path / 'tp')
+    assert agree, text
+
+
+def test_pipeline_agrees(run_dist, tmp_path):
+    # torch's stages run once more at the first step to infer shapes; that
+    # call is no micro-batch of the reference and is not counted.
+    # The small model has 2 blocks: the split moves to the second.
+    pipeline = dict(split_points=['blocks.1'], schedule='1F1B',
+                    num_microbatches=4)
+    agree, text = verify(run_dist, PP, tmp_path,
+                         parallel=dict(pp=2, pipeline=pipeline))
     assert agree, text
 
 
@@ -132,6 +203,33 @@ def test_buffer_updated_on_one_rank_named_at_its_step_and_module(
     assert not agree
     assert 'step 0: ' in text and 'agree' in text.splitlines()[0], text
     assert 'step 1 differs first at module `calib`' in text, text
+
+
+def test_rank_seeded_dropout_named_at_its_module(run_dist, tmp_path):
+    # torch's own dropout (module `drop`) runs first and agrees at tp=2;
+    # the user's generator seeded from the rank is the first to differ.
+    agree, text = verify(run_dist, TP, tmp_path,
+                         model=dict(type='DroppingViT'))
+    assert not agree
+    assert 'step 0 differs first at module `token_drop`' in text, text
+    assert '`drop`' in text.splitlines()[1], text
+
+
+def test_loss_averaged_per_rank_named_at_the_head_gradient(run_dist,
+                                                           tmp_path):
+    # Every module output agrees. The loss moves by about 1e-4 only (at the
+    # start every sample's loss is near ln 10, however they are weighed);
+    # the gradient the loss sends back is the first beyond tolerance, at the
+    # head, the first module in backward order.
+    agree, text = verify(run_dist, CONFIG, tmp_path,
+                         model=dict(type='UnlabelledViT'))
+    assert not agree
+    assert 'step 0 differs first at module `head` (gradient of' in text, text
+    assert '(the loss within ' in text and '`norm`, `head`' in text, text
+    # The same loss with its count: mmpar averages over the global count.
+    agree, text = verify(run_dist, CONFIG, tmp_path / 'counted',
+                         model=dict(type='UnlabelledViT', count=True))
+    assert agree, text
 
 
 def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
