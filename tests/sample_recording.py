@@ -1,18 +1,21 @@
 """Test-only recorders, loaded into a run with ``custom_imports``: which
-sample ids each rank trains on at each iteration, and its loss.
+sample ids each rank trains on at each iteration, and its loss; how many
+samples an evaluation counted.
 
 ``RecordedDigits`` remembers the ids it reads (``num_workers=0``: in the
 rank's own process); ``RecordSamples`` writes, after every train iteration,
-one JSON line per rank to ``WORK_DIR/samples_rank{R}.jsonl``.
+one JSON line per rank to ``WORK_DIR/samples_rank{R}.jsonl``;
+``CountSamples`` is a metric whose value is the number of results it got.
 """
 import json
 import os
 
 from mmengine.dist import get_rank, get_world_size
+from mmengine.evaluator import BaseMetric
 from mmengine.hooks import Hook
 
 from mmpar.datasets import DigitsDataset
-from mmpar.registry import DATASETS, HOOKS
+from mmpar.registry import DATASETS, HOOKS, METRICS
 
 
 @DATASETS.register_module()
@@ -47,6 +50,18 @@ class RecordSamples(Hook):
         path = os.path.join(runner.work_dir, f'samples_rank{get_rank()}.jsonl')
         with open(path, 'a') as f:
             f.write(json.dumps(line) + '\n')
+
+
+@METRICS.register_module()
+class CountSamples(BaseMetric):
+    """``count``: the results collected over all ranks (after MMEngine drops
+    the sampler's padding), and ``labels``: the sum of their labels."""
+
+    def process(self, data_batch, data_samples):
+        self.results.extend(int(s['gt_label']) for s in data_samples)
+
+    def compute_metrics(self, results):
+        return dict(count=len(results), labels=sum(results))
 
 
 def read_records(work_dir) -> dict:

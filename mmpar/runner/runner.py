@@ -15,6 +15,7 @@ from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
 from mmengine.runner import CheckpointLoader
+from mmengine.runner import EpochBasedTrainLoop as MMEngineEpochBasedTrainLoop
 from mmengine.runner import Runner as MMEngineRunner
 from torch import nn
 
@@ -35,6 +36,7 @@ from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
 from mmpar.runner.checkpoint_hook import with_async_hook
 from mmpar.runner.data_position import META_KEY as POSITION_KEY
 from mmpar.runner.data_position import restore_position
+from mmpar.runner.even_data import check_even_work
 from mmpar.runner.ema import EMAHooks
 from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
@@ -236,7 +238,33 @@ class Runner(MMEngineRunner):
             loop = {k: v for k, v in loop.items() if k != 'by_epoch'}
             loop['type'] = ('mmpar.EpochBasedTrainLoop' if by_epoch else
                             'mmpar.IterBasedTrainLoop')
-        return super().build_train_loop(loop)
+        built = super().build_train_loop(loop)
+        by_epoch = isinstance(built, MMEngineEpochBasedTrainLoop)
+        check_even_work(built.dataloader, 'train_dataloader',
+                        every_rank_steps=not by_epoch, same_count=by_epoch)
+        return built
+
+    def build_val_loop(self, loop):
+        """MMEngine's, refusing data on which the ranks of a model with
+        collectives in its forward would wait for each other
+        (:mod:`mmpar.runner.even_data`)."""
+        return self._even_eval(super().build_val_loop(loop), 'val')
+
+    def build_test_loop(self, loop):
+        """As :meth:`build_val_loop`, for the test loop."""
+        return self._even_eval(super().build_test_loop(loop), 'test')
+
+    def _even_eval(self, loop, name: str):
+        described = describe(self.model)
+        dims = self.topology.dims if self.topology is not None else None
+        collective_forward = (
+            described.holds_shards or described.shards_parameters or
+            dims is not None and (self.topology.dp_size != dims.world_size
+                                  or dims.ep_enabled))
+        check_even_work(getattr(loop, 'dataloader', None),
+                        f'{name}_dataloader', every_rank_steps=False,
+                        same_count=collective_forward)
+        return loop
 
     def call_hook(self, fn_name: str, **kwargs) -> None:
         """MMEngine's, except that an ``EMAHook``'s ``before_run`` builds
