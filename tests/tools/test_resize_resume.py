@@ -30,7 +30,7 @@ LOSS_RTOL = 1e-4
 def _config(path, *lines) -> str:
     path.write_text('\n'.join([
         f"_base_ = '{ROOT / 'configs/vit_digits/vit_digits.py'}'",
-        f'model = dict({", ".join(f"{k}={v}" for k, v in SMALL_MODEL.items())})',
+        f'model = dict(**{SMALL_MODEL})',
         "custom_imports = dict(imports=['tests.sample_recording'], "
         'allow_failed_imports=False)',
         'train_dataloader = dict(batch_size=4, dataset=dict('
