@@ -35,13 +35,12 @@ def batches_per_rank(loader: DataLoader) -> Optional[List[float]]:
     MMEngine's (its arithmetic unknown here)."""
     sampler = getattr(loader, 'sampler', None)
     batch_size = getattr(loader, 'batch_size', None)
-    if batch_size is None:  # a batch_sampler of the user's
-        return None
+    if batch_size is None or not isinstance(
+            sampler, (InfiniteSampler, DefaultSampler)):
+        return None  # a batch_sampler or a sampler of the user's
     num_samples = len(loader.dataset)
     if isinstance(sampler, InfiniteSampler):
         return [math.inf if num_samples else 0] * sampler.world_size
-    if not isinstance(sampler, DefaultSampler):
-        return None
     size = sampler.world_size
     if sampler.round_up:
         samples = [math.ceil(num_samples / size)] * size
