@@ -139,3 +139,149 @@ def test_topology_groups_keep_the_configured_timeout(run_dist):
         assert configured == world
         assert configured.total_seconds() == 120
         assert group_timeouts == [world] * 3
+
+
+# -- the uneven-data matrix -------------------------------------------------
+# Data set sizes that no number of ranks x batch divides (and smaller than
+# the ranks), drop_last either way, epoch- and iteration-based training with
+# validation and test, under replicas (DDP, bucketed) and a sharded model
+# (FSDP2), on the 2-rank pool. Each case ends, within CASE_TIMEOUT_S (far
+# below the pool's 120 s collective timeout, so a hang fails fast), either
+# trained with every evaluated sample counted once, or refused at start-up
+# naming the key (mmpar/runner/even_data.py).
+CASE_TIMEOUT_S = 60
+BUCKETED = dict(type='MMBucketDataParallel')
+UNEVEN_CASES = {
+    # id: (wrapper, by_epoch, train size, eval size, drop_last,
+    #      train round_up, eval round_up, refused key or None)
+    'ddp-epoch-odd-sizes': ('ddp', True, 7, 5, False, True, True, None),
+    'fsdp2-epoch-drop-last': ('fsdp2', True, 7, 5, True, True, True, None),
+    'bucketed-iter-smaller-than-ranks': ('bucketed', False, 1, 1, False,
+                                         True, True, None),
+    'fsdp2-iter-drop-last': ('fsdp2', False, 3, 3, True, True, True, None),
+    'ddp-eval-uneven-split': ('ddp', True, 8, 5, False, True, False, None),
+    'ddp-epoch-uneven-train': ('ddp', True, 5, 5, False, False, True,
+                               'train_dataloader'),
+    'fsdp2-eval-uneven-split': ('fsdp2', True, 8, 5, False, True, False,
+                                'val_dataloader'),
+    'ddp-iter-rank-without-data': ('ddp', False, 1, 3, False, False, True,
+                                   'train_dataloader'),
+}
+EVAL_BATCH = TRAIN_BATCH = 2
+
+
+def _uneven_cfg(work_dir, name, wrapper, by_epoch, train_size, eval_size,
+                drop_last, train_round_up, eval_round_up):
+    from mmengine.config import Config
+
+    from tests.e2e import VIT_FSDP2
+    from tests.trained import SMALL_MODEL
+    cfg = Config.fromfile(str(ROOT / DEFAULT_CONFIG))
+    cfg.model.update(SMALL_MODEL)
+    if wrapper != 'ddp':
+        cfg.model_wrapper_cfg = VIT_FSDP2 if wrapper == 'fsdp2' else BUCKETED
+    cfg.custom_imports = dict(imports=['tests.sample_recording'],
+                              allow_failed_imports=False)
+    if by_epoch or not train_round_up:
+        sampler = dict(type='DefaultSampler', shuffle=True,
+                       round_up=train_round_up)
+    else:
+        sampler = dict(type='InfiniteSampler', shuffle=True)
+    cfg.train_dataloader.update(
+        batch_size=TRAIN_BATCH, drop_last=drop_last, sampler=sampler,
+        dataset=dict(type='RecordedDigits', num_samples=train_size))
+    cfg.train_cfg = (dict(by_epoch=True, max_epochs=1, val_interval=1)
+                     if by_epoch else
+                     dict(by_epoch=False, max_iters=2, val_interval=2))
+    cfg.val_dataloader = dict(
+        cfg.val_dataloader, batch_size=EVAL_BATCH, drop_last=drop_last,
+        sampler=dict(type='DefaultSampler', shuffle=False,
+                     round_up=eval_round_up),
+        dataset=dict(type='RecordedDigits', split='val',
+                     num_samples=eval_size))
+    cfg.test_dataloader = cfg.val_dataloader
+    cfg.val_evaluator = cfg.test_evaluator = dict(type='CountSamples')
+    cfg.default_hooks.checkpoint = None
+    cfg.log_processor = dict(by_epoch=by_epoch)
+    cfg.update(launcher='pytorch', work_dir=str(work_dir),
+               experiment_name=name)
+    return cfg
+
+
+def _ready():
+    return True
+
+
+def _uneven_case(work_dir, name, *case):
+    """Train (with validation) and test; returns (iterations, val metrics,
+    test metrics), or the refusal's message."""
+    from mmpar.failures import ConfigError
+    from mmpar.runner import Runner
+    try:
+        runner = Runner.from_cfg(_uneven_cfg(work_dir, name, *case))
+        runner.train()
+        val = {key: runner.message_hub.get_scalar(f'val/{key}').current()
+               for key in ('count', 'labels')}
+        return runner.iter, val, runner.test()
+    except ConfigError as err:
+        return str(err)
+
+
+def _expected_count(size, drop_last, round_up, num_ranks=2):
+    """Samples evaluated: each rank's share (padded by round_up), less
+    drop_last's partial batch, the padding dropped again."""
+    shares = ([-(-size // num_ranks)] * num_ranks if round_up else
+              [len(range(r, size, num_ranks)) for r in range(num_ranks)])
+    if drop_last:
+        shares = [n - n % EVAL_BATCH for n in shares]
+    return min(size, sum(shares))
+
+
+@pytest.mark.parametrize('case', sorted(UNEVEN_CASES))
+def test_uneven_data_ends_without_a_hang(case, run_dist, tmp_path):
+    from mmpar.datasets import DigitsDataset
+    *config, refused = UNEVEN_CASES[case]
+    run_dist(_ready)  # the pool started (not counted in the case's time)
+    results = run_dist(_uneven_case, tmp_path, f'{case}-{id(tmp_path)}',
+                       *config, timeout=CASE_TIMEOUT_S)
+    if refused:
+        for message in results:
+            assert isinstance(message, str), message
+            assert message.startswith(f'{refused}: '), message
+            assert 'Allowed:' in message
+        return
+    _, by_epoch, train_size, eval_size, drop_last, _, round_up = config
+    labels = DigitsDataset('val').labels
+    expected = _expected_count(eval_size, drop_last, round_up)
+    per_rank = -(-train_size // 2)  # round_up's share
+    iters = (2 if not by_epoch else per_rank // TRAIN_BATCH if drop_last
+             else -(-per_rank // TRAIN_BATCH))
+    for trained, val, test in results:
+        assert trained == iters
+        assert val['count'] == test['count'] == expected
+        if expected == eval_size:  # every sample once, none twice
+            assert val['labels'] == test['labels'] == \
+                int(labels[:eval_size].sum())
+
+
+def test_odd_sizes_under_fsdp2_end_through_the_tool(tmp_path):
+    """The launcher's path: FSDP2 on 2 processes, 7 training samples in
+    batches of 2 with drop_last, 5 validation samples: ends, every
+    validation sample counted once."""
+    from tests.e2e import VIT_FSDP2
+    config = write_config(
+        tmp_path / 'cfg.py',
+        "custom_imports = dict(imports=['tests.sample_recording'], "
+        'allow_failed_imports=False)',
+        f'model_wrapper_cfg = {VIT_FSDP2}',
+        'model = dict(embed_dim=16, depth=2, num_heads=2)',
+        'train_dataloader = dict(batch_size=2, drop_last=True, '
+        "dataset=dict(type='RecordedDigits', num_samples=7))",
+        'val_dataloader = dict(batch_size=2, '
+        "dataset=dict(type='RecordedDigits', split='val', num_samples=5))",
+        "val_evaluator = dict(type='CountSamples')")
+    proc = dist_train(config, tmp_path / 'work')
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    # 3 samples a rank (one repeat), 2 batches; the repeat dropped.
+    assert 'Epoch(val) [1][2/2]    count: 5 ' in output, output[-3000:]

@@ -11,6 +11,8 @@ from mmengine.hooks import Hook
 
 from mmpar.checkpoint import all_rng_states, from_plain, to_cpu, to_plain
 from mmpar.registry import HOOKS
+from mmpar.runner.data_position import META_KEY as POSITION_KEY
+from mmpar.runner.data_position import saved_position
 
 
 @HOOKS.register_module()
@@ -26,16 +28,18 @@ class PlainCheckpointHook(Hook):
         if 'message_hub' in checkpoint:
             checkpoint['message_hub'] = from_plain(checkpoint['message_hub'])
         # Restored by Runner.resume once MMEngine's resume has finished (it
-        # may reseed); a plain load_from leaves the generators alone.
+        # may reseed); a plain load_from leaves the generators alone. So is
+        # the data position (in the meta).
         runner._loaded_rng_states = checkpoint.get('rng_states')
+        runner._loaded_meta = checkpoint.get('meta') or {}
 
 
 def checkpoint_extras(runner,
                       meta: Optional[dict] = None,
                       by_epoch: bool = True,
                       save_param_scheduler: bool = True) -> dict:
-    """The checkpoint without model and optimizer state: ``meta``,
-    ``message_hub``, ``param_schedulers`` and every rank's RNG states, read
+    """The checkpoint without model and optimizer state: ``meta`` (with the
+    data position, :mod:`mmpar.runner.data_position`), ``message_hub``, ``param_schedulers`` and every rank's RNG states, read
     from the Runner (both formats share it; a collective: every rank calls
     it)."""
     import time
@@ -50,6 +54,7 @@ def checkpoint_extras(runner,
     else:
         meta.setdefault('epoch', runner.epoch)
         meta.setdefault('iter', runner.iter + 1)
+    meta.setdefault(POSITION_KEY, saved_position(runner, by_epoch))
     meta.update(
         cfg=runner.cfg.pretty_text,
         seed=runner.seed,

@@ -1,18 +1,24 @@
-"""Iteration-based training that resumes without replaying the data loader.
+"""Training loops that resume at the exact sample without replaying data.
 
 MMEngine's ``IterBasedTrainLoop`` resumes at iteration k by calling
 ``next(dataloader)`` k times: every skipped batch is loaded, decoded and
 collated again, which on large data takes hours. mmpar's loop instead tells a
 :class:`SkippableInfiniteSampler` where to start, so the first batch after a
-resume is the one the uninterrupted run would have seen next.
+resume is the one the uninterrupted run would have seen next. MMEngine's
+``EpochBasedTrainLoop`` restarts a checkpointed epoch from its first batch
+(training on its first part twice); mmpar's starts a
+:class:`SkippableDefaultSampler` at the checkpoint's position in the epoch
+(:mod:`mmpar.runner.data_position`), also on another number of data ranks.
 """
 import itertools
 import logging
 from typing import Iterator
 
 import torch
+from mmengine.dataset import DefaultSampler as MMEngineDefaultSampler
 from mmengine.dataset import InfiniteSampler as MMEngineInfiniteSampler
 from mmengine.logging import print_log
+from mmengine.runner import EpochBasedTrainLoop as MMEngineEpochBasedTrainLoop
 from mmengine.runner import IterBasedTrainLoop as MMEngineIterBasedTrainLoop
 # The iterator MMEngine's loop uses (private; no public equivalent).
 from mmengine.runner.loops import _InfiniteDataloaderIterator
@@ -61,6 +67,34 @@ class SkippableInfiniteSampler(MMEngineInfiniteSampler):
                                 self.world_size)
 
 
+@DATA_SAMPLERS.register_module('DefaultSampler')
+class SkippableDefaultSampler(MMEngineDefaultSampler):
+    """MMEngine's ``DefaultSampler`` whose next epoch can start at a global
+    position of its order.
+
+    Registered as ``DefaultSampler`` in the ``mmpar`` scope; the indices are
+    MMEngine's.
+    """
+
+    _start = 0
+
+    def skip(self, num_samples: int) -> None:
+        """Start the next epoch after its first ``num_samples`` global
+        positions (a multiple of the number of data ranks), then go on
+        whole."""
+        if num_samples % self.world_size:
+            raise ValueError(f'cannot skip {num_samples} samples on '
+                             f'{self.world_size} data ranks: not a multiple')
+        self._start = num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        # This rank holds global positions rank, rank + W, ...: the first
+        # num_samples of them are its first num_samples / W.
+        indices = list(super().__iter__())[self._start // self.world_size:]
+        self._start = 0
+        return iter(indices)
+
+
 class _ReplayAnsweredIterator:
     """Answers MMEngine's ``k`` replay calls to ``next()`` without loading
     data (the sampler already starts after those batches), then delegates."""
@@ -106,3 +140,51 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
         sampler.skip(self.iter * self.dataloader.batch_size)
         self.dataloader_iterator = _ReplayAnsweredIterator(
             _InfiniteDataloaderIterator(self.dataloader), self.iter)
+
+
+@LOOPS.register_module('EpochBasedTrainLoop')
+class ResumableEpochBasedTrainLoop(MMEngineEpochBasedTrainLoop):
+    """MMEngine's ``EpochBasedTrainLoop``; a resume in the middle of an epoch
+    goes on at the first batch not yet trained on.
+
+    Registered as ``EpochBasedTrainLoop`` in the ``mmpar`` scope, and used by
+    ``mmpar.Runner`` for ``train_cfg = dict(by_epoch=True, ...)``.
+
+    Attributes:
+        batches_in_epoch: the batches of the current epoch trained once the
+            running iteration is done (what a checkpoint saved by its
+            ``after_train_iter`` hooks records).
+    """
+
+    batches_in_epoch = 0
+    _resume_batches = 0
+
+    def resume_within_epoch(self, num_samples: int) -> None:
+        """Start the next epoch ``num_samples`` global samples in (whole
+        iterations of this run's global batch)."""
+        sampler = getattr(self.dataloader, 'sampler', None)
+        if not isinstance(sampler, SkippableDefaultSampler):
+            print_log(
+                f'The train sampler cannot skip ahead, so the first '
+                f'{num_samples} samples of epoch {self.epoch + 1} are '
+                "trained again; use sampler=dict(type='DefaultSampler') to "
+                'resume at the exact sample.',
+                logger='current',
+                level=logging.WARNING)
+            return
+        sampler.skip(num_samples)
+        self._resume_batches = num_samples // (self.dataloader.batch_size *
+                                               sampler.world_size)
+
+    def run_epoch(self) -> None:
+        skipped, self._resume_batches = self._resume_batches, 0
+        self.runner.call_hook('before_train_epoch')
+        self.runner.model.train()
+        # Batch indices go on from the skipped ones, as in an uninterrupted
+        # run (the logger and interval hooks read them).
+        for idx, data_batch in enumerate(self.dataloader, start=skipped):
+            self.batches_in_epoch = idx + 1
+            self.run_iter(idx, data_batch)
+        self.runner.call_hook('after_train_epoch')
+        self._epoch += 1
+        self.batches_in_epoch = 0

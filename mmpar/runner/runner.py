@@ -15,6 +15,7 @@ from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
 from mmengine.runner import CheckpointLoader
+from mmengine.runner import EpochBasedTrainLoop as MMEngineEpochBasedTrainLoop
 from mmengine.runner import Runner as MMEngineRunner
 from torch import nn
 
@@ -33,6 +34,9 @@ from mmpar.registry import RUNNERS
 from mmpar.runner import data_axis
 from mmpar.runner.checkpoint import PlainCheckpointHook, checkpoint_extras
 from mmpar.runner.checkpoint_hook import with_async_hook
+from mmpar.runner.data_position import META_KEY as POSITION_KEY
+from mmpar.runner.data_position import restore_position
+from mmpar.runner.even_data import check_even_work
 from mmpar.runner.ema import EMAHooks
 from mmpar.runner.init_weights import DeferredInit
 from mmpar.runner.optim import build_parallel_optim_wrapper
@@ -224,13 +228,43 @@ class Runner(MMEngineRunner):
         super().scale_lr(optim_wrapper, auto_scale_lr)
 
     def build_train_loop(self, loop):
-        """MMEngine's, except that ``by_epoch=False`` without a ``type``
-        builds mmpar's fast-resuming ``IterBasedTrainLoop``."""
+        """MMEngine's, except that a loop without a ``type`` is one of
+        mmpar's, which resume at the exact sample: ``IterBasedTrainLoop``
+        for ``by_epoch=False``, ``EpochBasedTrainLoop`` for
+        ``by_epoch=True`` (:mod:`mmpar.runner.loops`)."""
         if isinstance(loop, dict) and 'type' not in loop and \
-                loop.get('by_epoch') is False:
+                loop.get('by_epoch') in (True, False):
+            by_epoch = loop['by_epoch']
             loop = {k: v for k, v in loop.items() if k != 'by_epoch'}
-            loop['type'] = 'mmpar.IterBasedTrainLoop'
-        return super().build_train_loop(loop)
+            loop['type'] = ('mmpar.EpochBasedTrainLoop' if by_epoch else
+                            'mmpar.IterBasedTrainLoop')
+        built = super().build_train_loop(loop)
+        by_epoch = isinstance(built, MMEngineEpochBasedTrainLoop)
+        check_even_work(built.dataloader, 'train_dataloader',
+                        every_rank_steps=not by_epoch, same_count=by_epoch)
+        return built
+
+    def build_val_loop(self, loop):
+        """MMEngine's, refusing data on which the ranks of a model with
+        collectives in its forward would wait for each other
+        (:mod:`mmpar.runner.even_data`)."""
+        return self._even_eval(super().build_val_loop(loop), 'val')
+
+    def build_test_loop(self, loop):
+        """As :meth:`build_val_loop`, for the test loop."""
+        return self._even_eval(super().build_test_loop(loop), 'test')
+
+    def _even_eval(self, loop, name: str):
+        described = describe(self.model)
+        dims = self.topology.dims if self.topology is not None else None
+        collective_forward = (
+            described.holds_shards or described.shards_parameters or
+            dims is not None and (self.topology.dp_size != dims.world_size
+                                  or dims.ep_enabled))
+        check_even_work(getattr(loop, 'dataloader', None),
+                        f'{name}_dataloader', every_rank_steps=False,
+                        same_count=collective_forward)
+        return loop
 
     def call_hook(self, fn_name: str, **kwargs) -> None:
         """MMEngine's, except that an ``EMAHook``'s ``before_run`` builds
@@ -370,13 +404,23 @@ class Runner(MMEngineRunner):
         self.call_hook('after_load_checkpoint', checkpoint=checkpoint)
 
     def resume(self, filename: str, *args, **kwargs) -> None:
-        """MMEngine's resume, then every rank's saved RNG states (when the
-        world size matches), so random draws continue where they stopped."""
+        """MMEngine's resume, then the data position (the first sample not
+        trained on, on any number of data ranks with the same global batch:
+        :mod:`mmpar.runner.data_position`) and every rank's saved RNG states
+        (when the world size matches), so training and random draws continue
+        where they stopped.
+
+        Raises:
+            ConfigError: a checkpoint saved in the middle of the data,
+                resumed with another global batch.
+        """
         self._resuming = True  # (load_checkpoint: the optimizer state counts)
         try:
             super().resume(filename, *args, **kwargs)
         finally:
             self._resuming = False
+        restore_position(
+            self, getattr(self, '_loaded_meta', {}).get(POSITION_KEY))
         ckpt.restore_rng_states(
             getattr(self, '_loaded_rng_states', None), self.rank,
             self.world_size, self.logger.warning)

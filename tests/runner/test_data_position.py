@@ -1,0 +1,129 @@
+"""Resume at the exact sample on another number of data ranks: the samplers
+continue the global order, and a changed global batch is refused.
+
+The end-to-end check through the tools (4 -> 2 -> 4 ranks, sample ids
+recorded) is tests/tools/test_resize_resume.py.
+"""
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from mmpar.failures import ConfigError
+from mmpar.runner.data_position import restore_position
+from mmpar.runner.loops import (SkippableDefaultSampler,
+                                SkippableInfiniteSampler)
+from tests.runner.test_iter_resume import _Sized
+
+
+def _samplers(cls, world_size, monkeypatch, **kwargs):
+    from mmengine.dataset import sampler as mmengine_sampler
+    samplers = []
+    for rank in range(world_size):
+        monkeypatch.setattr(mmengine_sampler, 'get_dist_info',
+                            lambda rank=rank: (rank, world_size))
+        samplers.append(cls(seed=3, **kwargs))
+    return samplers
+
+
+def _batches(samplers, batch_size, num_iters=None):
+    """The ids each iteration reads over all ranks (rank order)."""
+    streams = [iter(s) for s in samplers]
+    batches = []
+    for _ in itertools.count() if num_iters is None else range(num_iters):
+        batch = [i for s in streams for i in itertools.islice(s, batch_size)]
+        if not batch:
+            return batches
+        batches.append(sorted(batch))
+    return batches
+
+
+@pytest.mark.parametrize('size,round_up', [(96, True), (99, True),
+                                           (99, False)])
+@pytest.mark.parametrize('before,after', [(4, 2), (2, 4)])
+def test_epoch_resized_after_k_iterations_reads_each_id_once(
+        size, round_up, before, after, monkeypatch):
+    """k iterations at ``before`` ranks, the rest of the epoch at ``after``
+    with the same global batch (16): the same global batches, every id of
+    the epoch once (and round_up's repeats only at the end)."""
+    kwargs = dict(dataset=_Sized(size), shuffle=True, round_up=round_up)
+    global_batch = 16
+    straight = _batches(_samplers(SkippableDefaultSampler, before,
+                                  monkeypatch, **kwargs),
+                        global_batch // before)
+    for k in (1, 3):
+        resumed = _samplers(SkippableDefaultSampler, after, monkeypatch,
+                            **kwargs)
+        for sampler in resumed:
+            sampler.skip(k * global_batch)
+        rest = _batches(resumed, global_batch // after)
+        # Full iterations are the same samples; the epoch's last partial
+        # one holds the same ids less the other world size's padding.
+        assert rest[:-1] == straight[k:-1]
+        epoch = [i for batch in straight[:k] + rest for i in batch]
+        assert set(epoch) == set(range(size))
+        # Ids repeat only as round_up's padding (of the resumed world size).
+        padding = -size % after if round_up else 0
+        assert len(epoch) == size + padding
+        # The skip holds for one epoch: the next one is whole.
+        assert sum(len(list(s)) for s in resumed) == size + padding
+
+
+@pytest.mark.parametrize('before,after', [(4, 2), (2, 4)])
+def test_iteration_stream_resized_continues_the_global_order(
+        before, after, monkeypatch):
+    global_batch, k = 8, 5
+    straight = _batches(_samplers(SkippableInfiniteSampler, before,
+                                  monkeypatch, dataset=_Sized(13)),
+                        global_batch // before, num_iters=k + 6)
+    resumed = _samplers(SkippableInfiniteSampler, after, monkeypatch,
+                        dataset=_Sized(13))
+    for sampler in resumed:
+        # What FastResumeIterBasedTrainLoop asks: iter * batch_size.
+        sampler.skip(k * global_batch // after)
+    assert _batches(resumed, global_batch // after, num_iters=6) == \
+        straight[k:]
+
+
+class _Loop:
+    """An epoch loop's resume entry point, recording what it is told."""
+
+    def __init__(self):
+        self.told = []
+
+    def resume_within_epoch(self, num_samples):
+        self.told.append(num_samples)
+
+
+def _runner(batch_size, num_data_ranks, loop, it=4):
+    return SimpleNamespace(
+        topology=SimpleNamespace(dp_size=num_data_ranks), iter=it,
+        train_loop=loop,
+        train_dataloader=SimpleNamespace(batch_size=batch_size))
+
+
+def test_mid_epoch_resume_with_another_global_batch_is_refused():
+    saved = dict(global_batch=16, epoch_samples=32)
+    loop = _Loop()
+    restore_position(_runner(8, 2, loop), saved)  # 2 ranks x 8: resumes
+    assert loop.told == [32]
+    with pytest.raises(ConfigError) as err:
+        restore_position(_runner(4, 2, _Loop()), saved)
+    message = str(err.value)
+    assert 'train_dataloader.batch_size=4 on 2 data ranks reads 8' in message
+    assert 'Allowed: train_dataloader.batch_size=8' in message
+    with pytest.raises(ConfigError, match='a number of data ranks that '
+                       'divides 16'):
+        restore_position(_runner(4, 3, _Loop()), saved)
+    # An iteration-based loop (no epochs) past iteration 0 checks too.
+    with pytest.raises(ConfigError, match='batch_size=4 on 2'):
+        restore_position(_runner(4, 2, object()),
+                         dict(global_batch=16, epoch_samples=None))
+
+
+def test_resume_at_an_epoch_boundary_may_change_the_global_batch():
+    loop = _Loop()
+    restore_position(_runner(4, 2, loop),
+                     dict(global_batch=16, epoch_samples=0))
+    restore_position(_runner(4, 2, loop), None)  # an older checkpoint
+    assert loop.told == []
