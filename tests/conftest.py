@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_harness import pool_runner
+from tests.dist_harness import pool_runner, recycle_leaky
 
 # Token caches (mmpar.datasets.text_files) stay inside the run, not in ~.
 os.environ.setdefault('MMPAR_CACHE', tempfile.mkdtemp(prefix='mmpar_cache_'))
@@ -46,9 +46,12 @@ def run_dist(_pools):
     """``run_dist(fn, *args, world_size=2, **kwargs)`` runs fn on every rank.
 
     fn must be a module-level function (it is pickled to spawned workers).
-    Returns the per-rank results; a failing rank fails the test.
+    Returns the per-rank results; a failing rank fails the test. Workers
+    that gathered too many threads are replaced after the test
+    (:func:`tests.dist_harness.recycle_leaky`).
     """
-    return pool_runner(_pools)
+    yield pool_runner(_pools)
+    recycle_leaky(_pools)
 
 
 # -- trained runs shared by several test files (tests/trained.py) ----------
