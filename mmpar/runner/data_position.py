@@ -9,9 +9,10 @@ per-rank batch ``b``, iteration ``j`` therefore reads the global positions
 ``[j * G, (j + 1) * G)``, ``G = b * W`` the global batch, whatever ``W`` is.
 After ``k`` iterations a run has read the first ``k * G`` positions; a resume
 at ``W'`` data ranks with ``b' = G / W'`` continues at that position, each
-rank at its own offset of the same order. With another global batch the
-iteration counter (schedulers, ``max_iters``, checkpoint names) no longer
-tells a position that every rank can start at: such a resume is refused.
+rank at its own offset of the same order. With another global batch an
+iteration-based run still continues at sample ``k * G`` (its iteration
+counter goes on from ``k``); an epoch resumed in its middle is refused: its
+remaining samples would not make whole iterations of the new batch.
 """
 import logging
 from typing import Optional
@@ -57,9 +58,9 @@ def restore_position(runner, saved: Optional[dict]) -> None:
     changes nothing.
 
     Raises:
-        ConfigError: the resumed run would start in the middle of the data
-            (an iteration-based loop, or an epoch checkpointed by
-            iteration) with another global batch than the saved run's.
+        ConfigError: the resumed run would start in the middle of an epoch
+            (checkpointed by iteration) with another global batch than the
+            saved run's.
     """
     if not saved:
         return
@@ -69,6 +70,11 @@ def restore_position(runner, saved: Optional[dict]) -> None:
     if within_epoch is not None and not epoch_samples:
         return  # at an epoch boundary any global batch resumes exactly
     if within_epoch is None and runner.iter == 0:
+        return
+    resume_at_sample = getattr(loop, 'resume_at_sample', None)
+    if within_epoch is None and resume_at_sample is not None:
+        # The stream goes on at the sample the saved run stopped at.
+        resume_at_sample(runner.iter * saved['global_batch'])
         return
     _check_same_global_batch(runner, saved['global_batch'])
     if within_epoch is not None:

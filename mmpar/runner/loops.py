@@ -23,6 +23,7 @@ from mmengine.runner import IterBasedTrainLoop as MMEngineIterBasedTrainLoop
 # The iterator MMEngine's loop uses (private; no public equivalent).
 from mmengine.runner.loops import _InfiniteDataloaderIterator
 
+from mmpar.failures import ConfigError
 from mmpar.registry import DATA_SAMPLERS, LOOPS
 
 
@@ -122,6 +123,16 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
     ``mmpar.Runner`` for ``train_cfg = dict(by_epoch=False, ...)``.
     """
 
+    # Global samples read before the resume, when the resumed run reads
+    # another global batch than the saved one (else iter x global batch).
+    _resume_samples = None
+
+    def resume_at_sample(self, num_samples: int) -> None:
+        """Continue the sample stream after its first ``num_samples`` global
+        positions (what the saved run read) instead of ``iter`` times this
+        run's global batch."""
+        self._resume_samples = num_samples
+
     def run(self) -> torch.nn.Module:
         if self.iter > 0:
             self._skip_trained_batches()
@@ -137,7 +148,18 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
                 logger='current',
                 level=logging.WARNING)
             return
-        sampler.skip(self.iter * self.dataloader.batch_size)
+        per_rank = self.iter * self.dataloader.batch_size
+        if self._resume_samples is not None:
+            per_rank, rest = divmod(self._resume_samples, sampler.world_size)
+            if rest:
+                raise ConfigError(
+                    f'the checkpoint resumed was saved after '
+                    f'{self._resume_samples} samples, which '
+                    f'{sampler.world_size} data ranks cannot split: the run '
+                    'could not continue at the exact sample it stopped at. '
+                    'Allowed: a number of data ranks that divides '
+                    f'{self._resume_samples}')
+        sampler.skip(per_rank)
         self.dataloader_iterator = _ReplayAnsweredIterator(
             _InfiniteDataloaderIterator(self.dataloader), self.iter)
 

@@ -1,5 +1,7 @@
 """Resume at the exact sample on another number of data ranks: the samplers
-continue the global order, and a changed global batch is refused.
+continue the global order; an iteration-based run resumed with another
+global batch continues at the saved sample, an epoch resumed in its middle
+with another global batch is refused.
 
 The end-to-end check through the tools (4 -> 2 -> 4 ranks, sample ids
 recorded) is tests/tools/test_resize_resume.py.
@@ -11,7 +13,8 @@ import pytest
 
 from mmpar.failures import ConfigError
 from mmpar.runner.data_position import restore_position
-from mmpar.runner.loops import (SkippableDefaultSampler,
+from mmpar.runner.loops import (FastResumeIterBasedTrainLoop,
+                                SkippableDefaultSampler,
                                 SkippableInfiniteSampler)
 from tests.runner.test_iter_resume import _Sized
 
@@ -115,10 +118,56 @@ def test_mid_epoch_resume_with_another_global_batch_is_refused():
     with pytest.raises(ConfigError, match='a number of data ranks that '
                        'divides 16'):
         restore_position(_runner(4, 3, _Loop()), saved)
-    # An iteration-based loop (no epochs) past iteration 0 checks too.
-    with pytest.raises(ConfigError, match='batch_size=4 on 2'):
-        restore_position(_runner(4, 2, object()),
-                         dict(global_batch=16, epoch_samples=None))
+
+
+class _IterLoop:
+    """An iteration loop's resume entry point, recording what it is told."""
+
+    def __init__(self):
+        self.told = []
+
+    def resume_at_sample(self, num_samples):
+        self.told.append(num_samples)
+
+
+def _skip_as_the_loop(sampler, iteration, batch_size, saved_samples):
+    """FastResumeIterBasedTrainLoop's skip on ``sampler``'s rank."""
+    import torch.utils.data
+    loop = FastResumeIterBasedTrainLoop.__new__(FastResumeIterBasedTrainLoop)
+    loop._iter = iteration
+    loop.dataloader = torch.utils.data.DataLoader(
+        list(range(13)), batch_size=batch_size, sampler=sampler)
+    loop.resume_at_sample(saved_samples)
+    loop._skip_trained_batches()
+
+
+@pytest.mark.parametrize('before,after', [(4, 2), (2, 4)])
+def test_iteration_resume_with_another_global_batch_goes_on_at_the_sample(
+        before, after, monkeypatch):
+    loop = _IterLoop()
+    restore_position(_runner(4, 2, loop),
+                     dict(global_batch=16, epoch_samples=None))
+    assert loop.told == [4 * 16]  # iteration 4 of a global batch of 16
+    # Saved after 5 iterations of 2 per rank (global batch 2 x before); the
+    # resumed run reads 3 per rank (3 x after): its stream starts at the
+    # saved run's 5 x 2 x before-th global sample.
+    k, saved_batch = 5, 2 * before
+    straight = _batches(_samplers(SkippableInfiniteSampler, before,
+                                  monkeypatch, dataset=_Sized(13)), 2,
+                        num_iters=k + 12)
+    resumed = _samplers(SkippableInfiniteSampler, after, monkeypatch,
+                        dataset=_Sized(13))
+    for sampler in resumed:
+        _skip_as_the_loop(sampler, k, 3, k * saved_batch)
+    # Compared as multisets of consecutive global positions: the ranks
+    # interleave within an iteration.
+    after_ids = [i for b in _batches(resumed, 3, num_iters=4) for i in b]
+    straight_ids = [i for b in straight for i in b][k * saved_batch:]
+    assert sorted(after_ids) == sorted(straight_ids[:len(after_ids)])
+    # A sample count the data ranks cannot split is refused.
+    with pytest.raises(ConfigError, match='a number of data ranks that '
+                       'divides 7'):
+        _skip_as_the_loop(resumed[0], 1, 3, 7)
 
 
 def test_resume_at_an_epoch_boundary_may_change_the_global_batch():
