@@ -110,6 +110,15 @@ def test_a_model_without_the_protocol_is_refused_naming_what_is_missing():
         check_protocol(make_model())
 
 
+def test_pipeline_kwargs_without_pipeline_layer_are_refused():
+    model = make_pipe_model()
+    check_protocol(model)
+    model.pipeline_kwargs = ('doc_ids', )
+    with pytest.raises(ValueError, match=r"PipeMLP.pipeline_kwargs=\('doc_ids',"
+                       r"\) needs a pipeline_layer"):
+        check_protocol(model)
+
+
 def test_stages_keep_the_original_names_and_together_are_the_model():
     model = make_pipe_model()
     starts = stage_starts(model, ['layers.1', 'layers.2', 'layers.3'], 4)

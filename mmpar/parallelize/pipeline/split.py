@@ -54,6 +54,13 @@ def check_protocol(model: nn.Module) -> None:
             f'{", ".join(missing)}; see docs/pipeline_parallel.md for the '
             'protocol (an ordered container of layers, the modules before '
             'and after it, and pipeline_embed/head/loss/predict)')
+    if pipeline_kwargs(model) and not hasattr(model, 'pipeline_layer'):
+        # Else layer(hidden) would run without them, silently.
+        raise ValueError(
+            f'{name}.pipeline_kwargs={pipeline_kwargs(model)!r} needs a '
+            'pipeline_layer(layer, hidden, **kwargs) that hands them to '
+            'the layers; allowed: define pipeline_layer, or no '
+            'pipeline_kwargs')
     layers = model.get_submodule(getattr(model, LAYERS_ATTR))
     if not isinstance(layers, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         raise ValueError(
