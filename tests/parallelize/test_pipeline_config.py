@@ -114,8 +114,8 @@ def test_pipeline_kwargs_without_pipeline_layer_are_refused():
     model = make_pipe_model()
     check_protocol(model)
     model.pipeline_kwargs = ('doc_ids', )
-    with pytest.raises(ValueError, match=r"PipeMLP.pipeline_kwargs=\('doc_ids',"
-                       r"\) needs a pipeline_layer"):
+    with pytest.raises(ValueError, match=r"PipeMLP.pipeline_kwargs="
+                       r"\('doc_ids',\) needs a pipeline_layer"):
         check_protocol(model)
 
 
