@@ -61,6 +61,12 @@ def verify_main(argv: Optional[List[str]] = None) -> int:
     verdict = run_layout(cfg, work_dir, args.steps, args.rtol, args.atol)
     if verdict is not None:
         print(verdict.text, flush=True)
+    if verdict is not None and verdict.failed:
+        # The other ranks may be waiting in a collective of the training
+        # step this rank left: no broadcast, no barrier on the way out (they
+        # would wait until the collective timeout); exit now, torchrun stops
+        # the others.
+        raise SystemExit(1)
     agree = [verdict.agree if verdict is not None else None]
     if dist.is_initialized():
         dist.broadcast_object_list(agree, src=0)

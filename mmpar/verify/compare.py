@@ -15,10 +15,12 @@ from mmpar.verify.fingerprint import scales
 @dataclass
 class Verdict:
     """The outcome: ``agree``, the largest relative difference seen among
-    the values that agreed, and the report's lines."""
+    the values that agreed, and the report's lines; ``failed``: this rank's
+    layout run raised (its peers may still be inside a collective)."""
     agree: bool
     max_relative: float
     lines: List[str] = field(default_factory=list)
+    failed: bool = False
 
     @property
     def text(self) -> str:

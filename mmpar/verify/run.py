@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mmengine.config import Config
 
 from mmpar.config_check import check_config
-from mmpar.failures import ConfigError
+from mmpar.failures import ConfigError, is_peer_failure
 from mmpar.parallel.axes import AXES
 from mmpar.verify.compare import Verdict, compare, touching
 from mmpar.verify.recorder import FingerprintHook
@@ -130,7 +130,8 @@ def _axes_line(cfg: Config, world_size: int) -> str:
 def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
                atol: float) -> Optional[Verdict]:
     """Train at the layout (a launched job), compare on rank 0 and write
-    the report there; returns the verdict on every rank."""
+    the report there; returns the verdict on rank 0 and on a rank whose run
+    raised (which writes the report itself), None on the others."""
     world_size = int(os.environ.get('WORLD_SIZE', '1'))
     saved = _load_reference(work_dir, world_size, steps)
     shapes = saved['shapes']
@@ -149,6 +150,13 @@ def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
     verdict = None
     if failure is not None:
         step, running, err = failure
+        if is_peer_failure(err):
+            # Another rank failed first and writes the report; this one
+            # only lost its peer.
+            return Verdict(False, 0.0, [
+                f'step {step}: another rank of the layout failed (its '
+                f'report is in {osp.join(work_dir, REPORT_FILE)})'],
+                failed=True)
         # The innermost module running, or the one mmpar's tp dry run
         # names (it runs the first forward on a meta copy).
         module = getattr(err, 'module', None) or (
@@ -159,7 +167,7 @@ def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
         lines.append('  layout on it: ' + touching(
             module, hook.touches, (cfg.get('parallel') or {}).get('tp_plan'),
             _axes_line(cfg, world_size)))
-        verdict = Verdict(False, 0.0, lines)
+        verdict = Verdict(False, 0.0, lines, failed=True)
     elif not dist.is_initialized() or dist.get_rank() == 0:
         verdict = compare(
             saved['steps'], hook.steps, rtol=rtol, atol=atol,

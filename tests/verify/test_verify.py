@@ -19,6 +19,7 @@ from mmpar.models import DigitsViT
 from mmpar.registry import DATA_SAMPLERS, MODELS
 from mmpar.verify import check_options, run_layout, run_reference
 from tests.e2e import ROOT, run_tool
+from tests.verify.one_rank_fails import MESSAGE
 from tests.trained import SMALL_MODEL
 
 CONFIG = 'configs/vit_digits/vit_digits.py'
@@ -245,6 +246,27 @@ def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
     assert 'step 0: the layout failed in module `blocks.0.mlp.fc1`' in \
         proc.stdout, proc.stdout[-3000:]
     assert "tp: rowwise plan on 'blocks.*.mlp.fc1'" in proc.stdout
+
+
+def test_dist_verify_ends_when_the_layout_fails_on_one_rank(tmp_path):
+    # Rank 1 raises in its forward while rank 0 waits in DDP's gradient
+    # all-reduce: the job must end with rank 1's report, not wait out the
+    # collective timeout (30 minutes here; the tool's limit is 5).
+    config = tmp_path / 'mine.py'
+    config.write_text(
+        f"_base_ = [{str(ROOT / CONFIG)!r}]\n"
+        "custom_imports = dict(imports=['tests.verify.one_rank_fails'], "
+        "allow_failed_imports=False)\n"
+        "model = dict(type='ViTFailingOnOneRank')\n"
+        "env_cfg = dict(dist_cfg=dict(timeout=1800))\n")
+    work_dir = tmp_path / 'verify'
+    proc = run_tool(['bash', 'tools/dist_verify.sh', config, 2, '--steps',
+                     2, '--work-dir', work_dir], check=False, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    named = (f'step 0: the layout failed in module `head`: RuntimeError: '
+             f'{MESSAGE}')
+    assert named in proc.stdout, proc.stdout[-3000:]
+    assert named in (work_dir / 'report.txt').read_text()
 
 
 # -- options --------------------------------------------------------------------
