@@ -2,20 +2,24 @@
 
 A record is a chat (``messages``: a list of ``dict(role, content)``) or an
 instruction pair (``prompt`` and ``response``, read as a user and an
-assistant message). Each message is rendered by the template of its role,
-tokenized, and the rendered messages concatenated; a target counts only
+assistant message). With a Hugging Face tokenizer that has a chat template,
+the chat is rendered by it (:mod:`mmpar.datasets.chat_template`);
+otherwise each message is rendered by the format string of its role,
+tokenized, and the rendered messages concatenated. A target counts only
 where the token it predicts belongs to an assistant message, so the loss
 (and the global token count it is normalised by) never counts a prompt
 token. Each record is one sample, cut to ``context_length + 1`` tokens and
 padded (targets ``-100``).
 """
 import json
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
+                                          render_chat)
 from mmpar.datasets.packed import IGNORE_INDEX
 from mmpar.datasets.text_files import expand_files
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
@@ -28,7 +32,8 @@ DEFAULT_TEMPLATE = {
     'user': '### Question:\n{content}\n\n',
     'assistant': '### Answer:\n{content}\n\n',
 }
-ANSWER_ROLE = 'assistant'
+# The named choices of SFTDataset's ``template`` (besides a dict).
+TEMPLATES = ('hf', 'plain')
 
 
 def record_messages(record: dict, where: str) -> List[dict]:
@@ -46,14 +51,43 @@ def record_messages(record: dict, where: str) -> List[dict]:
                    f'"response"; its keys: {sorted(record)}')
 
 
+def chosen_template(template: Union[str, Dict[str, str], None],
+                    tokenizer: Tokenizer) -> Union[str, Dict[str, str]]:
+    """``'hf'`` or the dict of format strings that ``template`` means:
+    ``None`` is ``'hf'`` when the tokenizer has a chat template, else
+    ``'plain'`` (:data:`DEFAULT_TEMPLATE`).
+
+    Raises:
+        ValueError: an unknown name, or ``'hf'`` without a chat template.
+    """
+    if template is None:
+        template = 'hf' if has_chat_template(tokenizer) else 'plain'
+    if isinstance(template, dict):
+        return dict(template)
+    if template not in TEMPLATES:
+        raise ValueError(f'SFTDataset template={template!r} is not '
+                         f'supported; allowed: {", ".join(TEMPLATES)}, None '
+                         'or a dict role -> format string')
+    if template == 'hf' and not has_chat_template(tokenizer):
+        raise ValueError(
+            "SFTDataset template='hf' needs an HFTokenizer whose tokenizer "
+            f'has a chat_template; {getattr(tokenizer, "name", tokenizer)!r} '
+            "has none; allowed: 'plain', None or a dict")
+    return 'hf' if template == 'hf' else dict(DEFAULT_TEMPLATE)
+
+
 def render(messages: Sequence[dict], tokenizer: Tokenizer,
-           template: Dict[str, str]) -> Tuple[np.ndarray, np.ndarray]:
-    """``(token ids, is_answer)`` of a chat: every message rendered by its
-    role's template and tokenized alone, in order.
+           template: Union[str, Dict[str, str]]
+           ) -> Tuple[np.ndarray, np.ndarray]:
+    """``(token ids, is_answer)`` of a chat: with ``template='hf'`` by the
+    tokenizer's chat template (:func:`render_chat`), else every message
+    rendered by its role's format string and tokenized alone, in order.
 
     Raises:
         ValueError: a role the template lacks.
     """
+    if template == 'hf':
+        return render_chat(messages, tokenizer)
     ids, answer = [], []
     for message in messages:
         role = message['role']
@@ -76,8 +110,12 @@ class SFTDataset(Dataset):
         files: JSONL paths, globs or directories.
         context_length: tokens per sample (longer records are cut).
         tokenizer: a ``TOKENIZERS`` config (``None``: bytes).
-        template: role -> format string with ``{content}``
-            (:data:`DEFAULT_TEMPLATE`).
+        template: ``'hf'``: the chat template of the tokenizer (an
+            ``HFTokenizer``), loss on each assistant message's content and
+            end-of-turn tokens; ``'plain'``: :data:`DEFAULT_TEMPLATE`; a
+            dict role -> format string with ``{content}``; ``None``:
+            ``'hf'`` when the tokenizer has a chat template, else
+            ``'plain'``.
         pad_id: the input id of padding (its targets are ``-100``).
 
     Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``;
@@ -89,11 +127,11 @@ class SFTDataset(Dataset):
                  files: Union[str, Sequence[str]],
                  context_length: int = 128,
                  tokenizer: Union[dict, Tokenizer, None] = None,
-                 template: Optional[Dict[str, str]] = None,
+                 template: Union[str, Dict[str, str], None] = None,
                  pad_id: int = 0):
         self.tokenizer = build_tokenizer(tokenizer)
         self.context_length = context_length
-        self.template = dict(template or DEFAULT_TEMPLATE)
+        self.template = chosen_template(template, self.tokenizer)
         self.pad_id = pad_id
         self.samples = []
         for path in expand_files(files):

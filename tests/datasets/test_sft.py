@@ -75,3 +75,61 @@ def test_fine_tuning_lowers_the_masked_loss(tmp_path, one_thread):
         optim.zero_grad()
         losses.append(float(out['loss'].detach()))
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+          "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat_tokenizer(tmp_path, template=CHATML):
+    """The shipped byte-level BPE with ChatML's special tokens and a chat
+    template, saved as a local Hugging Face directory."""
+    from mmpar.datasets.tokenizer import shakespeare_bpe
+    hf = shakespeare_bpe().tokenizer
+    hf.add_special_tokens(
+        {'additional_special_tokens': ['<|im_start|>', '<|im_end|>']})
+    hf.chat_template = template
+    hf.save_pretrained(tmp_path / 'tok')
+    return dict(type='HFTokenizer', path=str(tmp_path / 'tok'))
+
+
+def test_hf_chat_template_counts_only_the_answers(tmp_path):
+    chat = [dict(role='system', content='Be brief.'),
+            dict(role='user', content='Who art thou?'),
+            dict(role='assistant', content='A king.'),
+            dict(role='user', content='Of where?'),
+            dict(role='assistant', content='Of Denmark.')]
+    files = _write(tmp_path / 'c.jsonl', [dict(messages=chat)])
+    tokenizer = _chat_tokenizer(tmp_path)
+    data = SFTDataset(files, context_length=96, tokenizer=tokenizer)
+    assert data.template == 'hf'  # the default when a template exists
+    hf = data.tokenizer.tokenizer
+    whole = hf.apply_chat_template(chat, tokenize=False)
+    ids, answer = data.samples[0]
+    assert hf.decode(ids) == whole
+    # The answer tokens: each assistant content and its end of turn,
+    # neither the assistant header nor any system or user token.
+    runs, run = [], []
+    for token, counted in zip(ids.tolist() + [-1], answer.tolist() + [0]):
+        if counted:
+            run.append(token)
+        elif run:
+            runs, run = runs + [hf.decode(run)], []
+    assert runs == ['A king.<|im_end|>\n', 'Of Denmark.<|im_end|>\n']
+    targets = data[0]['data_samples']
+    assert targets[targets != -100].tolist() == ids[1:][answer[1:]].tolist()
+    plain = SFTDataset(files, context_length=96, tokenizer=tokenizer,
+                       template='plain')
+    assert plain.tokenizer.decode(plain.samples[0][0]).startswith(
+        'Be brief.\n\n### Question:\nWho art thou?')
+    with pytest.raises(ValueError, match="template='hf' needs an "
+                       'HFTokenizer whose tokenizer has a chat_template'):
+        SFTDataset(files, template='hf')  # bytes: no chat template
+    with pytest.raises(ValueError, match="template='chat' is not supported"):
+        SFTDataset(files, template='chat')
+    # A template that renders earlier turns differently as the chat grows
+    # (here: a message count up front) cannot be masked by prefixes.
+    counting = _chat_tokenizer(tmp_path, '{{ messages|length }}' + CHATML)
+    with pytest.raises(ValueError, match='does not render a chat'):
+        SFTDataset(files, tokenizer=counting)
