@@ -9,7 +9,8 @@ tokenized, and the rendered messages concatenated. A target counts only
 where the token it predicts belongs to an assistant message, so the loss
 (and the global token count it is normalised by) never counts a prompt
 token. Each record is one sample, cut to ``context_length + 1`` tokens and
-padded (targets ``-100``).
+padded (targets ``-100``), or with ``pack=True`` several records share a
+window (:mod:`mmpar.datasets.sft_packing`).
 """
 import json
 from typing import Dict, List, Sequence, Tuple, Union
@@ -21,6 +22,8 @@ from torch.utils.data import Dataset
 from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
                                           render_chat)
 from mmpar.datasets.packed import IGNORE_INDEX
+from mmpar.datasets.sft_packing import (pack_records, packed_window,
+                                        record_sample)
 from mmpar.datasets.text_files import expand_files
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
@@ -103,8 +106,8 @@ def render(messages: Sequence[dict], tokenizer: Tokenizer,
 
 @DATASETS.register_module()
 class SFTDataset(Dataset):
-    """Chat / instruction records from JSONL files, one padded sample each,
-    the loss on the answer tokens only.
+    """Chat / instruction records from JSONL files, one padded sample each
+    or packed, the loss on the answer tokens only.
 
     Args:
         files: JSONL paths, globs or directories.
@@ -117,10 +120,22 @@ class SFTDataset(Dataset):
             ``'hf'`` when the tokenizer has a chat template, else
             ``'plain'``.
         pad_id: the input id of padding (its targets are ``-100``).
+        pack: lay records one after another into windows of
+            ``context_length`` inputs (a sample is then a window; no
+            target predicts across records).
+        document_attention: with ``pack``, items carry ``doc_ids`` (the
+            record of each input) so that the model restarts positions at
+            each record and attends within it: each record gets the loss
+            it gets alone.
 
-    Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``;
+    Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``, plus
+    ``doc_ids=int64 (L,)`` with ``pack`` and ``document_attention``;
     ``data_samples`` is ``-100`` except where the next token is an answer
     token.
+
+    Raises:
+        ValueError: ``document_attention`` without ``pack``, or a bad
+            ``template`` or ``context_length``.
     """
 
     def __init__(self,
@@ -128,7 +143,16 @@ class SFTDataset(Dataset):
                  context_length: int = 128,
                  tokenizer: Union[dict, Tokenizer, None] = None,
                  template: Union[str, Dict[str, str], None] = None,
-                 pad_id: int = 0):
+                 pad_id: int = 0,
+                 pack: bool = False,
+                 document_attention: bool = False):
+        if not isinstance(context_length, int) or context_length < 1:
+            raise ValueError(f'SFTDataset context_length={context_length!r} '
+                             'must be an int >= 1')
+        if document_attention and not pack:
+            raise ValueError('SFTDataset document_attention=True needs '
+                             'pack=True (a padded sample holds one record); '
+                             'allowed: pack=True, or document_attention=False')
         self.tokenizer = build_tokenizer(tokenizer)
         self.context_length = context_length
         self.template = chosen_template(template, self.tokenizer)
@@ -141,21 +165,34 @@ class SFTDataset(Dataset):
                                                f'{path}:{number}')
                     self.samples.append(render(messages, self.tokenizer,
                                                self.template))
+        self.pack = pack
+        self.document_attention = document_attention
+        self.windows = pack_records(
+            [min(len(ids), context_length + 1) - 1
+             for ids, _ in self.samples], context_length) if pack else None
 
     @property
     def metainfo(self) -> dict:
         return lm_metainfo(self.tokenizer, self.context_length)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.windows) if self.pack else len(self.samples)
+
+    def _record(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
+        return record_sample(*self.samples[idx], self.context_length)
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        ids, answer = self.samples[idx]
-        length = self.context_length
-        ids, answer = ids[:length + 1], answer[:length + 1]
-        targets = np.where(answer[1:], ids[1:], IGNORE_INDEX)
-        pad = length - len(targets)
-        inputs = np.concatenate([ids[:-1], np.full(pad, self.pad_id)])
-        targets = np.concatenate([targets, np.full(pad, IGNORE_INDEX)])
-        return dict(inputs=torch.from_numpy(inputs.astype(np.int64)),
-                    data_samples=torch.from_numpy(targets.astype(np.int64)))
+        if self.pack:
+            item = packed_window([self._record(i) for i in self.windows[idx]],
+                                 self.context_length, self.pad_id)
+            if not self.document_attention:
+                del item['doc_ids']
+        else:
+            inputs, targets = self._record(idx)
+            pad = self.context_length - len(targets)
+            item = dict(
+                inputs=np.concatenate([inputs, np.full(pad, self.pad_id)]),
+                data_samples=np.concatenate(
+                    [targets, np.full(pad, IGNORE_INDEX)]))
+        return {k: torch.from_numpy(v.astype(np.int64))
+                for k, v in item.items()}

@@ -133,3 +133,49 @@ def test_hf_chat_template_counts_only_the_answers(tmp_path):
     counting = _chat_tokenizer(tmp_path, '{{ messages|length }}' + CHATML)
     with pytest.raises(ValueError, match='does not render a chat'):
         SFTDataset(files, tokenizer=counting)
+
+
+def test_packed_records_get_the_loss_they_get_alone(tmp_path, one_thread):
+    records = [dict(prompt='ab' * n, response=str(n) * (n % 3 + 1))
+               for n in (1, 9, 4, 2, 7, 3)]
+    files = _write(tmp_path / 'p.jsonl', records)
+    alone = SFTDataset(files, context_length=96)
+    packed = SFTDataset(files, context_length=96, pack=True,
+                        document_attention=True)
+    lengths = [len(ids) - 1 for ids, _ in alone.samples]  # 33 48 39 36 45 36
+    assert packed.windows == [[0, 1], [2, 3], [4, 5]]
+    assert all(sum(lengths[i] for i in w) <= 96 for w in packed.windows)
+    torch.manual_seed(0)
+    model = Llama(vocab_size=256, dim=32, num_layers=2, num_heads=4,
+                  num_kv_heads=2, max_seq_len=96)
+    for idx, window in enumerate(packed.windows):
+        item = {k: v[None] for k, v in packed[idx].items()}
+        out = model(item['inputs'], item['data_samples'], 'loss',
+                    doc_ids=item['doc_ids'])
+        logits = model(item['inputs'], mode='tensor',
+                       doc_ids=item['doc_ids'])[0]
+        loss_sum, count, start = 0.0, 0, 0
+        for d, record in enumerate(window):
+            ref = {k: v[None] for k, v in alone[record].items()}
+            ref_out = model(ref['inputs'], ref['data_samples'], 'loss')
+            n = lengths[record]
+            part = slice(start, start + n)
+            assert (item['doc_ids'][0, part] == d).all()
+            # A record's targets are its own: none across records.
+            assert torch.equal(item['data_samples'][0, part],
+                               ref['data_samples'][0, :n])
+            torch.testing.assert_close(
+                logits[part], model(ref['inputs'], mode='tensor')[0, :n],
+                rtol=1e-5, atol=1e-5)
+            loss_sum = loss_sum + ref_out['loss'] * ref_out['num_tokens']
+            count += int(ref_out['num_tokens'])
+            start += n
+        assert (item['data_samples'][0, start:] == -100).all()  # padding
+        assert int(out['num_tokens']) == count
+        torch.testing.assert_close(out['loss'] * out['num_tokens'],
+                                   loss_sum, rtol=1e-5, atol=1e-5)
+    assert 'doc_ids' not in SFTDataset(files, context_length=96,
+                                       pack=True)[0]
+    with pytest.raises(ValueError, match='document_attention=True needs '
+                       'pack=True'):
+        SFTDataset(files, document_attention=True)
