@@ -179,3 +179,17 @@ def test_packed_records_get_the_loss_they_get_alone(tmp_path, one_thread):
     with pytest.raises(ValueError, match='document_attention=True needs '
                        'pack=True'):
         SFTDataset(files, document_attention=True)
+
+
+def test_shipped_instruction_set_is_regenerated():
+    from mmpar.datasets.shakespeare_sft import SFT_DIR, sft_file_texts
+    texts = sft_file_texts()
+    for split, text in texts.items():
+        assert (SFT_DIR / f'shakespeare_sft_{split}.jsonl').read_text() == text
+    records = [json.loads(line) for text in texts.values()
+               for line in text.splitlines()]
+    assert len(records) == 1000
+    assert sum('messages' in r for r in records) == 500
+    # Every record fits the shipped config's context: none is cut.
+    data = SFTDataset('mmpar:shakespeare_sft_train.jsonl')
+    assert max(len(ids) for ids, _ in data.samples) <= 129
