@@ -28,6 +28,10 @@ sft = dict(
 )
 train_dataloader = dict(
     batch_size=16,
+    # InfiniteSampler's stream and resume, shuffled without a list of every
+    # index (constant memory, docs/data.md).
+    sampler=dict(_delete_=True, type='PermutedInfiniteSampler',
+                 shuffle=True),
     dataset=dict(_delete_=True,
                  files='mmpar:shakespeare_sft_train.jsonl', **sft))
 val_dataloader = dict(

@@ -5,7 +5,8 @@ tokenized on first use into the cache, with packing and document attention,
 and ``--resume`` from iteration 2 reaches the straight run's iteration 4 bit
 for bit (the data position restored to the sample). The shipped
 ``llama_sft.py`` (shrunk) fine-tunes through ``tools/dist_train.sh`` on 2
-processes on the shipped instruction set, packed with document attention."""
+processes on the shipped instruction set, packed with document attention,
+shuffled by ``PermutedInfiniteSampler``."""
 import json
 import re
 from pathlib import Path
@@ -85,6 +86,7 @@ def test_sft_config_through_dist_train(tmp_path):
     log = proc.stdout + proc.stderr
     assert "type='SFTDataset'" in log and 'pack=True' in log
     assert 'document_attention=True' in log
+    assert "type='PermutedInfiniteSampler'" in log
     # The loss counts answer tokens only: of the 2 ranks x 2 windows x 256
     # inputs, the prompts, padding and system messages are not counted.
     counts = [float(n) for n in re.findall(
