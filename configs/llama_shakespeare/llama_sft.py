@@ -25,6 +25,7 @@ sft = dict(
     template=None,  # the tokenizer's chat template if any, else plain
     pack=True,  # records one after another in each window
     document_attention=True,  # positions and attention per record
+    truncate='left',  # a record cut to context_length keeps its answer
 )
 train_dataloader = dict(
     batch_size=16,

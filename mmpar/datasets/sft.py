@@ -13,7 +13,7 @@ padded (targets ``-100``), or with ``pack=True`` several records share a
 window (:mod:`mmpar.datasets.sft_packing`).
 """
 import json
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -22,8 +22,8 @@ from torch.utils.data import Dataset
 from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
                                           render_chat)
 from mmpar.datasets.packed import IGNORE_INDEX
-from mmpar.datasets.sft_packing import (pack_records, packed_window,
-                                        record_sample)
+from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
+                                        packed_window, record_sample)
 from mmpar.datasets.text_files import expand_files
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
@@ -127,6 +127,12 @@ class SFTDataset(Dataset):
             record of each input) so that the model restarts positions at
             each record and attends within it: each record gets the loss
             it gets alone.
+        num_windows: samples per epoch: the first ``num_windows`` (records,
+            or windows with ``pack``); ``None``: all. E.g. a quick
+            validation on part of a set.
+        truncate: how a record longer than ``context_length + 1`` tokens
+            is cut: ``'right'`` keeps its start, ``'left'`` its end (the
+            last answer is trained even when the prompt is long).
 
     Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``, plus
     ``doc_ids=int64 (L,)`` with ``pack`` and ``document_attention``;
@@ -145,10 +151,19 @@ class SFTDataset(Dataset):
                  template: Union[str, Dict[str, str], None] = None,
                  pad_id: int = 0,
                  pack: bool = False,
-                 document_attention: bool = False):
+                 document_attention: bool = False,
+                 num_windows: Optional[int] = None,
+                 truncate: str = 'right'):
         if not isinstance(context_length, int) or context_length < 1:
             raise ValueError(f'SFTDataset context_length={context_length!r} '
                              'must be an int >= 1')
+        if num_windows is not None and (not isinstance(num_windows, int)
+                                        or num_windows < 1):
+            raise ValueError(f'SFTDataset num_windows={num_windows!r} must '
+                             'be an int >= 1 or None')
+        if truncate not in TRUNCATIONS:
+            raise ValueError(f'SFTDataset truncate={truncate!r} is not '
+                             f'supported; allowed: {", ".join(TRUNCATIONS)}')
         if document_attention and not pack:
             raise ValueError('SFTDataset document_attention=True needs '
                              'pack=True (a padded sample holds one record); '
@@ -170,16 +185,20 @@ class SFTDataset(Dataset):
         self.windows = pack_records(
             [min(len(ids), context_length + 1) - 1
              for ids, _ in self.samples], context_length) if pack else None
+        self.num_windows = num_windows
+        self.truncate = truncate
 
     @property
     def metainfo(self) -> dict:
         return lm_metainfo(self.tokenizer, self.context_length)
 
     def __len__(self) -> int:
-        return len(self.windows) if self.pack else len(self.samples)
+        total = len(self.windows) if self.pack else len(self.samples)
+        return min(total, self.num_windows or total)
 
     def _record(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
-        return record_sample(*self.samples[idx], self.context_length)
+        return record_sample(*self.samples[idx], self.context_length,
+                             self.truncate)
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         if self.pack:

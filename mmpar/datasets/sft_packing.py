@@ -21,11 +21,18 @@ import numpy as np
 from mmpar.datasets.packed import IGNORE_INDEX
 
 
-def record_sample(ids: np.ndarray, answer: np.ndarray,
-                  context_length: int) -> Tuple[np.ndarray, np.ndarray]:
-    """A record's unpadded ``(inputs, targets)``, cut to
-    ``context_length``."""
-    ids, answer = ids[:context_length + 1], answer[:context_length + 1]
+# How SFTDataset cuts a record longer than context_length + 1 tokens.
+TRUNCATIONS = ('right', 'left')
+
+
+def record_sample(ids: np.ndarray, answer: np.ndarray, context_length: int,
+                  truncate: str = 'right') -> Tuple[np.ndarray, np.ndarray]:
+    """A record's unpadded ``(inputs, targets)``, cut to ``context_length``
+    inputs: ``truncate='right'`` keeps its first ``context_length + 1``
+    tokens, ``'left'`` its last (the final answer stays)."""
+    keep = slice(None, context_length + 1) if truncate == 'right' else \
+        slice(max(len(ids) - context_length - 1, 0), None)
+    ids, answer = ids[keep], answer[keep]
     return ids[:-1], np.where(answer[1:], ids[1:], IGNORE_INDEX)
 
 

@@ -38,6 +38,14 @@ def test_only_answer_tokens_are_targets(tmp_path):
     assert (item['inputs'][len(text) - 1:] == 0).all()  # padding
     second = data[1]['data_samples']
     assert bytes(second[second != -100].tolist()) == b'### Answer:\nab\n\n'
+    # Cut to 8 inputs: the start (all prompt), or the end (the answer).
+    right, left = (SFTDataset(files, context_length=8, truncate=t,
+                              num_windows=1) for t in ('right', 'left'))
+    assert len(right) == 1 and (right[0]['data_samples'] == -100).all()
+    assert bytes(left[0]['inputs'].tolist()) == b'wer:\nyo\n'
+    assert bytes(left[0]['data_samples'].tolist()) == b'er:\nyo\n\n'
+    with pytest.raises(ValueError, match="truncate='middle' is not"):
+        SFTDataset(files, truncate='middle')
     with pytest.raises(KeyError, match='needs "messages"'):
         SFTDataset(_write(tmp_path / 'b.jsonl', [dict(text='x')]))
 
