@@ -1,5 +1,6 @@
-"""How the shipped instruction set ``mmpar/datasets/data/shakespeare_sft_*.jsonl``
-was made, from the shipped Tiny Shakespeare (public domain).
+"""How the shipped instruction set
+``mmpar/datasets/data/shakespeare_sft_*.jsonl`` was made, from the shipped
+Tiny Shakespeare (public domain).
 
 Two kinds of record, alternating, from consecutive speeches ``SPEAKER:\\n
 lines``: a chat (``messages``) where the user says the first line of a
