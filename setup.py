@@ -17,6 +17,7 @@ setup(
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmpar', 'mmpar.*']),
     package_data={'mmpar.datasets': ['data/*.npz', 'data/*.md', 'data/*.xz',
+                                    'data/*.jsonl',
                                     'data/shakespeare_bpe/*.json']},
     python_requires='>=3.9',
     # Ranges a user on a GPU machine can meet with the torch build they already

@@ -2,12 +2,15 @@
 
 A record is a chat (``messages``: a list of ``dict(role, content)``) or an
 instruction pair (``prompt`` and ``response``, read as a user and an
-assistant message). Each message is rendered by the template of its role,
-tokenized, and the rendered messages concatenated; a target counts only
+assistant message). With a Hugging Face tokenizer that has a chat template,
+the chat is rendered by it (:mod:`mmpar.datasets.chat_template`);
+otherwise each message is rendered by the format string of its role,
+tokenized, and the rendered messages concatenated. A target counts only
 where the token it predicts belongs to an assistant message, so the loss
 (and the global token count it is normalised by) never counts a prompt
 token. Each record is one sample, cut to ``context_length + 1`` tokens and
-padded (targets ``-100``).
+padded (targets ``-100``), or with ``pack=True`` several records share a
+window (:mod:`mmpar.datasets.sft_packing`).
 """
 import json
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -16,7 +19,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
+                                          render_chat)
 from mmpar.datasets.packed import IGNORE_INDEX
+from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
+                                        packed_window, record_sample)
 from mmpar.datasets.text_files import expand_files
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
@@ -28,7 +35,8 @@ DEFAULT_TEMPLATE = {
     'user': '### Question:\n{content}\n\n',
     'assistant': '### Answer:\n{content}\n\n',
 }
-ANSWER_ROLE = 'assistant'
+# The named choices of SFTDataset's ``template`` (besides a dict).
+TEMPLATES = ('hf', 'plain')
 
 
 def record_messages(record: dict, where: str) -> List[dict]:
@@ -46,14 +54,43 @@ def record_messages(record: dict, where: str) -> List[dict]:
                    f'"response"; its keys: {sorted(record)}')
 
 
+def chosen_template(template: Union[str, Dict[str, str], None],
+                    tokenizer: Tokenizer) -> Union[str, Dict[str, str]]:
+    """``'hf'`` or the dict of format strings that ``template`` means:
+    ``None`` is ``'hf'`` when the tokenizer has a chat template, else
+    ``'plain'`` (:data:`DEFAULT_TEMPLATE`).
+
+    Raises:
+        ValueError: an unknown name, or ``'hf'`` without a chat template.
+    """
+    if template is None:
+        template = 'hf' if has_chat_template(tokenizer) else 'plain'
+    if isinstance(template, dict):
+        return dict(template)
+    if template not in TEMPLATES:
+        raise ValueError(f'SFTDataset template={template!r} is not '
+                         f'supported; allowed: {", ".join(TEMPLATES)}, None '
+                         'or a dict role -> format string')
+    if template == 'hf' and not has_chat_template(tokenizer):
+        raise ValueError(
+            "SFTDataset template='hf' needs an HFTokenizer whose tokenizer "
+            f'has a chat_template; {getattr(tokenizer, "name", tokenizer)!r} '
+            "has none; allowed: 'plain', None or a dict")
+    return 'hf' if template == 'hf' else dict(DEFAULT_TEMPLATE)
+
+
 def render(messages: Sequence[dict], tokenizer: Tokenizer,
-           template: Dict[str, str]) -> Tuple[np.ndarray, np.ndarray]:
-    """``(token ids, is_answer)`` of a chat: every message rendered by its
-    role's template and tokenized alone, in order.
+           template: Union[str, Dict[str, str]]
+           ) -> Tuple[np.ndarray, np.ndarray]:
+    """``(token ids, is_answer)`` of a chat: with ``template='hf'`` by the
+    tokenizer's chat template (:func:`render_chat`), else every message
+    rendered by its role's format string and tokenized alone, in order.
 
     Raises:
         ValueError: a role the template lacks.
     """
+    if template == 'hf':
+        return render_chat(messages, tokenizer)
     ids, answer = [], []
     for message in messages:
         role = message['role']
@@ -69,31 +106,71 @@ def render(messages: Sequence[dict], tokenizer: Tokenizer,
 
 @DATASETS.register_module()
 class SFTDataset(Dataset):
-    """Chat / instruction records from JSONL files, one padded sample each,
-    the loss on the answer tokens only.
+    """Chat / instruction records from JSONL files, one padded sample each
+    or packed, the loss on the answer tokens only.
 
     Args:
         files: JSONL paths, globs or directories.
         context_length: tokens per sample (longer records are cut).
         tokenizer: a ``TOKENIZERS`` config (``None``: bytes).
-        template: role -> format string with ``{content}``
-            (:data:`DEFAULT_TEMPLATE`).
+        template: ``'hf'``: the chat template of the tokenizer (an
+            ``HFTokenizer``), loss on each assistant message's content and
+            end-of-turn tokens; ``'plain'``: :data:`DEFAULT_TEMPLATE`; a
+            dict role -> format string with ``{content}``; ``None``:
+            ``'hf'`` when the tokenizer has a chat template, else
+            ``'plain'``.
         pad_id: the input id of padding (its targets are ``-100``).
+        pack: lay records one after another into windows of
+            ``context_length`` inputs (a sample is then a window; no
+            target predicts across records).
+        document_attention: with ``pack``, items carry ``doc_ids`` (the
+            record of each input) so that the model restarts positions at
+            each record and attends within it: each record gets the loss
+            it gets alone.
+        num_windows: samples per epoch: the first ``num_windows`` (records,
+            or windows with ``pack``); ``None``: all. E.g. a quick
+            validation on part of a set.
+        truncate: how a record longer than ``context_length + 1`` tokens
+            is cut: ``'right'`` keeps its start, ``'left'`` its end (the
+            last answer is trained even when the prompt is long).
 
-    Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``;
+    Each item is ``dict(inputs=int64 (L,), data_samples=int64 (L,))``, plus
+    ``doc_ids=int64 (L,)`` with ``pack`` and ``document_attention``;
     ``data_samples`` is ``-100`` except where the next token is an answer
     token.
+
+    Raises:
+        ValueError: ``document_attention`` without ``pack``, or a bad
+            ``template`` or ``context_length``.
     """
 
     def __init__(self,
                  files: Union[str, Sequence[str]],
                  context_length: int = 128,
                  tokenizer: Union[dict, Tokenizer, None] = None,
-                 template: Optional[Dict[str, str]] = None,
-                 pad_id: int = 0):
+                 template: Union[str, Dict[str, str], None] = None,
+                 pad_id: int = 0,
+                 pack: bool = False,
+                 document_attention: bool = False,
+                 num_windows: Optional[int] = None,
+                 truncate: str = 'right'):
+        if not isinstance(context_length, int) or context_length < 1:
+            raise ValueError(f'SFTDataset context_length={context_length!r} '
+                             'must be an int >= 1')
+        if num_windows is not None and (not isinstance(num_windows, int)
+                                        or num_windows < 1):
+            raise ValueError(f'SFTDataset num_windows={num_windows!r} must '
+                             'be an int >= 1 or None')
+        if truncate not in TRUNCATIONS:
+            raise ValueError(f'SFTDataset truncate={truncate!r} is not '
+                             f'supported; allowed: {", ".join(TRUNCATIONS)}')
+        if document_attention and not pack:
+            raise ValueError('SFTDataset document_attention=True needs '
+                             'pack=True (a padded sample holds one record); '
+                             'allowed: pack=True, or document_attention=False')
         self.tokenizer = build_tokenizer(tokenizer)
         self.context_length = context_length
-        self.template = dict(template or DEFAULT_TEMPLATE)
+        self.template = chosen_template(template, self.tokenizer)
         self.pad_id = pad_id
         self.samples = []
         for path in expand_files(files):
@@ -103,21 +180,38 @@ class SFTDataset(Dataset):
                                                f'{path}:{number}')
                     self.samples.append(render(messages, self.tokenizer,
                                                self.template))
+        self.pack = pack
+        self.document_attention = document_attention
+        self.windows = pack_records(
+            [min(len(ids), context_length + 1) - 1
+             for ids, _ in self.samples], context_length) if pack else None
+        self.num_windows = num_windows
+        self.truncate = truncate
 
     @property
     def metainfo(self) -> dict:
         return lm_metainfo(self.tokenizer, self.context_length)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        total = len(self.windows) if self.pack else len(self.samples)
+        return min(total, self.num_windows or total)
+
+    def _record(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
+        return record_sample(*self.samples[idx], self.context_length,
+                             self.truncate)
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        ids, answer = self.samples[idx]
-        length = self.context_length
-        ids, answer = ids[:length + 1], answer[:length + 1]
-        targets = np.where(answer[1:], ids[1:], IGNORE_INDEX)
-        pad = length - len(targets)
-        inputs = np.concatenate([ids[:-1], np.full(pad, self.pad_id)])
-        targets = np.concatenate([targets, np.full(pad, IGNORE_INDEX)])
-        return dict(inputs=torch.from_numpy(inputs.astype(np.int64)),
-                    data_samples=torch.from_numpy(targets.astype(np.int64)))
+        if self.pack:
+            item = packed_window([self._record(i) for i in self.windows[idx]],
+                                 self.context_length, self.pad_id)
+            if not self.document_attention:
+                del item['doc_ids']
+        else:
+            inputs, targets = self._record(idx)
+            pad = self.context_length - len(targets)
+            item = dict(
+                inputs=np.concatenate([inputs, np.full(pad, self.pad_id)]),
+                data_samples=np.concatenate(
+                    [targets, np.full(pad, IGNORE_INDEX)]))
+        return {k: torch.from_numpy(v.astype(np.int64))
+                for k, v in item.items()}

@@ -93,7 +93,7 @@ def iter_documents(files: Sequence[Path], text_key: str = 'text',
             document. Empty documents are skipped.
 
     Raises:
-        KeyError: a record without ``text_key``.
+        KeyError: a record (or a Parquet file) without ``text_key``.
         ImportError: a Parquet file without pyarrow installed.
     """
     for path in files:
@@ -127,6 +127,10 @@ def _parquet_texts(path: Path, text_key: str) -> Iterator[str]:
             '(mmpar does not depend on it); pip install pyarrow, or convert '
             'the file to JSONL') from None
     parquet = pq.ParquetFile(path)
+    columns = parquet.schema_arrow.names
+    if text_key not in columns:
+        raise KeyError(f'{path}: Parquet file has no text_key={text_key!r} '
+                       f'column; its columns: {sorted(columns)}')
     for batch in parquet.iter_batches(columns=[text_key]):
         yield from batch.column(0).to_pylist()
 

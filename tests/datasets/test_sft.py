@@ -38,6 +38,14 @@ def test_only_answer_tokens_are_targets(tmp_path):
     assert (item['inputs'][len(text) - 1:] == 0).all()  # padding
     second = data[1]['data_samples']
     assert bytes(second[second != -100].tolist()) == b'### Answer:\nab\n\n'
+    # Cut to 8 inputs: the start (all prompt), or the end (the answer).
+    right, left = (SFTDataset(files, context_length=8, truncate=t,
+                              num_windows=1) for t in ('right', 'left'))
+    assert len(right) == 1 and (right[0]['data_samples'] == -100).all()
+    assert bytes(left[0]['inputs'].tolist()) == b'wer:\nyo\n'
+    assert bytes(left[0]['data_samples'].tolist()) == b'er:\nyo\n\n'
+    with pytest.raises(ValueError, match="truncate='middle' is not"):
+        SFTDataset(files, truncate='middle')
     with pytest.raises(KeyError, match='needs "messages"'):
         SFTDataset(_write(tmp_path / 'b.jsonl', [dict(text='x')]))
 
@@ -75,3 +83,121 @@ def test_fine_tuning_lowers_the_masked_loss(tmp_path, one_thread):
         optim.zero_grad()
         losses.append(float(out['loss'].detach()))
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+          "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat_tokenizer(tmp_path, template=CHATML):
+    """The shipped byte-level BPE with ChatML's special tokens and a chat
+    template, saved as a local Hugging Face directory."""
+    from mmpar.datasets.tokenizer import shakespeare_bpe
+    hf = shakespeare_bpe().tokenizer
+    hf.add_special_tokens(
+        {'additional_special_tokens': ['<|im_start|>', '<|im_end|>']})
+    hf.chat_template = template
+    hf.save_pretrained(tmp_path / 'tok')
+    return dict(type='HFTokenizer', path=str(tmp_path / 'tok'))
+
+
+def test_hf_chat_template_counts_only_the_answers(tmp_path):
+    chat = [dict(role='system', content='Be brief.'),
+            dict(role='user', content='Who art thou?'),
+            dict(role='assistant', content='A king.'),
+            dict(role='user', content='Of where?'),
+            dict(role='assistant', content='Of Denmark.')]
+    files = _write(tmp_path / 'c.jsonl', [dict(messages=chat)])
+    tokenizer = _chat_tokenizer(tmp_path)
+    data = SFTDataset(files, context_length=96, tokenizer=tokenizer)
+    assert data.template == 'hf'  # the default when a template exists
+    hf = data.tokenizer.tokenizer
+    whole = hf.apply_chat_template(chat, tokenize=False)
+    ids, answer = data.samples[0]
+    assert hf.decode(ids) == whole
+    # The answer tokens: each assistant content and its end of turn,
+    # neither the assistant header nor any system or user token.
+    runs, run = [], []
+    for token, counted in zip(ids.tolist() + [-1], answer.tolist() + [0]):
+        if counted:
+            run.append(token)
+        elif run:
+            runs, run = runs + [hf.decode(run)], []
+    assert runs == ['A king.<|im_end|>\n', 'Of Denmark.<|im_end|>\n']
+    targets = data[0]['data_samples']
+    assert targets[targets != -100].tolist() == ids[1:][answer[1:]].tolist()
+    plain = SFTDataset(files, context_length=96, tokenizer=tokenizer,
+                       template='plain')
+    assert plain.tokenizer.decode(plain.samples[0][0]).startswith(
+        'Be brief.\n\n### Question:\nWho art thou?')
+    with pytest.raises(ValueError, match="template='hf' needs an "
+                       'HFTokenizer whose tokenizer has a chat_template'):
+        SFTDataset(files, template='hf')  # bytes: no chat template
+    with pytest.raises(ValueError, match="template='chat' is not supported"):
+        SFTDataset(files, template='chat')
+    # A template that renders earlier turns differently as the chat grows
+    # (here: a message count up front) cannot be masked by prefixes.
+    counting = _chat_tokenizer(tmp_path, '{{ messages|length }}' + CHATML)
+    with pytest.raises(ValueError, match='does not render a chat'):
+        SFTDataset(files, tokenizer=counting)
+
+
+def test_packed_records_get_the_loss_they_get_alone(tmp_path, one_thread):
+    records = [dict(prompt='ab' * n, response=str(n) * (n % 3 + 1))
+               for n in (1, 9, 4, 2, 7, 3)]
+    files = _write(tmp_path / 'p.jsonl', records)
+    alone = SFTDataset(files, context_length=96)
+    packed = SFTDataset(files, context_length=96, pack=True,
+                        document_attention=True)
+    lengths = [len(ids) - 1 for ids, _ in alone.samples]  # 33 48 39 36 45 36
+    assert packed.windows == [[0, 1], [2, 3], [4, 5]]
+    assert all(sum(lengths[i] for i in w) <= 96 for w in packed.windows)
+    torch.manual_seed(0)
+    model = Llama(vocab_size=256, dim=32, num_layers=2, num_heads=4,
+                  num_kv_heads=2, max_seq_len=96)
+    for idx, window in enumerate(packed.windows):
+        item = {k: v[None] for k, v in packed[idx].items()}
+        out = model(item['inputs'], item['data_samples'], 'loss',
+                    doc_ids=item['doc_ids'])
+        logits = model(item['inputs'], mode='tensor',
+                       doc_ids=item['doc_ids'])[0]
+        loss_sum, count, start = 0.0, 0, 0
+        for d, record in enumerate(window):
+            ref = {k: v[None] for k, v in alone[record].items()}
+            ref_out = model(ref['inputs'], ref['data_samples'], 'loss')
+            n = lengths[record]
+            part = slice(start, start + n)
+            assert (item['doc_ids'][0, part] == d).all()
+            # A record's targets are its own: none across records.
+            assert torch.equal(item['data_samples'][0, part],
+                               ref['data_samples'][0, :n])
+            torch.testing.assert_close(
+                logits[part], model(ref['inputs'], mode='tensor')[0, :n],
+                rtol=1e-5, atol=1e-5)
+            loss_sum = loss_sum + ref_out['loss'] * ref_out['num_tokens']
+            count += int(ref_out['num_tokens'])
+            start += n
+        assert (item['data_samples'][0, start:] == -100).all()  # padding
+        assert int(out['num_tokens']) == count
+        torch.testing.assert_close(out['loss'] * out['num_tokens'],
+                                   loss_sum, rtol=1e-5, atol=1e-5)
+    assert 'doc_ids' not in SFTDataset(files, context_length=96,
+                                       pack=True)[0]
+    with pytest.raises(ValueError, match='document_attention=True needs '
+                       'pack=True'):
+        SFTDataset(files, document_attention=True)
+
+
+def test_shipped_instruction_set_is_regenerated():
+    from mmpar.datasets.shakespeare_sft import SFT_DIR, sft_file_texts
+    texts = sft_file_texts()
+    for split, text in texts.items():
+        assert (SFT_DIR / f'shakespeare_sft_{split}.jsonl').read_text() == text
+    records = [json.loads(line) for text in texts.values()
+               for line in text.splitlines()]
+    assert len(records) == 1000
+    assert sum('messages' in r for r in records) == 500
+    # Every record fits the shipped config's context: none is cut.
+    data = SFTDataset('mmpar:shakespeare_sft_train.jsonl')
+    assert max(len(ids) for ids, _ in data.samples) <= 129

@@ -2,6 +2,7 @@
 both dtypes, the checks on reading, the writer tool, and the tokenization
 cache of text files."""
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -92,6 +93,28 @@ def test_text_and_jsonl_documents(tmp_path):
     with pytest.raises(FileNotFoundError, match='matches no file'):
         expand_files(str(tmp_path / '*.parquet'))
 
+
+
+def test_parquet_documents(tmp_path, monkeypatch):
+    import pyarrow as pa  # pinned in requirements-test.txt: never skipped
+    import pyarrow.parquet as pq
+    texts = ['one', 'two', 'three', 'four', 'five']
+    pq.write_table(pa.table(dict(id=list(range(5)), body=texts)),
+                   tmp_path / 'a.parquet', row_group_size=2)
+    (tmp_path / 'b.jsonl').write_text('{"body": "six"}\n')
+    files = expand_files([str(tmp_path)])
+    assert [p.name for p in files] == ['a.parquet', 'b.jsonl']
+    # Every row group, in order, then the next file.
+    assert list(iter_documents(files, text_key='body')) == texts + ['six']
+    shard = tokenize_files(str(tmp_path / '*.parquet'), ByteTokenizer(),
+                           tmp_path / 'cache', text_key='body')
+    assert TokenShard(shard).document(2).tolist() == list(b'three')
+    with pytest.raises(KeyError, match=r"no text_key='text' column; its "
+                       r"columns: \['body', 'id'\]"):
+        list(iter_documents(files[:1]))
+    monkeypatch.setitem(sys.modules, 'pyarrow.parquet', None)
+    with pytest.raises(ImportError, match='reading Parquet needs pyarrow'):
+        list(iter_documents(files[:1], text_key='body'))
 
 def test_tokenization_is_cached(tmp_path, monkeypatch):
     (tmp_path / 'a.txt').write_text('hello\n\nworld')
