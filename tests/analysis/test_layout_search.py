@@ -278,3 +278,29 @@ def test_search_flags_are_refused_at_start_up_with_their_names():
     with pytest.raises(ValueError, match=r"--search needs a launched job .*"
                        r"got --launcher 'none'"):
         search_then_config(train_config(args), args)
+
+
+def test_the_plan_front_hands_every_search_flag_to_the_job():
+    """``tools/plan.py --search`` is a front: its search flags, handed to
+    the launched ``tools/train.py`` (:func:`search_flags`), parse there to
+    the same values."""
+    from mmpar.analysis.plan_report import parse_args
+    from mmpar.analysis.search_args import search_flags
+    from mmpar.cli import parse_train_args
+    front = parse_args([TINY, '--world-size', '4', '--search',
+                        '--memory-budget', '1.5', '--trial-steps', '3',
+                        '--warmup-steps', '4', '--early-stop', '0',
+                        '--confirm', '2', '--confirm-rounds', '5',
+                        '--sweep', '2', '--checkpointing', 'none', 'full',
+                        '--schedules', 'GPipe', '--microbatches', '4', '8',
+                        '--out', 'somewhere'])
+    job = parse_train_args([TINY, '--search', '--search-only',
+                            *search_flags(front)])
+    names = ('memory_budget', 'trial_steps', 'warmup_steps', 'early_stop',
+             'confirm', 'confirm_rounds', 'sweep', 'checkpointing',
+             'schedules', 'microbatches', 'out')
+    assert {n: getattr(job, n) for n in names} == \
+        {n: getattr(front, n) for n in names}
+    defaults = parse_train_args([TINY, '--search'])
+    # Every value above differs from the job's default: none passed by luck.
+    assert all(getattr(job, n) != getattr(defaults, n) for n in names)
