@@ -11,17 +11,15 @@ Every rank of the job takes part, on the job's backend and devices:
 2. the process group starts as the Runner would start it, and rank 0's
    rows reach every rank;
 3. what a rank holds besides its model is measured in the job (a Runner
-   with a one-parameter model and one batch: :func:`measure_baseline`) and
-   added to the predictions; the memory budget filters;
-4. each candidate is built, trained ``warmup + steps`` iterations and torn
-   down inside these processes (:func:`run_trial`): a ``mmpar.Runner`` whose
-   groups and mesh are made from the world group and destroyed after, the
-   memory released and the peak statistics reset before. Steps are timed
-   with the device synchronised; memory is each rank's peak device memory
-   (reserved), or its peak RSS on the CPU (:mod:`mmpar.device`);
-5. :mod:`.search_rounds` ranks them as the local search always did; rank 0
-   writes the table and the winning config (:mod:`.search_report`), and
-   every rank returns the winner's config to train (unless
+   with a one-parameter model and one batch: :func:`~mmpar.analysis.trial.
+   measure_baseline`) and added to the predictions; the memory budget
+   filters;
+4. each candidate is built, trained and torn down inside these processes
+   (:mod:`.trial`; memory: each rank's peak device memory, or its peak RSS
+   on the CPU), in the rounds of :mod:`.search_rounds` (``--sweep R``:
+   every candidate R times, the sweep the search is benchmarked against);
+5. rank 0 writes the table and the winning config (:mod:`.search_report`),
+   and every rank returns the winner's config to train (unless
    ``--search-only``).
 
 Every rank sees the same trial results (gathered), so they all take the
@@ -34,7 +32,6 @@ candidates out.
 import itertools
 import os.path as osp
 import time
-import traceback
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -43,19 +40,16 @@ from mmengine.config import Config
 from mmpar import device
 from mmpar.analysis.layouts import DEFAULT_SCHEDULES
 from mmpar.analysis.search import (add_baseline, apply_budget,
-                                   plan_candidates, stderr_progress,
-                                   trial_config)
+                                   plan_candidates, stderr_progress)
 from mmpar.analysis.search_report import (format_search, nothing_fits,
                                           write_search)
 from mmpar.analysis.search_rounds import TrialRunner, measure_rows, prior, \
     ranked
 from mmpar.analysis.search_table import (OVER_BUDGET, REFUSED, SKIPPED, Row,
                                          SearchResult)
-from mmpar.analysis.trial import TrialClock, TrialResult, _NoModel
+from mmpar.analysis.trial import (TrialResult, measure_baseline, run_trial,
+                                  trial_config)
 from mmpar.dist import init_dist, launch_env, usable_backend
-from mmpar.parallel.seed import reset_parallelism
-from mmpar.registry import MODELS
-from mmpar.runner import Runner
 
 # Exit statuses of a search that trains nothing (tools/plan.py's).
 NOTHING_FITS, NOTHING_RUNS = 3, 2
@@ -71,84 +65,6 @@ def start_job(cfg: Config) -> None:
     init_dist(cfg.launcher, **dist_cfg)
 
 
-def _from_rank0(value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _teardown() -> None:
-    """Destroy the trial's groups, free its memory, start a new peak."""
-    reset_parallelism()
-    device.release_memory()
-    dist.barrier()
-    device.reset_peak_memory()
-
-
-def measure_baseline(cfg: Config, work_dir: str) -> int:
-    """What a rank holds besides its model, measured in the job (the
-    largest rank's): a Runner built from ``cfg`` with a one-parameter model
-    and the default layout, its train loader and one batch. Device memory
-    in use on an accelerator, resident memory on the CPU."""
-    base = Config(cfg.to_dict())
-    for key in ('parallel', 'model_wrapper_cfg', 'activation_checkpointing',
-                'model_compile', 'load_from'):
-        base.pop(key, None)
-    MODELS.register_module(name='RankBaselineModel', module=_NoModel,
-                           force=True)
-    base.model = dict(type='mmpar.RankBaselineModel')
-    base.work_dir = work_dir
-    base.experiment_name = 'layout_search_baseline'
-    base.log_level = 'WARNING'
-    base.resume = False
-    runner = Runner.from_cfg(base)
-    next(iter(runner.build_dataloader(base.train_dataloader)))
-    held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, device.memory_in_use())
-    del runner
-    _teardown()
-    return max(held)
-
-
-def run_trial(cfg: Config, warmup: int, steps: int, data_ranks: int,
-              stop_above: Optional[float] = None,
-              min_steps: int = 2) -> TrialResult:
-    """Train ``cfg`` (cut to ``warmup + steps`` iterations by the caller)
-    in this job's processes and tear it down; every rank returns the same
-    result (rank 0's step times, every rank's peak memory, the first
-    rank's error)."""
-    start = time.time()
-    error, clock, built = None, None, 0
-    try:
-        runner = Runner.from_cfg(cfg)
-        built = device.memory_in_use()
-        clock = TrialClock(warmup, stop_above, min_steps, data_ranks)
-        runner.register_hook(clock)
-        runner.train()
-    except Exception:  # noqa: B902 - reported in the table
-        error = traceback.format_exc()
-    runner = None
-    peak = device.peak_memory()['peak']
-    mine = dict(error=error, built=built, peak=peak,
-                ready=clock.ready_rss if clock else 0,
-                times=clock.times if clock else [],
-                tokens=clock.tokens if clock else None,
-                stopped=bool(clock and clock.stopped_early))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    _teardown()
-    first = every[0]
-    errors = [f'rank {rank}: {r["error"]}' for rank, r in enumerate(every)
-              if r['error']]
-    return TrialResult(
-        step_times=first['times'], tokens_per_step=first['tokens'],
-        peak_rss=[r['peak'] for r in every],
-        built_rss=[r['built'] for r in every],
-        ready_rss=[r['ready'] for r in every],
-        stopped_early=first['stopped'],
-        error=errors[0] if errors else None, wall_s=time.time() - start)
-
-
 def job_trial_runner(result: SearchResult, log_dir: str) -> TrialRunner:
     """Trials of ``result``'s rows in this job, each logging under
     ``log_dir/trial<i>``."""
@@ -160,7 +76,6 @@ def job_trial_runner(result: SearchResult, log_dir: str) -> TrialRunner:
         work_dir = osp.join(log_dir, f'trial{index}')
         trial = trial_config(row.config, result.warmup_steps + steps,
                              work_dir)
-        trial.launcher = row.config.launcher
         # MMEngine keeps its logger, message hub and visualizer per
         # experiment name: a trial must not find the last one's.
         trial.experiment_name = f'layout_search_trial{index}'
@@ -196,10 +111,11 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
         say(f'planning the layouts of {world_size} ranks ...')
         planned = plan_candidates(
             cfg, world_size, schedules=args.schedules or DEFAULT_SCHEDULES,
-            microbatches=args.microbatches, checkpointing=modes,
-            prune_checkpointing=False, baseline=0)
+            microbatches=args.microbatches, checkpointing=modes)
     start_job(cfg)
-    rows, batch = _from_rank0(planned)
+    box = [planned]
+    dist.broadcast_object_list(box, src=0)  # rank 0's plan to every rank
+    rows, batch = box[0]
     stem = osp.splitext(osp.basename(config_path))[0]
     out_dir = args.out or osp.join('work_dirs', f'{stem}_search')
     log_dir = osp.join(out_dir, 'trials')
@@ -209,19 +125,33 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
     say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
         f'(measured in this job, {_where()})')
     add_baseline(rows, baseline)
-    apply_budget(rows, args.memory_budget)
+    result = measure_candidates(rows, batch, world_size, args,
+                                job_trial_runner, log_dir, say, start)
+    status = _report(result, config_path, out_dir, args, lead)
+    if status:
+        raise SystemExit(status)
+    return result
+
+
+def measure_candidates(rows: List[Row], batch: int, world_size: int, args,
+                       runner, log_dir: str, say, start: float
+                       ) -> SearchResult:
+    """The budget's filter on the planned ``rows``, the trials of the rest
+    (through ``runner(result, log_dir)``, a :data:`~mmpar.analysis.
+    search_rounds.TrialRunner` maker) and the ranked result. A sweep keeps
+    every checkpointing mode that fits (the search runs the lightest)."""
+    apply_budget(rows, args.memory_budget,
+                 prune_checkpointing=not args.sweep)
     result = SearchResult(world_size, batch, rows, args.memory_budget,
                           args.trial_steps, args.warmup_steps)
     todo = sorted((r for r in rows if not r.status), key=prior)
     _say_counts(say, rows, todo, args, batch)
-    measure_rows(todo, result, job_trial_runner(result, log_dir),
+    measure_rows(todo, result, runner(result, log_dir),
                  early_stop=args.early_stop or None, confirm=args.confirm,
-                 confirm_rounds=args.confirm_rounds, say=say, start=start)
+                 confirm_rounds=args.confirm_rounds, sweep=args.sweep,
+                 say=say, start=start)
     result.rows = ranked(rows, result)
     result.elapsed_s = time.time() - start
-    status = _report(result, config_path, out_dir, args, lead)
-    if status:
-        raise SystemExit(status)
     return result
 
 
@@ -236,9 +166,10 @@ def _say_counts(say, rows: List[Row], todo: List[Row], args,
                 batch: int) -> None:
     counts = {s: sum(r.status == s for r in rows)
               for s in (REFUSED, OVER_BUDGET, SKIPPED)}
+    times = f' x {args.sweep} (sweep)' if args.sweep else ''
     say(f'{len(rows)} candidates: {counts[REFUSED]} refused, '
         f'{counts[OVER_BUDGET]} over the budget, {counts[SKIPPED]} skipped '
-        f'(checkpointing more than needed), {len(todo)} to run for '
+        f'(checkpointing more than needed), {len(todo)} to run{times} for '
         f'{args.warmup_steps} + {args.trial_steps} steps (global batch '
         f'{batch})')
 

@@ -40,7 +40,7 @@ and anything a model allocates outside its parameters and saved
 activations.
 """
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -145,12 +145,3 @@ def in_flight(schedule: Optional[str], pp: int, microbatches: int,
     if schedule in ('GPipe', 'LoopedBFS'):
         return microbatches * stages_per_rank
     return min(microbatches, pp) * stages_per_rank
-
-
-def activation_share(profile: Dict[str, Any], estimate: int,
-                     held_blocks: Optional[range], num_blocks: int) -> int:
-    """``estimate`` (the whole model's) scaled to the blocks a pipeline
-    rank holds (None: all)."""
-    if held_blocks is None or not num_blocks:
-        return estimate
-    return int(estimate * len(held_blocks) / num_blocks)

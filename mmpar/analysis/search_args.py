@@ -29,6 +29,12 @@ def add_search_arguments(group) -> None:
         'trials; after the first round only those within 5%% of the '
         'fastest (default 2)')
     group.add_argument(
+        '--sweep', type=int, default=0, metavar='R',
+        help='measure every candidate that fits (every checkpointing mode) '
+        'R times, interleaved, without early stop or confirm rounds: the '
+        'exhaustive sweep the search is benchmarked against (default 0: '
+        'search)')
+    group.add_argument(
         '--checkpointing', nargs='+', default=list(CHECKPOINTING_CHOICES),
         choices=CHECKPOINTING_CHOICES,
         help='activation checkpointing modes to try')
@@ -56,6 +62,7 @@ def search_argument_error(args: argparse.Namespace) -> Optional[str]:
                '0 (never) or a factor > 1'),
               ('confirm', args.confirm >= 0, 'an int >= 0'),
               ('confirm_rounds', args.confirm_rounds >= 0, 'an int >= 0'),
+              ('sweep', args.sweep >= 0, 'an int >= 0'),
               ('microbatches', all(m >= 1 for m in args.microbatches or []),
                'ints >= 1')]
     for key, ok, allowed in checks:
@@ -68,17 +75,12 @@ def search_argument_error(args: argparse.Namespace) -> Optional[str]:
 def search_flags(args: argparse.Namespace) -> list:
     """``args``' search flags as a command line (what the local front hands
     to the launched job)."""
-    flags = ['--trial-steps', args.trial_steps,
-             '--warmup-steps', args.warmup_steps,
-             '--early-stop', args.early_stop,
-             '--confirm', args.confirm,
-             '--confirm-rounds', args.confirm_rounds,
-             '--checkpointing', *args.checkpointing]
-    for name in ('schedules', 'microbatches'):
-        if getattr(args, name):
-            flags += [f'--{name}', *getattr(args, name)]
-    if args.memory_budget is not None:
-        flags += ['--memory-budget', args.memory_budget]
-    if args.out:
-        flags += ['--out', args.out]
+    flags = []
+    for name in ('trial_steps', 'warmup_steps', 'early_stop', 'confirm',
+                 'confirm_rounds', 'sweep', 'checkpointing', 'schedules',
+                 'microbatches', 'memory_budget', 'out'):
+        value = getattr(args, name)
+        if value is not None and value != []:
+            flags += [f'--{name.replace("_", "-")}',
+                      *(value if isinstance(value, list) else [value])]
     return [str(flag) for flag in flags]

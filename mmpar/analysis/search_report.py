@@ -7,8 +7,9 @@ import os.path as osp
 from collections import defaultdict
 from typing import List, Optional
 
-from mmpar.analysis.search import (FAILED, MEASURED, OVER_BUDGET, REFUSED,
-                                   SKIPPED, STOPPED, Row, SearchResult)
+from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
+                                         REFUSED, SKIPPED, STOPPED, Row,
+                                         SearchResult, ratio)
 from mmpar.parallel.dims import AXES
 
 MiB = 2**20
@@ -28,8 +29,8 @@ def format_search(result: SearchResult) -> str:
               's/step', 'trials', result.unit, 'vs best', 'vs as written')
     lines = []
     ran = [r for r in result.rows if r.status in (MEASURED, STOPPED)]
-    best = result.best
-    written = result.as_written
+    best, written = (result.throughput(r) if r else None
+                     for r in (result.best, result.as_written))
     body = []
     for row in ran:
         speed = result.throughput(row)
@@ -40,8 +41,8 @@ def format_search(result: SearchResult) -> str:
         body.append((label, _mib(row.predicted_peak),
                      _mib(row.measured_peak), f'{row.step_time:.3f}',
                      str(len(row.passes) or 1), f'{speed:,.0f}',
-                     _times(_ratio(speed, best, result)),
-                     _times(_ratio(speed, written, result))))
+                     _times(ratio(speed, best)),
+                     _times(ratio(speed, written))))
     if body:
         widths = [max(len(r[i]) for r in body + [header])
                   for i in range(len(header))]
@@ -56,13 +57,6 @@ def format_search(result: SearchResult) -> str:
                      'disturbed trial (load only slows a trial down)')
     lines += _not_run_lines(result)
     return '\n'.join(lines)
-
-
-def _ratio(speed, row: Optional[Row], result: SearchResult):
-    reference = result.throughput(row) if row is not None else None
-    if speed is None or not reference:
-        return None
-    return speed / reference
 
 
 def _not_run_lines(result: SearchResult) -> List[str]:

@@ -1,4 +1,4 @@
-"""Measuring the candidates that fit (steps 5-7 of :mod:`.search`).
+"""Measuring the candidates that fit (steps 5-7 of docs/layout_search.md).
 
 On a shared machine one trial's speed follows the load of its moment as
 much as the layout: the benchmark's sweep measured one layout at a median
@@ -9,20 +9,25 @@ ever slows a trial down. So:
 1. **First pass**: each candidate once, likely-fast layouts first; one
    whose first timed steps are all slower than ``early_stop`` times the
    best median so far stops after 2 of them.
-2. **Confirm**: the ``confirm`` fastest candidates within ``confirm_within``
-   of the best (by the median step of a trial run to the end; by the
-   fastest step of one stopped early, since a burst of load may be what
-   stopped it) run up to ``confirm_rounds`` more trials, interleaved (each
+2. **Confirm**: the ``confirm`` fastest candidates within
+   :data:`CONFIRM_WITHIN` of the best (by the median step of a trial run to
+   the end; by the fastest step of one stopped early, since a burst of load
+   may be what stopped it) run up to ``confirm_rounds`` more trials, interleaved (each
    round in the reverse order of the one before), without the early stop;
    after the first round only those within 5 % of the leader go on.
 3. **Speed**: a candidate's speed is that of its least disturbed trial, the
    smallest median step over the trials it ran to the end: one disturbed
    trial, first pass or confirm, does not decide.
 
+With ``sweep=R`` instead, every candidate runs R trials, interleaved (each
+round starts further down the list), without early stop or confirm rounds,
+and is ranked by the same rule: the exhaustive sweep that
+``benchmarks/bench_layout_search.py`` measures the search against.
+
 The trials are run through a :data:`TrialRunner`, a function of (row, timed
-steps, stop above) returning a :class:`~mmpar.analysis.trial.TrialResult`:
-:func:`~mmpar.analysis.search.search_layouts` hands one that trains on N
-fresh local ranks; tests hand one with made-up times.
+steps, stop above) returning a :class:`~mmpar.analysis.search_table.
+TrialResult`: :mod:`.job_search` hands one that trains in the launched
+job's processes; tests hand one with made-up times.
 """
 import statistics
 import time
@@ -31,16 +36,15 @@ from typing import Callable, List, Optional
 from mmpar.analysis.memory import within_budget
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
-                                         SearchResult)
-from mmpar.analysis.trial import TrialResult
+                                         SearchResult, TrialResult)
 from mmpar.parallel.dims import AXES
 
 # (row, timed steps, stop once the steps are all slower than this many
 # seconds or None) -> the trial's measurements.
 TrialRunner = Callable[[Row, int, Optional[float]], TrialResult]
-# Defaults of search_layouts: confirm candidates within 1.5x of the best
-# (wider than the early stop's 1.3x, so that one stopped by a burst of load
-# just over the bar gets another look), in 2 more rounds.
+# Confirm candidates within 1.5x of the best (wider than the early stop's
+# 1.3x, so that one stopped by a burst of load just over the bar gets
+# another look), in 2 more rounds by default.
 CONFIRM_WITHIN = 1.5
 CONFIRM_ROUNDS = 2
 # After the first confirm round, only candidates whose fastest trial is
@@ -64,23 +68,25 @@ def prior(row: Row) -> tuple:
 
 def measure_rows(todo: List[Row], result: SearchResult, run: TrialRunner, *,
                  early_stop: Optional[float], confirm: int,
-                 confirm_within: float = CONFIRM_WITHIN,
-                 confirm_rounds: int = CONFIRM_ROUNDS,
+                 confirm_rounds: int = CONFIRM_ROUNDS, sweep: int = 0,
                  say: Callable[[str], None], start: float) -> None:
-    """Run ``todo`` (in that order), then confirm the close ones (module
-    doc); sets each row's status, passes and trial, and
-    ``result.tokens_per_sample``."""
+    """Run ``todo`` (in that order), then confirm the close ones, or, with
+    ``sweep``, run every row that many times (module doc); sets each row's
+    status, passes and trial, and ``result.tokens_per_sample``."""
+    if sweep:
+        for round_index in range(sweep):
+            shift = round_index * len(todo) // sweep
+            for index, row in enumerate(todo[shift:] + todo[:shift]):
+                _trial(f'[sweep {round_index + 1}.{index + 1} '
+                       f'{clock(start)}]', row, result, run, None, say)
+        return
     for index, row in enumerate(todo):
         best = min((r.step_time for r in todo[:index]
                     if r.status == MEASURED), default=None)
         stop_above = early_stop * best if early_stop and best else None
-        say(f'[{index + 1}/{len(todo)} {clock(start)}] '
-            f'{row.candidate.label} ...')
-        _record(row, result, run(row, result.trial_steps, stop_above),
-                stop_above)
-        say(f'[{index + 1}/{len(todo)} {clock(start)}] '
-            f'{row.candidate.label}: {outcome(row, result)}')
-    close = contenders(todo, result.memory_budget, confirm, confirm_within)
+        _trial(f'[{index + 1}/{len(todo)} {clock(start)}]', row, result,
+               run, stop_above, say)
+    close = contenders(todo, result.memory_budget, confirm, CONFIRM_WITHIN)
     for round_index in range(confirm_rounds):
         if round_index:
             close = still_close(close)
@@ -88,11 +94,20 @@ def measure_rows(todo: List[Row], result: SearchResult, run: TrialRunner, *,
             break
         order = close if round_index % 2 == 0 else close[::-1]
         for index, row in enumerate(order):
-            step = f'[confirm {round_index + 1}.{index + 1} {clock(start)}]'
-            say(f'{step} {row.candidate.label} ...')
-            _record(row, result, run(row, result.trial_steps, None), None)
-            say(f'{step} {row.candidate.label}: {outcome(row, result)} '
-                f'(medians {_medians(row)})')
+            _trial(f'[confirm {round_index + 1}.{index + 1} '
+                   f'{clock(start)}]', row, result, run, None, say,
+                   medians=True)
+
+
+def _trial(step: str, row: Row, result: SearchResult, run: TrialRunner,
+           stop_above: Optional[float], say: Callable[[str], None],
+           medians: bool = False) -> None:
+    """One trial of ``row``, taken into it, with its progress lines."""
+    say(f'{step} {row.candidate.label} ...')
+    _record(row, result, run(row, result.trial_steps, stop_above),
+            stop_above)
+    extra = f' (medians {_medians(row)})' if medians else ''
+    say(f'{step} {row.candidate.label}: {outcome(row, result)}{extra}')
 
 
 def contenders(todo: List[Row], memory_budget: Optional[float],

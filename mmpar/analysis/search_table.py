@@ -1,5 +1,6 @@
-"""What the layout search knows about each candidate (:class:`Row`) and the
-ranked whole (:class:`SearchResult`)."""
+"""What the layout search knows about each candidate: one trial's
+measurements (:class:`TrialResult`), the candidate's row (:class:`Row`) and
+the ranked whole (:class:`SearchResult`)."""
 import statistics
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -8,12 +9,32 @@ from mmengine.config import Config
 
 from mmpar.analysis.layouts import Candidate
 from mmpar.analysis.memory import MemoryEstimate
-from mmpar.analysis.trial import TrialResult
 
 # Row states, in the order the report lists them.
 MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
     'measured', 'stopped early', 'failed', 'skipped', 'over budget',
     'refused')
+
+
+@dataclass
+class TrialResult:
+    """What one trial measured (:func:`mmpar.analysis.trial.run_trial`).
+
+    Attributes:
+        step_times: seconds of each timed step (slowest rank).
+        tokens_per_step: tokens the whole job consumed per step (None for
+            batches without a token tensor ``inputs``).
+        peak_rss: each rank's peak memory, bytes
+            (:func:`mmpar.device.peak_memory`: peak reserved device memory
+            on an accelerator, peak resident memory on the CPU).
+        stopped_early: the trial ended early (``stop_above``).
+        error: the first failing rank's error, or None.
+    """
+    step_times: List[float] = field(default_factory=list)
+    tokens_per_step: Optional[int] = None
+    peak_rss: List[int] = field(default_factory=list)
+    stopped_early: bool = False
+    error: Optional[str] = None
 
 
 @dataclass
@@ -72,7 +93,7 @@ class Row:
 
 @dataclass
 class SearchResult:
-    """Everything :func:`search_layouts` found (``rows`` ranked: measured
+    """Everything the search found (``rows`` ranked: measured
     fastest first, then the rest)."""
     world_size: int
     global_batch: int
@@ -127,15 +148,17 @@ class SearchResult:
                 step_time=row.step_time,
                 trial_medians=[statistics.median(t.step_times)
                                for t in row.passes],
+                trial_peaks=[max(t.peak_rss) for t in row.passes],
                 throughput=speed, unit=self.unit,
-                vs_best=_ratio(speed, best and self.throughput(best)),
-                vs_written=_ratio(speed,
+                vs_best=ratio(speed, best and self.throughput(best)),
+                vs_written=ratio(speed,
                                   written and self.throughput(written)),
                 changes=row.changes))
         return rows
 
 
-def _ratio(value, reference) -> Optional[float]:
+def ratio(value, reference) -> Optional[float]:
+    """``value / reference``, None when either is missing (or 0)."""
     if value is None or not reference:
         return None
     return value / reference

@@ -327,16 +327,6 @@ def _temporaries_returned() -> Iterator[None]:
         libc.malloc_trim(0)
 
 
-def apply_user_mmap_threshold() -> None:
-    """Set glibc's mmap threshold to the environment's
-    ``MALLOC_MMAP_THRESHOLD_`` now, if it names one: glibc reads the
-    variable only at process start, which a process forked from a server
-    that started without it (the layout search's trial ranks) missed."""
-    libc = _glibc()
-    if libc is not None and 'MALLOC_MMAP_THRESHOLD_' in os.environ:
-        libc.mallopt(M_MMAP_THRESHOLD, _user_threshold(32 << 20))
-
-
 def _user_threshold(default: int) -> int:
     """The mmap threshold the environment asks glibc for, else ``default``."""
     try:

@@ -18,7 +18,8 @@ from mmengine.config import Config
 from mmpar.analysis.layouts import Candidate, candidate_config
 from mmpar.analysis.plan import PlanError, make_plan
 from mmpar.analysis.search import (OVER_BUDGET, REFUSED, SKIPPED, Row,
-                                   SearchResult, plan_candidates)
+                                   SearchResult, add_baseline, apply_budget,
+                                   plan_candidates)
 from mmpar.analysis.search_report import best_config_text, nothing_fits
 from mmpar.config_check import check_config
 from mmpar.parallel.dims import AXES
@@ -35,12 +36,21 @@ def _sizes(**axes):
     return tuple((axis, axes.get(axis, 1)) for axis in AXES)
 
 
+def planned(cfg, world_size, budget=None, **choices):
+    """The candidates as the job has them before its trials: planned,
+    the (here fixed) baseline added, the budget applied."""
+    rows, batch = plan_candidates(cfg, world_size, **choices)
+    add_baseline(rows, BASELINE)
+    apply_budget(rows, budget)
+    return rows, batch
+
+
 @pytest.fixture(scope='module')
 def tiny_rows():
     cfg = Config.fromfile(str(ROOT / TINY))
-    rows, batch = plan_candidates(
+    rows, batch = planned(
         cfg, 2, schedules=['1F1B', 'Interleaved1F1B'], microbatches=[2],
-        checkpointing=[None, 'full'], baseline=BASELINE)
+        checkpointing=[None, 'full'])
     return cfg, rows, batch
 
 
@@ -75,9 +85,8 @@ def test_illegal_layouts_carry_the_validators_own_message(tiny_rows):
 
 def test_a_model_without_the_cp_protocol_has_cp_refused():
     cfg = Config.fromfile(str(ROOT / VIT))
-    rows, _ = plan_candidates(cfg, 2, checkpointing=[None],
-                              schedules=['1F1B'], microbatches=[2],
-                              baseline=BASELINE)
+    rows, _ = planned(cfg, 2, checkpointing=[None], schedules=['1F1B'],
+                      microbatches=[2])
     cp = next(r for r in rows if r.candidate.axes['cp'] == 2)
     assert cp.status == REFUSED
     assert cp.message.startswith('parallel.cp=2 is not allowed')
@@ -89,10 +98,9 @@ def test_budget_filter_and_lightest_checkpointing(tiny_rows):
     peaks = sorted({r.predicted_peak for r in legal})
     assert len(peaks) > 2 and peaks[0] > BASELINE
     budget = (peaks[0] + peaks[-1]) / 2 / GiB
-    filtered, _ = plan_candidates(
-        cfg, 2, memory_budget=budget,
-        schedules=['1F1B', 'Interleaved1F1B'], microbatches=[2],
-        checkpointing=[None, 'full'], baseline=BASELINE)
+    filtered, _ = planned(
+        cfg, 2, budget, schedules=['1F1B', 'Interleaved1F1B'],
+        microbatches=[2], checkpointing=[None, 'full'])
     over = [r for r in filtered if r.status == OVER_BUDGET]
     kept = [r for r in filtered if r.status not in (OVER_BUDGET, REFUSED)]
     assert over and kept
@@ -137,7 +145,7 @@ def test_written_config_inherits_and_sets_only_changed_keys(tmp_path):
 
 
 def _trial(times, peaks):
-    from mmpar.analysis.trial import TrialResult
+    from mmpar.analysis.search_table import TrialResult
     return TrialResult(step_times=times, tokens_per_step=256,
                        peak_rss=peaks)
 
@@ -147,9 +155,8 @@ def test_nothing_fits_names_the_smallest_peak_and_an_axis():
     cfg.merge_from_dict({'train_dataloader.batch_size': 64,
                          'train_dataloader.dataset.context_length': 128,
                          'model.max_seq_len': 128})
-    rows, batch = plan_candidates(cfg, 2, schedules=['1F1B'],
-                                  microbatches=[2], checkpointing=[None],
-                                  baseline=BASELINE)
+    rows, batch = planned(cfg, 2, schedules=['1F1B'], microbatches=[2],
+                          checkpointing=[None])
     smallest = min(r.predicted_peak for r in rows if r.status != REFUSED)
     budget = (smallest - 2**20) / GiB
     for row in rows:
@@ -217,11 +224,16 @@ def test_search_only_in_the_launched_job_then_dist_train(tmp_path):
 
 
 def test_search_then_the_same_job_trains_the_winner(tmp_path):
+    # Through the sweep (--sweep 1: the same 4 candidates, no early stop):
+    # the mode the benchmark compares the search with runs in the job too.
     out = tmp_path / 'search'
     proc = run_tool(['bash', 'tools/dist_train.sh', TINY, 2, '--search',
-                     *SMALL_SEARCH, '--out', out,
+                     *SMALL_SEARCH, '--sweep', 1, '--out', out,
                      '--work-dir', tmp_path / 'job'])
     log = proc.stdout + proc.stderr
+    assert '4 to run x 1 (sweep)' in proc.stderr
+    assert len(re.findall(r'\[sweep 1\.\d \d+m\d\ds\] \S.*: [\d.]+ s/step',
+                          proc.stderr)) == 4
     best = json.loads((out / 'search.json').read_text())['rows'][0]
     assert f'training with the searched layout {best["layout"]}' in log
     assert re.search(r'Iter\(train\) \[2/2\]', log)
@@ -246,16 +258,6 @@ def test_search_reports_when_nothing_fits(tmp_path):
     assert not list(tmp_path.glob('*.py'))
 
 
-def test_search_layouts_names_a_bad_argument():
-    from mmpar.analysis import search_layouts
-    cfg = Config.fromfile(str(ROOT / TINY))
-    with pytest.raises(ValueError, match=r'search_layouts: trial_steps=0 '
-                       r'is not allowed; allowed: an int >= 1'):
-        search_layouts(cfg, 2, trial_steps=0)
-    with pytest.raises(ValueError, match=r'memory_budget=-1'):
-        search_layouts(cfg, 2, memory_budget=-1)
-
-
 def test_search_flags_are_refused_at_start_up_with_their_names():
     from mmpar.analysis.job_search import search_then_config
     from mmpar.cli import parse_train_args, train_config
@@ -266,7 +268,39 @@ def test_search_flags_are_refused_at_start_up_with_their_names():
     with pytest.raises(ValueError, match=r'--trial-steps=0 is not allowed; '
                        r'allowed: an int >= 1'):
         search_then_config(train_config(args), args)
+    for flag, shown, allowed in (('--memory-budget', '-1.0', 'GiB > 0'),
+                                 ('--sweep', '-1', 'an int >= 0')):
+        args = parse_train_args([str(ROOT / TINY), '--search', flag, '-1'])
+        with pytest.raises(ValueError, match=f'{flag}={shown} is not '
+                           f'allowed; allowed: {allowed}'):
+            search_then_config(train_config(args), args)
     args = parse_train_args([str(ROOT / TINY), '--search'])
     with pytest.raises(ValueError, match=r"--search needs a launched job .*"
                        r"got --launcher 'none'"):
         search_then_config(train_config(args), args)
+
+
+def test_the_plan_front_hands_every_search_flag_to_the_job():
+    """``tools/plan.py --search`` is a front: its search flags, handed to
+    the launched ``tools/train.py`` (:func:`search_flags`), parse there to
+    the same values."""
+    from mmpar.analysis.plan_report import parse_args
+    from mmpar.analysis.search_args import search_flags
+    from mmpar.cli import parse_train_args
+    front = parse_args([TINY, '--world-size', '4', '--search',
+                        '--memory-budget', '1.5', '--trial-steps', '3',
+                        '--warmup-steps', '4', '--early-stop', '0',
+                        '--confirm', '2', '--confirm-rounds', '5',
+                        '--sweep', '2', '--checkpointing', 'none', 'full',
+                        '--schedules', 'GPipe', '--microbatches', '4', '8',
+                        '--out', 'somewhere'])
+    job = parse_train_args([TINY, '--search', '--search-only',
+                            *search_flags(front)])
+    names = ('memory_budget', 'trial_steps', 'warmup_steps', 'early_stop',
+             'confirm', 'confirm_rounds', 'sweep', 'checkpointing',
+             'schedules', 'microbatches', 'out')
+    assert {n: getattr(job, n) for n in names} == \
+        {n: getattr(front, n) for n in names}
+    defaults = parse_train_args([TINY, '--search'])
+    # Every value above differs from the job's default: none passed by luck.
+    assert all(getattr(job, n) != getattr(defaults, n) for n in names)

@@ -1,20 +1,23 @@
 """How the layout search picks among the candidates that fit, driven by a
-fake trial runner (made-up step times, nothing spawned): the pick is the
+fake trial runner (made-up step times, nothing launched): the pick is the
 fastest candidate that fits the budget, one disturbed trial does not
 decide it, a candidate stopped early by a burst of load gets another look,
-and the budget rule is the one :func:`~mmpar.analysis.memory.within_budget`
-everywhere."""
+the budget rule is the one :func:`~mmpar.analysis.memory.within_budget`
+everywhere, and ``--sweep`` runs every candidate that fits, interleaved."""
+import copy
+
 import pytest
 from mmengine.config import Config
 
-from mmpar.analysis import search as search_module
-from mmpar.analysis import search_layouts
+from mmpar.analysis.job_search import measure_candidates
 from mmpar.analysis.layouts import Candidate
 from mmpar.analysis.memory import within_budget
 from mmpar.analysis.search import (MEASURED, OVER_BUDGET, REFUSED, STOPPED,
-                                   Row, SearchResult, plan_candidates)
+                                   Row, SearchResult, add_baseline,
+                                   apply_budget, plan_candidates)
 from mmpar.analysis.search_rounds import measure_rows
-from mmpar.analysis.trial import TrialResult
+from mmpar.analysis.search_table import TrialResult
+from mmpar.cli import parse_train_args
 from mmpar.parallel.dims import AXES
 from tests.e2e import ROOT
 
@@ -140,10 +143,33 @@ def tiny_cfg():
     return Config.fromfile(str(ROOT / TINY))
 
 
-def test_the_pick_is_the_fastest_candidate_that_fits(tiny_cfg, monkeypatch):
-    rows, _ = plan_candidates(tiny_cfg, 2, schedules=['1F1B'],
-                              microbatches=[2], checkpointing=[None, 'full'],
-                              baseline=BASELINE)
+@pytest.fixture(scope='module')
+def tiny_plan(tiny_cfg):
+    rows, batch = plan_candidates(tiny_cfg, 2, schedules=['1F1B'],
+                                  microbatches=[2],
+                                  checkpointing=[None, 'full'])
+    add_baseline(rows, BASELINE)
+    return rows, batch
+
+
+def _planned(tiny_plan):
+    """A fresh copy of the planned rows (a search changes its rows)."""
+    return copy.deepcopy(tiny_plan)
+
+
+def _search(rows, batch, trials, *flags):
+    """The job's search (:func:`measure_candidates`, what ``tools/train.py
+    --search`` runs after planning) on ``rows`` with ``trials`` as its
+    trial runner and ``flags`` as its command line."""
+    args = parse_train_args([TINY, '--search', '--trial-steps', str(STEPS),
+                             '--warmup-steps', '1', *map(str, flags)])
+    return measure_candidates(rows, batch, 2, args,
+                              lambda result, log_dir: trials, 'unused',
+                              say=lambda message: None, start=0)
+
+
+def test_the_pick_is_the_fastest_candidate_that_fits(tiny_plan):
+    rows, batch = _planned(tiny_plan)
     legal = [r for r in rows if r.status != REFUSED]
     peaks = sorted({r.predicted_peak for r in legal})
     budget = (peaks[-1] - 1) / GiB  # the largest peak does not fit
@@ -154,13 +180,7 @@ def test_the_pick_is_the_fastest_candidate_that_fits(tiny_cfg, monkeypatch):
     for label in over:
         speeds[label] = 0.01
     trials = FakeTrials(speeds)
-    monkeypatch.setattr(search_module, 'trial_runner',
-                        lambda result, world_size, log_dir: trials)
-    result = search_layouts(tiny_cfg, 2, memory_budget=budget,
-                            trial_steps=STEPS, warmup_steps=1,
-                            schedules=['1F1B'], microbatches=[2],
-                            checkpointing=[None, 'full'], progress=None,
-                            baseline=BASELINE)
+    result = _search(rows, batch, trials, '--memory-budget', budget)
     fitting = [r for r in result.rows
                if within_budget(r.predicted_peak, budget) and r.trial]
     assert not set(over) & set(trials.labels())  # never run
@@ -170,23 +190,45 @@ def test_the_pick_is_the_fastest_candidate_that_fits(tiny_cfg, monkeypatch):
                if r.candidate.label in over)
 
 
-def test_over_budget_is_exactly_not_within_budget(tiny_cfg):
-    rows, _ = plan_candidates(tiny_cfg, 2, schedules=['1F1B'],
-                              microbatches=[2], checkpointing=[None],
-                              baseline=BASELINE)
+def test_the_sweep_runs_every_fitting_candidate_interleaved(tiny_plan):
+    rows, batch = _planned(tiny_plan)
+    fits = [r for r in rows if r.status != REFUSED]
+    # Every checkpointing mode runs (the search runs the lightest only),
+    # none stops early although most are far slower than the best, and
+    # one disturbed trial does not decide the pick.
+    speeds = {r.candidate.label: 0.1 * (i + 1) for i, r in enumerate(fits)}
+    disturbed = fits[-1].candidate.label
+    speeds[disturbed] = 0.05
+    trials = FakeTrials(speeds, bursts={disturbed: {0: 40.0}})
+    result = _search(rows, batch, trials, '--sweep', 3)
+    labels = trials.labels()
+    assert sorted(labels) == sorted([r.candidate.label for r in fits] * 3)
+    assert any(r.candidate.checkpointing == 'full' for r in fits)
+    assert all(stop is None for _, stop in trials.calls)
+    n = len(fits)
+    rounds = [labels[i * n:(i + 1) * n] for i in range(3)]
+    # Each round starts a third further down the list.
+    assert rounds[1] == rounds[0][n // 3:] + rounds[0][:n // 3]
+    assert rounds[2] == rounds[0][2 * n // 3:] + rounds[0][:2 * n // 3]
+    assert all(r.status == MEASURED and len(r.passes) == 3 for r in fits)
+    assert result.best.candidate.label == disturbed
+    assert result.best.step_time == pytest.approx(0.05)
+    assert result.num_trials == 3 * n
+
+
+def test_over_budget_is_exactly_not_within_budget(tiny_plan):
+    rows, _ = _planned(tiny_plan)
     legal = [r for r in rows if r.status != REFUSED]
     # A budget exactly at a candidate's predicted peak: that one fits.
     peak = sorted(r.predicted_peak for r in legal)[1]
     budget = peak / GiB
-    filtered, _ = plan_candidates(tiny_cfg, 2, memory_budget=budget,
-                                  schedules=['1F1B'], microbatches=[2],
-                                  checkpointing=[None], baseline=BASELINE)
-    for row in filtered:
+    apply_budget(rows, budget)
+    for row in rows:
         if row.status == REFUSED:
             continue
         assert (row.status == OVER_BUDGET) == \
             (not within_budget(row.predicted_peak, budget))
     assert any(r.predicted_peak == peak and r.status != OVER_BUDGET
-               for r in filtered)
+               for r in rows)
     assert within_budget(peak, None) and not within_budget(peak + 1,
                                                            peak / GiB)
