@@ -85,8 +85,8 @@ LAYOUTS = {
 }
 TINY = '''_base_ = [{base!r}]
 train_dataloader = dict(sampler=dict(type='InfiniteSampler', shuffle=True))
-train_cfg = dict(_delete_=True, by_epoch=False, max_iters={iters},
-                 val_interval={never})
+train_cfg = dict(_delete_=True, by_epoch=False, max_iters={iters})
+val_dataloader = val_cfg = val_evaluator = None  # training state only
 param_scheduler = [dict(type='ConstantLR', factor=1.0, by_epoch=False)]
 default_hooks = dict(
     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval={every},
@@ -104,7 +104,7 @@ def write_config(folder: str, name: str, layout: Layout, iters: int,
     path = os.path.join(folder, f'faults_{name}.py')
     with open(path, 'w') as f:
         f.write(TINY.format(base=os.path.join(ROOT, layout.base),
-                            iters=iters, never=10 * iters, every=every,
+                            iters=iters, every=every,
                             async_save=layout.async_save,
                             checkpoint_format=layout.checkpoint_format,
                             extra=layout.extra))
