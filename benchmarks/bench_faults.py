@@ -246,28 +246,47 @@ class Killer:
             time.sleep(0.05)
         return None
 
-    def _save_tmp(self) -> Optional[str]:
+    def _save_tmps(self) -> Dict[str, tuple]:
+        """The ``iter_*.tmp`` files and directories of unfinished saves,
+        name -> (inode, creation time): a killed attempt's sharded
+        ``.tmp`` stays until the next save of that name replaces it."""
+        tmps = {}
         for name in os.listdir(self.work_dir):
             if name.startswith('iter_') and name.endswith('.tmp'):
-                return name
-        return None
+                try:
+                    stat = os.stat(os.path.join(self.work_dir, name))
+                except OSError:
+                    continue  # renamed meanwhile
+                tmps[name] = (stat.st_ino, stat.st_ctime_ns)
+        return tmps
+
+    def _new_save_tmp(self, before: Dict[str, tuple]) -> Optional[str]:
+        return next((name for name, key in self._save_tmps().items()
+                     if before.get(name) != key), None)
+
+    def _has_checkpoint(self) -> bool:
+        return any(name.startswith('iter_') and not name.endswith('.tmp')
+                   for name in os.listdir(self.work_dir))
 
     def _run(self) -> None:
         old: set = set()
         start = time.time()
-        for moment in self.moments:
+        planned = list(self.moments)
+        while planned:
             ranks = self._attempt(old)
             if ranks is None:
-                self.missed.append(moment)
-                continue
+                self.missed.extend(planned)
+                return
             old = set(ranks.values())
             offset = os.path.getsize(self.log_path)
-            rank, hit = self._wait_for(moment, ranks, offset)
+            moment = self._next(planned)
+            before = self._save_tmps()
+            rank, hit = self._wait_for(moment, ranks, offset, before)
             if rank is None:
                 self.missed.append(moment)
                 continue
             if moment in ('mid-save', 'mid-async-write'):
-                tmp = self._save_tmp()
+                tmp = self._new_save_tmp(before)
                 os.kill(ranks[rank], signal.SIGKILL)
                 # Hit if the save had not completed: its .tmp is still there.
                 hit = tmp is not None and os.path.exists(
@@ -276,10 +295,20 @@ class Killer:
                 os.kill(ranks[rank], signal.SIGKILL)
             self.kills.append(Kill(moment, rank, time.time() - start, hit))
 
-    def _wait_for(self, moment: str, ranks: Dict[int, int], offset: int):
+    def _next(self, planned: List[str]) -> str:
+        """The next planned moment; a resume only once there is a
+        checkpoint to resume from (else the next other moment first)."""
+        index = 0
+        if planned[0] == 'during-resume' and not self._has_checkpoint():
+            index = next((i for i, m in enumerate(planned)
+                          if m != 'during-resume'), 0)
+        return planned.pop(index)
+
+    def _wait_for(self, moment: str, ranks: Dict[int, int], offset: int,
+                  before: Dict[str, tuple]):
         """Wait until ``moment`` in the attempt whose log starts at
-        ``offset``; returns (rank to kill, hit) or (None, False) if the
-        attempt ended first."""
+        ``offset`` (a save: a ``.tmp`` not in ``before``); returns (rank to
+        kill, hit) or (None, False) if the attempt ended first."""
         pids = set(ranks.values())
 
         def attempt_alive() -> bool:
@@ -289,7 +318,7 @@ class Killer:
         if moment == 'mid-step':
             while attempt_alive():
                 if ITERATION_LINE.search(self._log(offset)):
-                    time.sleep(self.rng.uniform(0.0, 1.0))
+                    time.sleep(self.rng.uniform(0.0, 2.0))
                     return self.rng.randrange(self.nproc), True
                 time.sleep(0.05)
         elif moment == 'during-resume':
@@ -304,7 +333,7 @@ class Killer:
         else:
             checks = 0
             while self._alive():
-                if self._save_tmp() is not None:
+                if self._new_save_tmp(before) is not None:
                     return 0, True
                 checks += 1
                 if checks % 50 == 0 and not attempt_alive():
