@@ -14,7 +14,9 @@ at one of these moments of an attempt:
 
 - ``mid-step``: a random delay after the attempt logged an iteration;
 - ``mid-save``: as soon as a synchronous save's ``*.tmp`` file or directory
-  appears (the writing rank: rank 0 for the full format);
+  appears (rank 0, which writes a full checkpoint and publishes either);
+  the first save of a run is let through, so that later attempts have a
+  checkpoint to resume from;
 - ``mid-async-write``: the same, for ``async_save=True``, where the ``.tmp``
   exists while the background thread writes;
 - ``during-resume``: a restarted attempt, as soon as it logs loading its
@@ -333,7 +335,10 @@ class Killer:
         else:
             checks = 0
             while self._alive():
-                if self._new_save_tmp(before) is not None:
+                # The first save is let through: with no checkpoint to
+                # resume from, no later attempt would resume.
+                if (self._new_save_tmp(before) is not None
+                        and self._has_checkpoint()):
                     return 0, True
                 checks += 1
                 if checks % 50 == 0 and not attempt_alive():
