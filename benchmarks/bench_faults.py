@@ -248,7 +248,7 @@ class Killer:
             time.sleep(0.05)
         return None
 
-    def _save_tmps(self) -> Dict[str, tuple]:
+    def save_tmps(self) -> Dict[str, tuple]:
         """The ``iter_*.tmp`` files and directories of unfinished saves,
         name -> (inode, creation time): a killed attempt's sharded
         ``.tmp`` stays until the next save of that name replaces it."""
@@ -262,11 +262,11 @@ class Killer:
                 tmps[name] = (stat.st_ino, stat.st_ctime_ns)
         return tmps
 
-    def _new_save_tmp(self, before: Dict[str, tuple]) -> Optional[str]:
-        return next((name for name, key in self._save_tmps().items()
+    def new_save_tmp(self, before: Dict[str, tuple]) -> Optional[str]:
+        return next((name for name, key in self.save_tmps().items()
                      if before.get(name) != key), None)
 
-    def _has_checkpoint(self) -> bool:
+    def has_checkpoint(self) -> bool:
         return any(name.startswith('iter_') and not name.endswith('.tmp')
                    for name in os.listdir(self.work_dir))
 
@@ -281,14 +281,14 @@ class Killer:
                 return
             old = set(ranks.values())
             offset = os.path.getsize(self.log_path)
-            moment = self._next(planned)
-            before = self._save_tmps()
+            moment = self.next_moment(planned)
+            before = self.save_tmps()
             rank, hit = self._wait_for(moment, ranks, offset, before)
             if rank is None:
                 self.missed.append(moment)
                 continue
             if moment in ('mid-save', 'mid-async-write'):
-                tmp = self._new_save_tmp(before)
+                tmp = self.new_save_tmp(before)
                 os.kill(ranks[rank], signal.SIGKILL)
                 # Hit if the save had not completed: its .tmp is still there.
                 hit = tmp is not None and os.path.exists(
@@ -297,11 +297,11 @@ class Killer:
                 os.kill(ranks[rank], signal.SIGKILL)
             self.kills.append(Kill(moment, rank, time.time() - start, hit))
 
-    def _next(self, planned: List[str]) -> str:
+    def next_moment(self, planned: List[str]) -> str:
         """The next planned moment; a resume only once there is a
         checkpoint to resume from (else the next other moment first)."""
         index = 0
-        if planned[0] == 'during-resume' and not self._has_checkpoint():
+        if planned[0] == 'during-resume' and not self.has_checkpoint():
             index = next((i for i, m in enumerate(planned)
                           if m != 'during-resume'), 0)
         return planned.pop(index)
@@ -337,8 +337,8 @@ class Killer:
             while self._alive():
                 # The first save is let through: with no checkpoint to
                 # resume from, no later attempt would resume.
-                if (self._new_save_tmp(before) is not None
-                        and self._has_checkpoint()):
+                if (self.new_save_tmp(before) is not None
+                        and self.has_checkpoint()):
                     return 0, True
                 checks += 1
                 if checks % 50 == 0 and not attempt_alive():

@@ -112,15 +112,15 @@ def test_killer_waits_for_a_new_save_and_a_checkpoint_to_resume(tmp_path):
     killer = bench.Killer(None, '', str(tmp_path), 2, [], random.Random(0))
     # No checkpoint yet: a resume moment waits for the next other moment.
     planned = ['during-resume', 'during-resume', 'mid-save']
-    assert killer._next(planned) == 'mid-save'
+    assert killer.next_moment(planned) == 'mid-save'
     # A killed attempt's unfinished save is not a save in progress.
     (tmp_path / 'iter_3.tmp').mkdir()
-    before = killer._save_tmps()
-    assert killer._new_save_tmp(before) is None
+    before = killer.save_tmps()
+    assert killer.new_save_tmp(before) is None
     (tmp_path / 'iter_3.tmp').rmdir()
     (tmp_path / 'iter_3.tmp').mkdir()  # the next attempt's save of iter 3
     os.utime(tmp_path / 'iter_3.tmp', ns=(1, 1))  # a new ctime for sure
-    assert killer._new_save_tmp(before) == 'iter_3.tmp'
+    assert killer.new_save_tmp(before) == 'iter_3.tmp'
     (tmp_path / 'iter_3').mkdir()
-    assert killer._next(planned) == 'during-resume'
+    assert killer.next_moment(planned) == 'during-resume'
     assert planned == ['during-resume']
