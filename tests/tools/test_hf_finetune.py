@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmpar.convert import main as convert_main
-from mmpar.datasets import ShakespeareDataset
+from mmpar.datasets import SFTDataset, ShakespeareDataset
 from mmpar.generation import load_model
 from tests.checkpoint.test_hf_layouts import hf_logits
 from tests.configs.test_llama_configs import SHRINK, _train
@@ -23,6 +23,7 @@ from tests.e2e import run_tool
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare.py'
 FINETUNE = 'configs/hf_finetune/llama_shakespeare_hf_finetune.py'
 FINETUNE_TP = 'configs/hf_finetune/llama_shakespeare_hf_finetune_tp.py'
+SFT = 'configs/hf_finetune/llama_shakespeare_hf_sft.py'
 MODEL_OPTS = {k: v for k, v in SHRINK.items() if k.startswith('model.')}
 BATCH, CONTEXT = 4, 32
 # In order (no shuffle, no random starts): rank r of d data ranks reads
@@ -102,6 +103,40 @@ def test_fsdp2_finetune_starts_at_the_exported_loss(exported, tmp_path):
     assert diff <= 1e-5
     assert not torch.allclose(hf_logits(out, inputs),
                               hf_logits(hf_dir, inputs))
+
+
+def test_sft_finetune_starts_at_the_exported_models_answer_loss(
+        exported, tmp_path):
+    """The shipped HF SFT config through tools/dist_train.sh on 2 ranks:
+    the first step's loss is the exported model's cross-entropy over the
+    answer tokens of the 8 records the ranks read, divided by their count
+    (no prompt or padding token counted)."""
+    _, hf_dir = exported
+    run_tool(['bash', 'tools/dist_train.sh', SFT, '2', '--work-dir',
+              tmp_path, '--cfg-options', f'model.pretrained={hf_dir}',
+              *_options({'train_dataloader.batch_size': BATCH,
+                         'train_dataloader.sampler.shuffle': False,
+                         'val_dataloader.batch_size': BATCH,
+                         'val_dataloader.dataset.num_windows': 8,
+                         'train_cfg.max_iters': 1,
+                         'train_cfg.val_interval': 1,
+                         'default_hooks.logger.interval': 1,
+                         'default_hooks.checkpoint.interval': 1})])
+    scalars = next(tmp_path.rglob('scalars.json')).read_text().splitlines()
+    first = [json.loads(s) for s in scalars if '"loss"' in s][0]
+    # Rank r reads records r, r + 2, ...: together records 0..7.
+    dataset = SFTDataset('mmpar:shakespeare_sft_train.jsonl',
+                         context_length=128, truncate='left')
+    items = [dataset[i] for i in range(2 * BATCH)]
+    inputs = torch.stack([torch.as_tensor(i['inputs']) for i in items])
+    targets = torch.stack([torch.as_tensor(i['data_samples'])
+                           for i in items])
+    counted = int((targets != -100).sum())
+    assert 0 < counted < targets.numel() // 2
+    summed = torch.nn.functional.cross_entropy(
+        hf_logits(hf_dir, inputs).flatten(0, 1), targets.flatten(),
+        ignore_index=-100, reduction='sum').item()
+    assert first['loss'] == pytest.approx(summed / counted, abs=1e-5)
 
 
 def _finetune_tp(hf_dir: str, work_dir: str) -> float:
