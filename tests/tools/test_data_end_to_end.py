@@ -6,7 +6,8 @@ and ``--resume`` from iteration 2 reaches the straight run's iteration 4 bit
 for bit (the data position restored to the sample). The shipped
 ``llama_sft.py`` (shrunk) fine-tunes through ``tools/dist_train.sh`` on 2
 processes on the shipped instruction set, packed with document attention,
-shuffled by ``PermutedInfiniteSampler``."""
+shuffled by ``PermutedInfiniteSampler``, and ``--resume`` from iteration 2
+reaches the straight run's iteration 4 bit for bit."""
 import json
 import re
 from pathlib import Path
@@ -73,16 +74,21 @@ def test_prepare_train_and_resume_on_own_corpus(tmp_path):
 SFT_CONFIG = ROOT / 'configs' / 'llama_shakespeare' / 'llama_sft.py'
 
 
+SFT_SHRINK = [
+    'model.dim=32', 'model.num_layers=2', 'model.num_heads=2',
+    'train_dataloader.batch_size=2', 'val_dataloader.batch_size=32',
+    'train_cfg.max_iters=4', 'train_cfg.val_interval=4',
+    'default_hooks.logger.interval=1', 'default_hooks.checkpoint.interval=2'
+]
+
+
 def test_sft_config_through_dist_train(tmp_path):
-    proc = run_tool([
-        'bash', 'tools/dist_train.sh', SFT_CONFIG, 2, '--work-dir',
-        tmp_path / 'sft', '--cfg-options', 'model.dim=32',
-        'model.num_layers=2', 'model.num_heads=2',
-        'train_dataloader.batch_size=2', 'val_dataloader.batch_size=32',
-        'train_cfg.max_iters=2', 'train_cfg.val_interval=2',
-        'default_hooks.logger.interval=1',
-        'default_hooks.checkpoint.interval=2'
-    ])
+    """2 ranks, 4 iterations; a resume from iteration 2 reaches the same
+    iteration 4 bit for bit (``PermutedInfiniteSampler`` goes on at the
+    saved sample)."""
+    straight, resumed = tmp_path / 'sft', tmp_path / 'resumed'
+    proc = run_tool(['bash', 'tools/dist_train.sh', SFT_CONFIG, 2,
+                     '--work-dir', straight, '--cfg-options', *SFT_SHRINK])
     log = proc.stdout + proc.stderr
     assert "type='SFTDataset'" in log and 'pack=True' in log
     assert 'document_attention=True' in log
@@ -91,6 +97,11 @@ def test_sft_config_through_dist_train(tmp_path):
     # inputs, the prompts, padding and system messages are not counted.
     counts = [float(n) for n in re.findall(
         r'Iter\(train\).*? num_tokens: ([\d.]+)', log)]
-    assert len(counts) == 2 and all(0 < n < 0.6 * 1024 for n in counts)
+    assert len(counts) == 4 and all(0 < n < 0.6 * 1024 for n in counts)
     assert 'lm/cross_entropy' in log
-    assert (tmp_path / 'sft' / 'iter_2.pth').exists()
+    run_tool(['bash', 'tools/dist_train.sh', SFT_CONFIG, 2, '--work-dir',
+              resumed, '--resume', straight / 'iter_2.pth', '--cfg-options',
+              *SFT_SHRINK])
+    assert not (resumed / 'iter_2.pth').exists()  # resumed, not retrained
+    assert_same_training_state(load_ckpt(resumed / 'iter_4.pth'),
+                               load_ckpt(straight / 'iter_4.pth'))
