@@ -21,7 +21,6 @@ from torch.utils.data import Dataset
 
 from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
                                           render_chat)
-from mmpar.datasets.packed import IGNORE_INDEX
 from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
                                         packed_window, record_sample)
 from mmpar.datasets.text_files import expand_files
@@ -201,17 +200,11 @@ class SFTDataset(Dataset):
                              self.truncate)
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-        if self.pack:
-            item = packed_window([self._record(i) for i in self.windows[idx]],
-                                 self.context_length, self.pad_id)
-            if not self.document_attention:
-                del item['doc_ids']
-        else:
-            inputs, targets = self._record(idx)
-            pad = self.context_length - len(targets)
-            item = dict(
-                inputs=np.concatenate([inputs, np.full(pad, self.pad_id)]),
-                data_samples=np.concatenate(
-                    [targets, np.full(pad, IGNORE_INDEX)]))
+        # Unpacked, a sample is a window of one record.
+        records = self.windows[idx] if self.pack else [idx]
+        item = packed_window([self._record(i) for i in records],
+                             self.context_length, self.pad_id)
+        if not self.document_attention:
+            del item['doc_ids']
         return {k: torch.from_numpy(v.astype(np.int64))
                 for k, v in item.items()}
