@@ -12,9 +12,10 @@ ever slows a trial down. So:
 2. **Confirm**: the ``confirm`` fastest candidates within
    :data:`CONFIRM_WITHIN` of the best (by the median step of a trial run to
    the end; by the fastest step of one stopped early, since a burst of load
-   may be what stopped it) run up to ``confirm_rounds`` more trials, interleaved (each
-   round in the reverse order of the one before), without the early stop;
-   after the first round only those within 5 % of the leader go on.
+   may be what stopped it) run up to ``confirm_rounds`` more trials,
+   interleaved (each round in the reverse order of the one before), without
+   the early stop; after the first round only those within 5 % of the
+   leader go on.
 3. **Speed**: a candidate's speed is that of its least disturbed trial, the
    smallest median step over the trials it ran to the end: one disturbed
    trial, first pass or confirm, does not decide.
