@@ -5,7 +5,8 @@ samples an evaluation counted.
 ``RecordedDigits`` remembers the ids it reads (``num_workers=0``: in the
 rank's own process); ``RecordSamples`` writes, after every train iteration,
 one JSON line per rank to ``WORK_DIR/samples_rank{R}.jsonl``;
-``CountSamples`` is a metric whose value is the number of results it got.
+``RecordTokens`` writes the token rows (``inputs``) each rank trained on at
+each iteration to ``WORK_DIR/tokens_rank{R}.jsonl``; ``CountSamples`` is a metric whose value is the number of results it got.
 """
 import json
 import os
@@ -52,6 +53,21 @@ class RecordSamples(Hook):
             f.write(json.dumps(line) + '\n')
 
 
+@HOOKS.register_module()
+class RecordTokens(Hook):
+    """After each train iteration: ``{"iter", "world", "rows"}``, the token
+    ids of the batch this rank trained on (any dataset whose items have
+    ``inputs``)."""
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None,
+                         outputs=None):
+        line = dict(iter=runner.iter + 1, world=get_world_size(),
+                    rows=data_batch['inputs'].tolist())
+        path = os.path.join(runner.work_dir, f'tokens_rank{get_rank()}.jsonl')
+        with open(path, 'a') as f:
+            f.write(json.dumps(line) + '\n')
+
+
 @METRICS.register_module()
 class CountSamples(BaseMetric):
     """``count``: the results collected over all ranks (after MMEngine drops
@@ -78,3 +94,18 @@ def read_records(work_dir) -> dict:
              sum(r['loss'] for r in records) / len(records))
         for it, records in by_iter.items()
     }
+
+
+def read_token_rows(work_dir) -> dict:
+    """``{iter: sorted token rows of all ranks}`` of one run (written by
+    ``RecordTokens``): the token stream of each iteration, whatever rank
+    read which row."""
+    by_iter = {}
+    for name in sorted(os.listdir(work_dir)):
+        if name.startswith('tokens_rank'):
+            with open(os.path.join(work_dir, name)) as f:
+                for line in f:
+                    record = json.loads(line)
+                    by_iter.setdefault(record['iter'], []).extend(
+                        record['rows'])
+    return {it: sorted(rows) for it, rows in by_iter.items()}

@@ -7,13 +7,17 @@ for bit (the data position restored to the sample). The shipped
 ``llama_sft.py`` (shrunk) fine-tunes through ``tools/dist_train.sh`` on 2
 processes on the shipped instruction set, packed with document attention,
 shuffled by ``PermutedInfiniteSampler``, and ``--resume`` from iteration 2
-reaches the straight run's iteration 4 bit for bit."""
+reaches the straight run's iteration 4 bit for bit; resumed from there on
+one process with the same global batch, and on 2 again, each resumed
+iteration trains on exactly the token rows the straight run's did (recorded
+by ``tests/sample_recording.RecordTokens``)."""
 import json
 import re
 from pathlib import Path
 
 from tests.e2e import (assert_same_training_state, load_ckpt, run_tool,
                        tool_env)
+from tests.sample_recording import read_token_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / 'configs' / 'llama_shakespeare' / 'llama_corpus.py'
@@ -82,12 +86,26 @@ SFT_SHRINK = [
 ]
 
 
+def _recording(tmp_path: Path, base: Path) -> Path:
+    """``base`` with ``RecordTokens`` loaded as a user's hook would be."""
+    config = tmp_path / f'recorded_{base.name}'
+    config.write_text(
+        f'_base_ = [{str(base)!r}]\n'
+        "custom_imports = dict(imports=['tests.sample_recording'], "
+        'allow_failed_imports=False)\n'
+        "custom_hooks = [dict(type='RecordTokens')]\n")
+    return config
+
+
 def test_sft_config_through_dist_train(tmp_path):
     """2 ranks, 4 iterations; a resume from iteration 2 reaches the same
     iteration 4 bit for bit (``PermutedInfiniteSampler`` goes on at the
-    saved sample)."""
+    saved sample), and resumed on one process (batch 4: the same global
+    batch) it trains on the same packed token rows."""
     straight, resumed = tmp_path / 'sft', tmp_path / 'resumed'
-    proc = run_tool(['bash', 'tools/dist_train.sh', SFT_CONFIG, 2,
+    one = tmp_path / 'one_process'
+    config = _recording(tmp_path, SFT_CONFIG)
+    proc = run_tool(['bash', 'tools/dist_train.sh', config, 2,
                      '--work-dir', straight, '--cfg-options', *SFT_SHRINK])
     log = proc.stdout + proc.stderr
     assert "type='SFTDataset'" in log and 'pack=True' in log
@@ -99,9 +117,18 @@ def test_sft_config_through_dist_train(tmp_path):
         r'Iter\(train\).*? num_tokens: ([\d.]+)', log)]
     assert len(counts) == 4 and all(0 < n < 0.6 * 1024 for n in counts)
     assert 'lm/cross_entropy' in log
-    run_tool(['bash', 'tools/dist_train.sh', SFT_CONFIG, 2, '--work-dir',
+    run_tool(['bash', 'tools/dist_train.sh', config, 2, '--work-dir',
               resumed, '--resume', straight / 'iter_2.pth', '--cfg-options',
               *SFT_SHRINK])
     assert not (resumed / 'iter_2.pth').exists()  # resumed, not retrained
     assert_same_training_state(load_ckpt(resumed / 'iter_4.pth'),
                                load_ckpt(straight / 'iter_4.pth'))
+    run_tool(['python', 'tools/train.py', config, '--work-dir', one,
+              '--resume', straight / 'iter_2.pth', '--cfg-options',
+              *SFT_SHRINK, 'train_dataloader.batch_size=4'])
+    rows = read_token_rows(straight)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(len(rows[it]) == 4 for it in rows)  # 2 ranks x 2 windows
+    assert len({tuple(r) for it in rows for r in rows[it]}) == 16
+    for run in (resumed, one):
+        assert read_token_rows(run) == {3: rows[3], 4: rows[4]}, run
