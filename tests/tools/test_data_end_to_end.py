@@ -3,7 +3,8 @@ token shard of the shipped Tiny Shakespeare, ``tools/train.py`` trains the
 shipped ``llama_corpus.py`` config (shrunk) on it blended with a text file
 tokenized on first use into the cache, with packing and document attention,
 and ``--resume`` from iteration 2 reaches the straight run's iteration 4 bit
-for bit (the data position restored to the sample). The shipped
+for bit (the data position restored to the sample); resumed on 2 processes
+(the same global batch) it trains on the straight run's token rows. The shipped
 ``llama_sft.py`` (shrunk) fine-tunes through ``tools/dist_train.sh`` on 2
 processes on the shipped instruction set, packed with document attention,
 shuffled by ``PermutedInfiniteSampler``, and ``--resume`` from iteration 2
@@ -47,7 +48,7 @@ def _own_config(tmp_path: Path) -> Path:
         'train_dataloader = dict(dataset=dict(sources=corpus))\n'
         'val_dataloader = dict(dataset=dict(sources=corpus))\n'
         'test_dataloader = val_dataloader\n')
-    return config
+    return _recording(tmp_path, config)
 
 
 def test_prepare_train_and_resume_on_own_corpus(tmp_path):
@@ -73,6 +74,14 @@ def test_prepare_train_and_resume_on_own_corpus(tmp_path):
     assert not (resumed / 'iter_2.pth').exists()  # resumed, not retrained
     assert_same_training_state(load_ckpt(resumed / 'iter_4.pth'),
                                load_ckpt(straight / 'iter_4.pth'))
+    two = tmp_path / 'two_ranks'
+    run_tool(['bash', 'tools/dist_train.sh', config, 2, '--work-dir', two,
+              '--resume', straight / 'iter_2.pth', '--cfg-options'] + SHRINK
+             + ['train_dataloader.batch_size=2'], env=env)
+    rows = read_token_rows(straight)
+    assert sorted(rows) == [1, 2, 3, 4] and len(rows[3]) == 4
+    for run in (resumed, two):
+        assert read_token_rows(run) == {3: rows[3], 4: rows[4]}, run
 
 
 SFT_CONFIG = ROOT / 'configs' / 'llama_shakespeare' / 'llama_sft.py'
