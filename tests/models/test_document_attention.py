@@ -56,7 +56,7 @@ def _alone(model, docs):
     losses; and the number of targets."""
     logits, loss_sum, count = [], 0.0, 0
     for doc in docs:
-        tokens = torch.tensor(doc)[None]
+        tokens = torch.as_tensor(doc)[None]
         out = model.logits(tokens[:, :-1])
         logits.append(out[0])
         loss_sum = loss_sum + F.cross_entropy(out[0], tokens[0, 1:],
@@ -90,9 +90,16 @@ def test_document_positions_restart():
         document_rotary(table, table, doc_ids, 12, None)
 
 
-def test_packed_loss_is_the_sum_of_document_losses(tmp_path):
+@pytest.mark.parametrize('device', [
+    'cpu',
+    # The same masks through the accelerator's attention kernels
+    # (bash tools/gpu_check.sh); skipped without CUDA.
+    pytest.param('cuda', marks=pytest.mark.gpu)])
+def test_packed_loss_is_the_sum_of_document_losses(tmp_path, device):
     docs, batch = _packed_window(tmp_path)
-    model = _model()
+    batch = {k: v.to(device) for k, v in batch.items()}
+    docs = [torch.tensor(doc, device=device) for doc in docs]
+    model = _model().to(device)
     out = model(batch['inputs'], batch['data_samples'], 'loss',
                 doc_ids=batch['doc_ids'])
     logits = model(batch['inputs'], mode='tensor', doc_ids=batch['doc_ids'])
