@@ -1,6 +1,7 @@
 """Muon through the real launcher, as a user runs it:
 ``bash tools/dist_train.sh configs/llama_shakespeare/llama_shakespeare_muon.py
-N`` under FSDP2 (2 ranks), FSDP2 x tp=2 (4 ranks), pp=2 (2 ranks) and, with
+N`` under DDP (2 ranks; a user's config naming MMEngine's wrapper on top of
+the shipped one), FSDP2 (2 ranks), FSDP2 x tp=2 (4 ranks), pp=2 (2 ranks) and, with
 mixture-of-experts blocks, ep=2 x FSDP2 (2 ranks; the 3-D expert weights go
 to AdamW) ends with the weights ``tools/train.py`` reaches on one process on
 the same global batch (10 optimizer steps of 2 accumulated micro-batches, clipping
@@ -15,7 +16,8 @@ import re
 import pytest
 
 from tests.configs.test_llama_configs import SHRINK
-from tests.e2e import assert_same_training_state, read_dcp_checkpoint, run_tool
+from tests.e2e import (ROOT, assert_same_training_state, read_dcp_checkpoint,
+                       run_tool)
 from tests.optim.test_muon_layouts import RELATIVE_ERROR, relative_error
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_muon.py'
@@ -33,6 +35,7 @@ REFERENCES = {'one': [], 'one_moe': MOE}
 # name -> (ranks, options, reference): the global batch is 8 windows.
 TP2 = ['parallel.tp=2', 'parallel.tp_plan=llama']
 LAYOUTS = {
+    'ddp': (2, ['train_dataloader.batch_size=4'], 'one'),
     'fsdp2': (2, ['train_dataloader.batch_size=4'], 'one'),
     'tp2_fsdp2': (4, ['train_dataloader.batch_size=4', *TP2], 'one'),
     'pp2': (2, ['train_dataloader.batch_size=8', 'parallel.pp=2',
@@ -43,9 +46,21 @@ LAYOUTS = {
 }
 
 
+# A user's config: the shipped Muon config under MMEngine's DDP wrapper.
+USER_CONFIGS = {
+    'ddp': (f"_base_ = ['{ROOT / CONFIG}']\n"
+            "model_wrapper_cfg = dict(_delete_=True, "
+            "type='MMDistributedDataParallel')\n"),
+}
+
+
 def _dist_train(work_dir, layout, *extra):
     ranks, options, _ = LAYOUTS[layout]
-    return run_tool(['bash', 'tools/dist_train.sh', CONFIG, ranks,
+    config = CONFIG
+    if layout in USER_CONFIGS:
+        config = work_dir.parent / f'{work_dir.name}_{layout}.py'
+        config.write_text(USER_CONFIGS[layout])
+    return run_tool(['bash', 'tools/dist_train.sh', config, ranks,
                      '--work-dir', work_dir, *extra, '--cfg-options',
                      *OPTIONS, *options])
 
@@ -92,6 +107,8 @@ def test_reference_clips_every_step(runs):
 def test_dist_train_muon_matches_one_process(runs, layout):
     work_dir, log = runs(layout)
     assert "type='Muon'" in log
+    if layout == 'ddp':
+        assert "type='MMDistributedDataParallel'" in log
     a, b = _final(work_dir), _final(runs(LAYOUTS[layout][2])[0])
     _assert_within_tolerance(a, b)
     kinds = {k for s in a['optimizer']['state'].values() for k in s}
