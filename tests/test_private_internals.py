@@ -36,10 +36,6 @@ ALLOWED = {
     'attr ._schema': {'parallelize/meta.py'},
     'attr ._to_copy': {'parallelize/meta.py'},
     'attr ._version': {'wrappers/bucket.py'},
-    'module torch.distributed.algorithms._checkpoint.checkpoint_wrapper': {
-        'parallelize/activation.py'},
-    'module torch.distributed.fsdp._common_utils': {
-        'checkpoint/state.py', 'wrappers/local_state.py'},
     'module torch.distributed.fsdp._runtime_utils': {'wrappers/fsdp.py'},
     'module torch.distributed.pipelining._backward': {
         'parallelize/pipeline/stage.py'},
@@ -48,8 +44,6 @@ ALLOWED = {
         'parallelize/tp_check.py'},
     'name mmengine.runner.loops._InfiniteDataloaderIterator': {
         'runner/loops.py'},
-    'name torch.distributed.algorithms._checkpoint.checkpoint_wrapper.'
-    '_CHECKPOINT_PREFIX': {'parallelize/activation.py'},
     'name torch.distributed.fsdp._runtime_utils._reshard': {
         'wrappers/fsdp.py'},
     'name torch.distributed.tensor.debug._clear_sharding_prop_cache': {

@@ -21,6 +21,7 @@ from mmpar.checkpoint import pipeline
 from mmpar.checkpoint.files import CheckpointLoadError
 from mmpar.wrappers import full_state
 from mmpar.wrappers.base import describe
+from mmpar.wrappers.local_state import plain_name
 
 
 def model_state(model: nn.Module) -> dict:
@@ -97,10 +98,7 @@ def _names_for_indices(model: nn.Module, optimizer, saved: dict) -> dict:
     builds its optimizer from the same model in the same order, so the
     current optimizer's parameters name the indices.
     """
-    # torch's own cleaning of FSDP1's wrapper prefixes (private; the public
-    # state-dict API does the same inside).
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-    names = {p: clean_tensor_name(n) for n, p in model.named_parameters()}
+    names = {p: plain_name(n) for n, p in model.named_parameters()}
     order = [names[p] for g in optimizer.param_groups for p in g['params']]
     return dict(
         state={order[i]: v for i, v in saved['state'].items()},

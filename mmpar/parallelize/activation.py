@@ -20,9 +20,11 @@ list). The older spelling inside an FSDP wrapper's config,
 ``model_wrapper_cfg.activation_checkpointing=[...]``, means the same and is
 still accepted (compose takes it out of the wrapper's arguments).
 
-Checkpointed modules keep their state-dict names (torch's non-reentrant
-wrapper strips its own prefix), so checkpoints, tensor-parallel plans and
-wrap policies see the same model. Applied after tensor parallelism and the
+A checkpointed module is the same module (its class gets
+:class:`Checkpointed` in front, whose forward runs the module's own through
+``torch.utils.checkpoint.checkpoint``, non-reentrant): its parameter and
+state-dict names and its type are unchanged, so checkpoints,
+tensor-parallel plans and wrap policies see the same model. Applied after tensor parallelism and the
 pipeline split, before ``torch.compile`` and the data-parallel wrapper, as
 torchtitan orders it: the data-parallel hooks then run outside the
 recomputation.
@@ -32,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from mmpar.checks import check_int
 from mmpar.wrappers.policies import resolve_module_classes
@@ -143,14 +146,34 @@ def merge_wrapper_key(cfg: Any, model_wrapper_cfg: Optional[dict]):
     return (legacy if cfg is None else cfg), wrapper_cfg
 
 
-def plain_name(name: str) -> str:
-    """A parameter's name in the model before checkpointing wrapped its
-    modules: ``named_parameters`` of a checkpointed module carry torch's
-    wrapper prefix, which only its state-dict hooks strip."""
-    # Private: the checkpoint wrapper's name prefix (no public constant).
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
-        _CHECKPOINT_PREFIX
-    return name.replace(_CHECKPOINT_PREFIX, '')
+class Checkpointed:
+    """What a checkpointed module's class adds: its forward runs through
+    ``torch.utils.checkpoint.checkpoint`` (non-reentrant; the selective
+    mode's ``context_fn`` kept on the module). Mixed in front of the
+    module's own class (as FSDP2's ``fully_shard`` does), so the module keeps
+    its names, its type for ``isinstance`` and every hook on it."""
+
+    def forward(self, *args, **kwargs):
+        context_fn = self.__dict__.get('_ac_context_fn') or noop_context_fn
+        return checkpoint(super().forward, *args, use_reentrant=False,
+                          context_fn=context_fn, **kwargs)
+
+
+def _checkpointed_class(cls: type) -> type:
+    """``cls`` with :class:`Checkpointed` in front, one class per ``cls``:
+    named as ``cls`` (what name-based config keys match), held in this
+    module under a unique qualified name (so a model holding it pickles),
+    ``cls`` itself kept as ``mmpar_plain_class`` (what class lookups by
+    name resolve to, :func:`mmpar.wrappers.policies.model_classes`)."""
+    qualname = f'Checkpointed_{cls.__module__}_{cls.__qualname__}'
+    qualname = ''.join(c if c.isalnum() else '_' for c in qualname)
+    made = globals().get(qualname)
+    if made is None:
+        made = type(cls.__name__, (Checkpointed, cls),
+                    dict(__module__=__name__, __qualname__=qualname,
+                         mmpar_plain_class=cls))
+        globals()[qualname] = made
+    return made
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
@@ -168,10 +191,6 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
     cfg = check_activation_checkpointing(cfg)
     if cfg is None:
         return model
-    # Private module: torch's non-reentrant checkpoint wrapper (FSDP's).
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing as apply_ac,
-        checkpoint_wrapper)
     classes = resolve_module_classes(model, cfg['module_classes'], key=KEY)
     seen = []
 
@@ -181,15 +200,10 @@ def apply_activation_checkpointing(model: nn.Module, cfg: Any) -> nn.Module:
         seen.append(module)
         return (len(seen) - 1) % cfg['every'] == 0
 
-    # torch's wrapper lives in a private module; it is the one torch's FSDP
-    # and torchtitan use (no public equivalent in torch 2.13).
-    wrapper_kwargs = dict(checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    if cfg['mode'] == 'selective':
-        # (passed on to torch.utils.checkpoint.checkpoint)
-        wrapper_kwargs['context_fn'] = _selective_context(cfg['save_ops'])
-    apply_ac(
-        model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                **wrapper_kwargs),
-        check_fn=chosen)
+    context_fn = (_selective_context(cfg['save_ops'])
+                  if cfg['mode'] == 'selective' else None)
+    for module in [m for m in model.modules()
+                   if not isinstance(m, Checkpointed) and chosen(m)]:
+        module.__class__ = _checkpointed_class(type(module))
+        module.__dict__['_ac_context_fn'] = context_fn
     return model

@@ -42,7 +42,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmpar.failures import ConfigError
-from mmpar.parallelize.activation import plain_name
 
 KEY = 'meta_init'
 aten = torch.ops.aten
@@ -359,8 +358,7 @@ class MetaInit:
         Raises:
             ConfigError: its initialisation cannot be replayed.
         """
-        # (A module checkpointed since the build has a wrapper in its name.)
-        record = self.records.get(plain_name(name))
+        record = self.records.get(name)
         if record is None:
             raise _stop(name, 'it was not registered while the model was '
                         'built (made after construction?)')

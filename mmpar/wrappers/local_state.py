@@ -27,11 +27,15 @@ def holds_whole_model(model: nn.Module) -> bool:
     return info.pipeline is None and not info.holds_shards
 
 
-def _plain_name(name: str) -> str:
-    # torch's own cleaning of FSDP1's wrapper and checkpoint-wrapper
-    # prefixes (private; its public state-dict API does the same inside).
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-    return clean_tensor_name(name)
+# The module FSDP1 wraps is its attribute of this name: FSDP1's
+# named_parameters / named_modules carry it, its state dict does not.
+FSDP1_PREFIX = '_fsdp_wrapped_module.'
+
+
+def plain_name(name: str) -> str:
+    """``name`` of a parameter or module of an FSDP1-wrapped model as the
+    plain model names it (FSDP1's wrapper prefix removed)."""
+    return name.replace(FSDP1_PREFIX, '')
 
 
 def _sources(info: WrappedModel) -> Tuple[nn.Module, ...]:
@@ -51,7 +55,7 @@ def plain_named_parameters(
     No communication."""
     for source in _sources(describe(model)):
         for name, param in source.named_parameters(remove_duplicate=False):
-            yield _plain_name(name), param
+            yield plain_name(name), param
 
 
 def plain_named_modules(
@@ -63,7 +67,7 @@ def plain_named_modules(
     named: Dict[str, nn.Module] = {}
     for source in _sources(describe(model)):
         for name, module in source.named_modules():
-            named[_plain_name(name)] = module
+            named[plain_name(name)] = module
     yield from named.items()
 
 
@@ -114,7 +118,7 @@ def local_module(model: nn.Module) -> nn.Module:
     for source in _sources(info):
         for prefix, module in source.named_modules():
             for leaf, buffer in module.named_buffers(recurse=False):
-                name = _plain_name(f'{prefix}.{leaf}' if prefix else leaf)
+                name = plain_name(f'{prefix}.{leaf}' if prefix else leaf)
                 if name in placed:
                     continue
                 placed.add(name)

@@ -84,10 +84,13 @@ module_class.bind_to_model = _bind_module_class
 
 
 def model_classes(model: nn.Module) -> Dict[str, type]:
-    """``{class name: class}`` for every module in ``model`` and itself."""
+    """``{class name: class}`` for every module in ``model`` and itself (a
+    module whose class a technique replaced by a subclass in place, such as
+    activation checkpointing, by the class it was built as:
+    ``mmpar_plain_class``)."""
     found = {}
     for module in model.modules():
-        cls = type(module)
+        cls = getattr(type(module), 'mmpar_plain_class', type(module))
         found.setdefault(cls.__name__, cls)
         found.setdefault(f'{cls.__module__}.{cls.__qualname__}', cls)
     return found

@@ -89,8 +89,8 @@ def _train_sharded(wrapper_type, wrapper_kwargs, batches, optim_kwargs,
     for batch in batches:
         wrapper.train_step(shard_batch(batch, rank, world), optim_wrapper)
     if wrapper_kwargs.get('activation_checkpointing'):
-        assert any(
-            type(m).__name__ == 'CheckpointWrapper' for m in wrapper.modules())
+        from mmpar.parallelize.activation import Checkpointed
+        assert any(isinstance(m, Checkpointed) for m in wrapper.modules())
     return wrapper.full_state_dict()
 
 
