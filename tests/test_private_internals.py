@@ -42,8 +42,6 @@ ALLOWED = {
     'module torch.utils._python_dispatch': {
         'analysis/activations.py', 'parallelize/meta.py',
         'parallelize/tp_check.py'},
-    'name mmengine.runner.loops._InfiniteDataloaderIterator': {
-        'runner/loops.py'},
     'name torch.distributed.fsdp._runtime_utils._reshard': {
         'wrappers/fsdp.py'},
     'name torch.distributed.tensor.debug._clear_sharding_prop_cache': {

@@ -20,8 +20,6 @@ from mmengine.dataset import InfiniteSampler as MMEngineInfiniteSampler
 from mmengine.logging import print_log
 from mmengine.runner import EpochBasedTrainLoop as MMEngineEpochBasedTrainLoop
 from mmengine.runner import IterBasedTrainLoop as MMEngineIterBasedTrainLoop
-# The iterator MMEngine's loop uses (private; no public equivalent).
-from mmengine.runner.loops import _InfiniteDataloaderIterator
 
 from mmpar.failures import ConfigError
 from mmpar.registry import DATA_SAMPLERS, LOOPS
@@ -160,8 +158,10 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
                     'Allowed: a number of data ranks that divides '
                     f'{self._resume_samples}')
         sampler.skip(per_rank)
+        # The sampler never ends, so the loader's own iterator serves (what
+        # MMEngine's loop wraps it in only restarts a finite one).
         self.dataloader_iterator = _ReplayAnsweredIterator(
-            _InfiniteDataloaderIterator(self.dataloader), self.iter)
+            iter(self.dataloader), self.iter)
 
 
 @LOOPS.register_module('EpochBasedTrainLoop')
