@@ -80,19 +80,25 @@ class CountSamples(BaseMetric):
         return dict(count=len(results), labels=sum(results))
 
 
-def read_records(work_dir) -> dict:
-    """``{iter: (ids of all ranks, mean loss over ranks)}`` of one run."""
+def _records_by_iter(work_dir, prefix: str) -> dict:
+    """``{iter: [record of each rank]}`` from the ``{prefix}{rank}.jsonl``
+    files of one run."""
     by_iter = {}
     for name in sorted(os.listdir(work_dir)):
-        if name.startswith('samples_rank'):
+        if name.startswith(prefix):
             with open(os.path.join(work_dir, name)) as f:
                 for line in f:
                     record = json.loads(line)
                     by_iter.setdefault(record['iter'], []).append(record)
+    return by_iter
+
+
+def read_records(work_dir) -> dict:
+    """``{iter: (ids of all ranks, mean loss over ranks)}`` of one run."""
     return {
         it: ([i for r in records for i in r['ids']],
              sum(r['loss'] for r in records) / len(records))
-        for it, records in by_iter.items()
+        for it, records in _records_by_iter(work_dir, 'samples_rank').items()
     }
 
 
@@ -100,12 +106,7 @@ def read_token_rows(work_dir) -> dict:
     """``{iter: sorted token rows of all ranks}`` of one run (written by
     ``RecordTokens``): the token stream of each iteration, whatever rank
     read which row."""
-    by_iter = {}
-    for name in sorted(os.listdir(work_dir)):
-        if name.startswith('tokens_rank'):
-            with open(os.path.join(work_dir, name)) as f:
-                for line in f:
-                    record = json.loads(line)
-                    by_iter.setdefault(record['iter'], []).extend(
-                        record['rows'])
-    return {it: sorted(rows) for it, rows in by_iter.items()}
+    return {
+        it: sorted(row for r in records for row in r['rows'])
+        for it, records in _records_by_iter(work_dir, 'tokens_rank').items()
+    }
