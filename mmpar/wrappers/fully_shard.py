@@ -80,8 +80,10 @@ class MMFullyShard(StepMixin, nn.Module):
         buffer_sync: ``'broadcast'`` (default), ``'average'`` or None
             (:mod:`mmpar.wrappers.buffers`).
         expert_mesh: under expert parallelism (the Runner passes
-            ``mesh['efsdp']``): the experts (split over ep already) are
-            sharded over it in their own units, first, and their gradients
+            ``mesh['efsdp']``, or the 2-D ``(dp_replicate, efsdp)`` mesh,
+            HSDP, with dp_replicate): the experts (split over ep already)
+            are sharded over it in their own units, first, and their
+            gradients
             divided by the whole data mesh's size as the other gradients
             are (each rank's experts saw tokens from every ep rank).
         **kwargs: any other ``fully_shard`` argument.
