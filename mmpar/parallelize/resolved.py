@@ -150,7 +150,7 @@ def stage_wrapper_cfg(model_wrapper_cfg: dict,
 
 def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
     """``parallel.ep > 1`` with what this slice supports: the data axes
-    (``dp_shard``) around it and a wrapper that takes the experts' own mesh
+    (``dp_replicate``, ``dp_shard``), pp and cp around it and a wrapper that takes the experts' own mesh
     (its class declares ``expert_parallel``).
 
     Raises:
@@ -158,15 +158,15 @@ def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
     """
     if not dims.ep_enabled:
         return
-    # The sharded data axes, ep itself and pp (each stage's experts split
-    # over its ep ranks); the others are not tested yet.
-    supported = set(axes_of(EXPERT)) | set(DATA_AXES) | {'pp'}
+    # The data axes, ep itself, pp (each stage's experts split over its ep
+    # ranks) and cp (the MoE layer is per token); tp is not tested yet.
+    supported = set(axes_of(EXPERT)) | set(DATA_AXES) | {'pp', 'cp'}
     for axis in AXES:
         if axis not in supported and getattr(dims, axis) > 1:
             raise ValueError(
                 f'parallel.{axis}={getattr(dims, axis)} with parallel.ep='
                 f'{dims.ep} is not supported yet; allowed: parallel.{axis}=1 '
-                'with ep (ep composes with dp_replicate, dp_shard and pp; '
+                'with ep (ep composes with dp_replicate, dp_shard, pp and cp; '
                 'docs/expert_parallel.md)')
     wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
     if not declared(wrapper).expert_parallel:

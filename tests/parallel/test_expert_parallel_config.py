@@ -31,6 +31,12 @@ def test_ep_inside_hsdp():
             dims.efsdp) == (2, 2, 1, 4, 1)
 
 
+def test_ep_with_cp_balanced_by_the_bias():
+    dims = _check(world=4, cp=2,
+                  model=dict(type='Llama', moe=dict(balance='bias'))).dims
+    assert (dims.ep, dims.cp, dims.dp, dims.efsdp) == (2, 2, 2, 2)
+
+
 def test_ep_with_pp_without_balancing():
     dims = _check(world=4, pp=2, pipeline=dict(schedule='1F1B'),
                   model=dict(type='Llama', moe=dict(balance=None))).dims
@@ -46,8 +52,9 @@ def test_ep_with_pp_without_balancing():
      'model.moe.num_experts=3 is not allowed; parallel.ep=2 splits'),
     (dict(wrapper=None), "model_wrapper_cfg.type='MMDistributedDataParallel'"
      ' cannot wrap an expert-parallel model'),
-    (dict(world=4, cp=2), 'parallel.cp=2 with parallel.ep=2 is not '
-     'supported yet'),
+    (dict(world=4, cp=2), "model.moe.balance='aux_loss' is not allowed; "
+     'with parallel.cp=2 and parallel.ep=2 each rank holds part of every '
+     'sequence'),
     (dict(world=4, dp_replicate=2,
           wrapper=dict(FSDP2, sharding_strategy='HYBRID_SHARD')),
      "model_wrapper_cfg.sharding_strategy='HYBRID_SHARD' with parallel.ep=2"

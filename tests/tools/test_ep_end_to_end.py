@@ -78,3 +78,25 @@ def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
     assert_matches_one_process(ep_log, tmp_path / 'ep',
                                one.stdout + one.stderr, tmp_path / 'one',
                                ('loss', 'grad_norm'), WHOLE_EXPERTS)
+
+
+def test_dist_train_ep2_cp2_matches_one_process(tmp_path):
+    """ep=2 x cp=2 on 4 ranks: each rank routes its part of every sequence
+    (the MoE layer is per token), the experts sharded over efsdp = cp = 2;
+    balanced by the bias (the auxiliary loss is per sequence, refused with
+    cp), its loads summed over the data and cp ranks as one process counts
+    them: the final ``expert_bias`` buffers match."""
+    options = [*OPTIONS, 'model.moe.balance=bias',
+               'model.moe.bias_update_rate=0.01']
+    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
+                   '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
+                   'parallel.cp=2',
+                   f'train_dataloader.batch_size={BATCH}'])
+    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
+                    tmp_path / 'one', '--cfg-options', *options,
+                    f'train_dataloader.batch_size={2 * BATCH}'])
+    ep_log = ep.stdout + ep.stderr
+    assert 'parallel = dict(cp=2, ep=2)' in ep_log
+    assert_matches_one_process(ep_log, tmp_path / 'ep',
+                               one.stdout + one.stderr, tmp_path / 'one',
+                               ('loss', 'grad_norm'), WHOLE_EXPERTS)
