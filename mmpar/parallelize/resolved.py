@@ -150,8 +150,9 @@ def stage_wrapper_cfg(model_wrapper_cfg: dict,
 
 def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
     """``parallel.ep > 1`` with what this slice supports: the data axes
-    (``dp_replicate``, ``dp_shard``), pp and cp around it and a wrapper that takes the experts' own mesh
-    (its class declares ``expert_parallel``).
+    (``dp_replicate``, ``dp_shard``), pp and cp around it and a wrapper
+    that takes the experts' own mesh (its class declares
+    ``expert_parallel``).
 
     Raises:
         ValueError: naming the key, the value and what is allowed.
