@@ -31,7 +31,9 @@ def _group_by_mesh(grads: Sequence[torch.Tensor]
     # groups' collectives pair up.
     groups: List[Tuple[object, List[torch.Tensor]]] = []
     for grad in grads:
-        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        # Placements too: a group's norm is combined over its sharded dims.
+        mesh = (grad.device_mesh, tuple(grad.placements)) \
+            if isinstance(grad, DTensor) else None
         for key, members in groups:
             if (key is None) == (mesh is None) and (mesh is None
                                                    or key == mesh):
@@ -42,8 +44,40 @@ def _group_by_mesh(grads: Sequence[torch.Tensor]
     return groups
 
 
+def _sharded_norm(grads: List[DTensor], norm_type: float,
+                  foreach: Optional[bool]) -> torch.Tensor:
+    """The norm of DTensor gradients of one mesh and placements: the local
+    shards' norm, combined over each sharded mesh dim in turn.
+
+    Not torch's DTensor norm and ``full_tensor()``: on a mesh whose dims
+    are not in the root's order (FSDP2's efsdp mesh over cp put outside the
+    experts' ep mesh, which the root orders ep before cp) torch 2.13 fails
+    to flatten the dims into one all-reduce (``Mesh dim indices should be
+    in ascending order``).
+    """
+    local = torch.nn.utils.get_total_norm(
+        [g.to_local() for g in grads], norm_type, False, foreach).float()
+    spec = grads[0]
+    for dim, placement in enumerate(spec.placements):
+        if placement.is_replicate():
+            continue
+        group = spec.device_mesh.get_group(dim)
+        if norm_type == float('inf'):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        else:
+            local = local**norm_type
+            dist.all_reduce(local, group=group)
+            local = local**(1.0 / norm_type)
+    return local
+
+
 def _group_norm(grads: List[torch.Tensor], norm_type: float,
                 foreach: Optional[bool]) -> torch.Tensor:
+    # (Any sharding, FSDP2's strided one over ep's included, splits a
+    # gradient into disjoint parts; a partial one would not.)
+    if isinstance(grads[0], DTensor) and not any(
+            p.is_partial() for p in grads[0].placements):
+        return _sharded_norm(grads, norm_type, foreach)
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()  # a collective over the group's mesh

@@ -102,3 +102,6 @@ FLATTENED: Dict[str, Tuple[str, ...]] = dict(
 # shard over the flattened shard axis.
 REPLICATE_SHARD = tuple(a for a in DATA_AXES if not BY_NAME[a].shards) + (
     'dp_shard_cp', )
+# HSDP around the experts: replicated over the same data axes, sharded over
+# efsdp (torchtitan's dp_replicate x efsdp mesh for the experts).
+REPLICATE_EXPERT_SHARD = REPLICATE_SHARD[:-1] + ('efsdp', )

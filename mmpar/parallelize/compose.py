@@ -41,6 +41,7 @@ from mmengine.dist import broadcast
 from torch import nn
 
 from mmpar.failures import ConfigError
+from mmpar.parallel.axes import REPLICATE_EXPERT_SHARD
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, strategy_name
 from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import apply_activation_checkpointing
@@ -80,9 +81,12 @@ def data_axis_args(cfg: dict, topology: ParallelTopology) -> dict:
         # NO_SHARD replicates over the whole gradient axis.
         return dict(device_mesh=topology.mesh['dp_cp'])
     if topology.dims.ep_enabled:
-        # The experts, split over ep, are sharded over the rest.
+        # The experts, split over ep, are sharded over the rest of the
+        # shard axes and replicated over dp_replicate (HSDP, as the rest).
+        expert_axes = REPLICATE_EXPERT_SHARD \
+            if topology.dims.dp_replicate_enabled else 'efsdp'
         return dict(device_mesh=topology.data_mesh(),
-                    expert_mesh=topology.mesh['efsdp'])
+                    expert_mesh=topology.mesh[expert_axes])
     return dict(device_mesh=topology.data_mesh())
 
 

@@ -80,8 +80,10 @@ class MMFullyShard(StepMixin, nn.Module):
         buffer_sync: ``'broadcast'`` (default), ``'average'`` or None
             (:mod:`mmpar.wrappers.buffers`).
         expert_mesh: under expert parallelism (the Runner passes
-            ``mesh['efsdp']``): the experts (split over ep already) are
-            sharded over it in their own units, first, and their gradients
+            ``mesh['efsdp']``, or the 2-D ``(dp_replicate, efsdp)`` mesh,
+            HSDP, with dp_replicate): the experts (split over ep already)
+            are sharded over it in their own units, first, and their
+            gradients
             divided by the whole data mesh's size as the other gradients
             are (each rank's experts saw tokens from every ep rank).
         **kwargs: any other ``fully_shard`` argument.
@@ -157,11 +159,14 @@ class MMFullyShard(StepMixin, nn.Module):
                 # the expert's tokens came from all of its ranks.
                 experts.set_gradient_divide_factor(
                     float(self.device_mesh.size()))
-                if expert_mesh.size() > 1 and dist.get_backend(
-                        expert_mesh.get_group()) == 'gloo':
+                shard_group = expert_mesh.get_all_groups()[-1]
+                if shard_group.size() > 1 and \
+                        dist.get_backend(shard_group) == 'gloo':
                     # A factor other than the mesh's size is a PREMUL_SUM
                     # reduce-scatter, which gloo lacks: sum, then divide.
-                    # (Not on one rank: torch 2.13 then divides twice.)
+                    # (Not when the shard dim is one rank, HSDP's
+                    # replicate-only experts included: torch 2.13 then
+                    # divides before the all-reduce and again after it.)
                     experts.set_force_sum_reduction_for_comms(True)
         policy = resolve_wrap_policy(fsdp_auto_wrap_policy, module)
         units = [] if policy is None else modules_to_wrap(module, policy)

@@ -23,6 +23,20 @@ def test_ep_inside_the_data_ranks():
         2, 2, 4, 4, 2)
 
 
+def test_ep_inside_hsdp():
+    """dp_replicate x ep: the experts replicated over dp_replicate, the
+    shard axes but ep (efsdp) one rank."""
+    dims = _check(world=4, dp_replicate=2).dims
+    assert (dims.dp_replicate, dims.ep, dims.dp_shard, dims.dp,
+            dims.efsdp) == (2, 2, 1, 4, 1)
+
+
+def test_ep_with_cp_balanced_by_the_bias():
+    dims = _check(world=4, cp=2,
+                  model=dict(type='Llama', moe=dict(balance='bias'))).dims
+    assert (dims.ep, dims.cp, dims.dp, dims.efsdp) == (2, 2, 2, 2)
+
+
 def test_ep_with_pp_without_balancing():
     dims = _check(world=4, pp=2, pipeline=dict(schedule='1F1B'),
                   model=dict(type='Llama', moe=dict(balance=None))).dims
@@ -38,10 +52,13 @@ def test_ep_with_pp_without_balancing():
      'model.moe.num_experts=3 is not allowed; parallel.ep=2 splits'),
     (dict(wrapper=None), "model_wrapper_cfg.type='MMDistributedDataParallel'"
      ' cannot wrap an expert-parallel model'),
-    (dict(world=4, cp=2), 'parallel.cp=2 with parallel.ep=2 is not '
-     'supported yet'),
-    (dict(world=4, dp_replicate=2), 'parallel.dp_replicate=2 with '
-     'parallel.ep=2 is not supported yet'),
+    (dict(world=4, cp=2), "model.moe.balance='aux_loss' is not allowed; "
+     'with parallel.cp=2 and parallel.ep=2 each rank holds part of every '
+     'sequence'),
+    (dict(world=4, dp_replicate=2,
+          wrapper=dict(FSDP2, sharding_strategy='HYBRID_SHARD')),
+     "model_wrapper_cfg.sharding_strategy='HYBRID_SHARD' with parallel.ep=2"
+     ' is not supported yet'),
     (dict(world=3), 'world size 3 is not divisible by'),
     (dict(world=4, pp=2, pipeline=dict(schedule='1F1B')),
      "model.moe.balance='aux_loss' is not allowed; with parallel.pp=2 and "

@@ -37,17 +37,20 @@ def one_process(tmp_path_factory):
     return work_dir, one.stdout + one.stderr
 
 
-@pytest.mark.parametrize('ranks,layout', [
-    (2, 'parallel = dict(ep=2)'),
+@pytest.mark.parametrize('ranks,extra,layout', [
+    (2, [], 'parallel = dict(ep=2)'),
     # the experts also sharded by FSDP2 over efsdp = dp_shard = 2
-    (4, 'parallel = dict(dp_shard=2, ep=2)')], ids=['ep2', 'ep2_dp_shard2'])
+    (4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)'),
+    # HSDP: the experts replicated over dp_replicate = 2 (their gradients
+    # all-reduced over it), the rest sharded over ep and replicated
+    (4, ['parallel.dp_replicate=2'], 'parallel = dict(dp_replicate=2, ep=2)'),
+], ids=['ep2', 'ep2_dp_shard2', 'ep2_dp_replicate2'])
 def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
-                                            layout):
+                                            extra, layout):
     one_dir, one_log = one_process
-    dp_shard = [f'parallel.dp_shard={ranks // 2}'] if ranks > 2 else []
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, ranks,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
-                   *dp_shard,
+                   *extra,
                    f'train_dataloader.batch_size={2 * BATCH // ranks}'])
     ep_log = ep.stdout + ep.stderr
     assert layout in ep_log
@@ -72,6 +75,28 @@ def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
     ep_log = ep.stdout + ep.stderr
     assert "ep=2, pipeline=dict(num_microbatches=2, schedule='1F1B'), " \
         'pp=2' in ep_log
+    assert_matches_one_process(ep_log, tmp_path / 'ep',
+                               one.stdout + one.stderr, tmp_path / 'one',
+                               ('loss', 'grad_norm'), WHOLE_EXPERTS)
+
+
+def test_dist_train_ep2_cp2_matches_one_process(tmp_path):
+    """ep=2 x cp=2 on 4 ranks: each rank routes its part of every sequence
+    (the MoE layer is per token), the experts sharded over efsdp = cp = 2;
+    balanced by the bias (the auxiliary loss is per sequence, refused with
+    cp), its loads summed over the data and cp ranks as one process counts
+    them: the final ``expert_bias`` buffers match."""
+    options = [*OPTIONS, 'model.moe.balance=bias',
+               'model.moe.bias_update_rate=0.01']
+    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
+                   '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
+                   'parallel.cp=2',
+                   f'train_dataloader.batch_size={BATCH}'])
+    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
+                    tmp_path / 'one', '--cfg-options', *options,
+                    f'train_dataloader.batch_size={2 * BATCH}'])
+    ep_log = ep.stdout + ep.stderr
+    assert 'parallel = dict(cp=2, ep=2)' in ep_log
     assert_matches_one_process(ep_log, tmp_path / 'ep',
                                one.stdout + one.stderr, tmp_path / 'one',
                                ('loss', 'grad_norm'), WHOLE_EXPERTS)
