@@ -21,6 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mmpar.parallel.axes import EXPERT, axes_of
+
+EXPERT_AXES = axes_of(EXPERT)
+
+
+def _expert_mesh(mesh) -> bool:
+    """Whether ``mesh`` has an expert axis (expert weights live on it)."""
+    return bool(set(mesh.mesh_dim_names or ()) & set(EXPERT_AXES))
+
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
@@ -31,9 +40,11 @@ def _group_by_mesh(grads: Sequence[torch.Tensor]
     # groups' collectives pair up.
     groups: List[Tuple[object, List[torch.Tensor]]] = []
     for grad in grads:
-        # Placements too: a group's norm is combined over its sharded dims.
-        mesh = (grad.device_mesh, tuple(grad.placements)) \
-            if isinstance(grad, DTensor) else None
+        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        if mesh is not None and _expert_mesh(mesh):
+            # Placements too: an expert group's norm is combined over its
+            # sharded dims (_sharded_norm).
+            mesh = (mesh, tuple(grad.placements))
         for key, members in groups:
             if (key is None) == (mesh is None) and (mesh is None
                                                    or key == mesh):
@@ -73,10 +84,14 @@ def _sharded_norm(grads: List[DTensor], norm_type: float,
 
 def _group_norm(grads: List[torch.Tensor], norm_type: float,
                 foreach: Optional[bool]) -> torch.Tensor:
-    # (Any sharding, FSDP2's strided one over ep's included, splits a
-    # gradient into disjoint parts; a partial one would not.)
-    if isinstance(grads[0], DTensor) and not any(
-            p.is_partial() for p in grads[0].placements):
+    # Experts only (a mesh with an expert axis, whose FSDP2 dims may be out
+    # of the root's order); every other layout keeps torch's DTensor norm,
+    # bit for bit as before. (Any sharding, FSDP2's strided one over ep's
+    # included, splits a gradient into disjoint parts; a partial one would
+    # not.)
+    if isinstance(grads[0], DTensor) and _expert_mesh(
+            grads[0].device_mesh) and not any(
+                p.is_partial() for p in grads[0].placements):
         return _sharded_norm(grads, norm_type, foreach)
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     if isinstance(norm, DTensor):
