@@ -100,7 +100,7 @@ def llama_options(iters: int, interval: int, context: int,
             context_length=context)),
         val_dataloader=dict(dataset=dict(context_length=context)),
         test_dataloader=dict(dataset=dict(context_length=context)),
-        train_cfg=dict(max_iters=iters, val_interval=iters + 1),
+        train_cfg=dict(max_iters=iters, val_begin=iters + 1),
         default_hooks=dict(
             logger=dict(interval=1),
             checkpoint=dict(interval=interval, save_last=False,
