@@ -13,6 +13,10 @@ resumes by itself) while a killer SIGKILLs one rank process F times, each
 at one of these moments of an attempt:
 
 - ``mid-step``: a random delay after the attempt logged an iteration;
+- ``mid-collective``: the same delay, then one rank is stopped (SIGSTOP)
+  until the others' CPU time stops advancing (``/proc/PID/stat``: they are
+  blocked in a collective waiting for it), one of those is SIGKILLed and the
+  stopped one continued (SIGCONT); late if the others never blocked;
 - ``mid-save``: as soon as a synchronous save's ``*.tmp`` file or directory
   appears (rank 0, which writes a full checkpoint and publishes either);
   the first save of a run is let through, so that later attempts have a
