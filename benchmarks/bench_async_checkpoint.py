@@ -9,28 +9,20 @@ the background write is complete. Median of ``--repeats``.
 
     PYTHONPATH=$PWD python benchmarks/bench_async_checkpoint.py [--params 25]
 
-``--llama`` measures what issue 37 judges instead: the ~100 M-parameter
-Llama (``dim=1024``, 8 layers, 8 heads, byte vocabulary) trained under FSDP2
-by ``tools/dist_train.sh configs/llama_shakespeare/llama_shakespeare_fsdp2.py``
-on ``--ranks`` processes, one window of ``--context`` bytes per rank, a
-sharded checkpoint every ``--interval`` iterations, launched twice (async
-off, on) with the same settings. Each iteration's ``time`` is MMEngine's
-``IterTimerHook`` one (logged every iteration), which runs the time from
-one iteration's end to the next: the iteration after a save includes the
-part of the save that blocked. "until written" is what the background
-writer logs when its write (and the rename) finished.
+``--llama``: the judged case instead, through the launcher: the shipped
+``llama_shakespeare_fsdp2.py`` widened to ~100 M parameters (dim 1024, 8
+layers), FSDP2 on ``--nproc`` ranks, sharded checkpoints every
+``--interval`` iterations, once with ``async_save`` off and once on. Every
+iteration is clocked after all hooks (``benchmarks/_iter_clock.py``: the
+save's blocking part included), slowest rank; the table gives the median
+normal iteration, the median iteration that saves, and their ratio.
 
-    PYTHONPATH=$PWD python benchmarks/bench_async_checkpoint.py --llama \
-        [--ranks 4] [--iters 9] [--interval 4]
+    PYTHONPATH=$PWD python benchmarks/bench_async_checkpoint.py --llama
 """
 import argparse
-import glob
-import json
 import os
 import os.path as osp
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,105 +78,79 @@ def measure(save, model, optim, directory, use_async, repeats):
 
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-LLAMA_CONFIG = 'configs/llama_shakespeare/llama_shakespeare_fsdp2.py'
-#: The ~100 M Llama of tests/parallelize/test_meta.py (byte vocabulary).
 LLAMA_100M = dict(dim=1024, num_layers=8, num_heads=8)
-_WRITTEN = re.compile(r'written in the background in ([0-9.]+) s')
 
 
-def llama_options(iters: int, interval: int, context: int,
-                  use_async: bool, model: dict) -> list:
-    """The ``--cfg-options`` of one ``--llama`` launch."""
-    options = dict(
-        train_dataloader=dict(batch_size=1, dataset=dict(
-            context_length=context)),
-        val_dataloader=dict(dataset=dict(context_length=context)),
-        test_dataloader=dict(dataset=dict(context_length=context)),
-        train_cfg=dict(max_iters=iters, val_begin=iters + 1),
-        default_hooks=dict(
-            logger=dict(interval=1),
-            checkpoint=dict(interval=interval, save_last=False,
-                            max_keep_ckpts=1, async_save=use_async)),
-        log_processor=dict(window_size=1),
-        model=dict(model, max_seq_len=context))
-    flat = []
-
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f'{prefix}{key}.', item)
-        else:
-            flat.append(f'{prefix[:-1]}={value}')
-
-    walk('', options)
-    return flat
+def llama_config(directory: str, use_async: bool, iters: int,
+                 interval: int, context: int) -> str:
+    """The 100 M Llama under FSDP2, sharded saves, clocked iterations."""
+    path = osp.join(directory, f'llama_async_{use_async}.py')
+    model = ', '.join(f'{k}={v}' for k, v in LLAMA_100M.items())
+    with open(path, 'w') as f:
+        f.write('\n'.join([
+            f"_base_ = ['{ROOT}/configs/llama_shakespeare/"
+            "llama_shakespeare_fsdp2.py']",
+            f'model = dict({model}, max_seq_len={context})',
+            'train_dataloader = dict(batch_size=1, dataset=dict('
+            f'context_length={context}))',
+            f'train_cfg = dict(max_iters={iters}, val_interval={iters + 1})',
+            'val_dataloader = val_cfg = val_evaluator = None',
+            'test_dataloader = test_cfg = test_evaluator = None',
+            "default_hooks = dict(logger=dict(interval=1), checkpoint=dict("
+            f"type='CheckpointHook', by_epoch=False, interval={interval}, "
+            f'max_keep_ckpts=1, async_save={use_async}))',
+            "custom_imports = dict(imports=['benchmarks._iter_clock'], "
+            'allow_failed_imports=False)',
+            "custom_hooks = [dict(type='IterClock')]",
+        ]) + '\n')
+    return path
 
 
-def iteration_times(work_dir: str) -> dict:
-    """Iteration -> MMEngine's logged ``time`` (s), from the run's
-    ``vis_data/scalars.json``."""
-    times = {}
-    for path in glob.glob(osp.join(work_dir, '*', 'vis_data',
-                                   'scalars.json')):
-        with open(path) as file:
-            for line in file:
-                record = json.loads(line)
-                if 'time' in record and 'step' in record:
-                    times[record['step']] = record['time']
-    return times
+def split_saving(seconds: list, interval: int):
+    """Iteration seconds by kind: ``saves`` (the iteration that saves),
+    ``after`` (the one after it: an asynchronous write goes on beside it)
+    and ``normal`` (the rest). The first iteration (warm-up) and the last
+    (no iteration after its save) are left out."""
+    kinds = dict(normal=[], saves=[], after=[])
+    for index, value in enumerate(seconds[1:-1], start=2):
+        kind = ('saves' if index % interval == 0 else
+                'after' if index % interval == 1 else 'normal')
+        kinds[kind].append(value)
+    return kinds
 
 
-def summarize(times: dict, interval: int, written: list) -> dict:
-    """The table row of one launch: the iteration after a save holds its
-    blocking part; the first two iterations (warm-up) and those are left
-    out of the normal step."""
-    saving = [times[i] for i in sorted(times)
-              if i > 1 and (i - 1) % interval == 0]
-    normal = [times[i] for i in sorted(times)
-              if i > 2 and (i - 1) % interval != 0]
-    if not saving or not normal:
-        raise RuntimeError(f'no saving or normal iteration in {times}')
-    step = statistics.median(normal)
-    save = statistics.median(saving)
-    return dict(normal=step, saving=save, ratio=save / step,
-                written=statistics.median(written) if written else None)
+def run_llama(args) -> None:
+    import subprocess
 
-
-def run_llama(args, use_async: bool, directory: str) -> dict:
-    work_dir = osp.join(directory, 'async' if use_async else 'sync')
-    command = ['bash', 'tools/dist_train.sh', LLAMA_CONFIG,
-               str(args.ranks), '--work-dir', work_dir, '--cfg-options',
-               *llama_options(args.iters, args.interval, args.context,
-                              use_async, args.model)]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1')
-    result = subprocess.run(command, cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        raise RuntimeError(f'{" ".join(command)} failed:\n'
-                           f'{result.stdout[-4000:]}')
-    written = [float(x) for x in _WRITTEN.findall(result.stdout)]
-    return summarize(iteration_times(work_dir), args.interval, written)
-
-
-def main_llama(args) -> None:
-    load = os.getloadavg()
-    print(f'Llama {args.model} under FSDP2, {args.ranks} ranks, '
-          f'1 x {args.context} tokens per rank, {args.iters} iterations, '
-          f'a sharded checkpoint every {args.interval}; load average '
-          f'before: {load[0]:.2f}')
-    print('| save | normal step (s) | step that saves (s) | ratio '
-          '| until written (s) |')
+    from benchmarks._iter_clock import iteration_seconds
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
+               os.environ.get('PYTHONPATH', ''))
+    print(f'100 M Llama (dim {LLAMA_100M["dim"]}, {LLAMA_100M["num_layers"]}'
+          f' layers), FSDP2, {args.nproc} ranks, 1 window of {args.context} '
+          f'tokens per rank, a sharded save every {args.interval} '
+          f'iterations, {args.iters} iterations')
+    print('| async_save | normal iteration (s) | iteration that saves (s) '
+          '| iteration after it (s) | saving / normal (synchronous run) |')
     print('|---|---|---|---|---|')
+    base = None
     with tempfile.TemporaryDirectory() as directory:
         for use_async in (False, True):
-            row = run_llama(args, use_async, directory)
-            kind = 'async_save' if use_async else 'synchronous'
-            written = ('-' if row['written'] is None else
-                       f"{row['written']:.2f}")
-            print(f"| {kind} | {row['normal']:.2f} | {row['saving']:.2f} "
-                  f"| {row['ratio']:.2f} | {written} |", flush=True)
-    print(f'load average after: {os.getloadavg()[0]:.2f}')
+            config = llama_config(directory, use_async, args.iters,
+                                  args.interval, args.context)
+            work_dir = osp.join(directory, f'work_{use_async}')
+            proc = subprocess.run(
+                ['bash', 'tools/dist_train.sh', config, str(args.nproc),
+                 '--work-dir', work_dir], cwd=ROOT, env=env,
+                capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+            kinds = {k: statistics.median(v) for k, v in split_saving(
+                iteration_seconds(work_dir), args.interval).items()}
+            if base is None:  # the synchronous run's normal iteration
+                base = kinds['normal']
+            print(f'| {use_async} | {kinds["normal"]:.2f} | '
+                  f'{kinds["saves"]:.2f} | {kinds["after"]:.2f} | '
+                  f'{kinds["saves"] / base:.2f}x |', flush=True)
 
 
 def main():
@@ -193,22 +159,15 @@ def main():
                         help='millions of parameters (default 25)')
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--llama', action='store_true',
-                        help='the 100 M Llama under FSDP2 through '
-                        'tools/dist_train.sh, async off and on')
-    parser.add_argument('--ranks', type=int, default=4)
-    parser.add_argument('--iters', type=int, default=9)
+                        help='the 100 M Llama under FSDP2 through the '
+                        'launcher (see above)')
+    parser.add_argument('--nproc', type=int, default=4)
+    parser.add_argument('--iters', type=int, default=14)
     parser.add_argument('--interval', type=int, default=4)
-    parser.add_argument('--context', type=int, default=64)
-    parser.add_argument('--dim', type=int, default=LLAMA_100M['dim'])
-    parser.add_argument('--layers', type=int,
-                        default=LLAMA_100M['num_layers'])
-    parser.add_argument('--heads', type=int, default=LLAMA_100M['num_heads'])
+    parser.add_argument('--context', type=int, default=128)
     args = parser.parse_args()
-    args.model = dict(dim=args.dim, num_layers=args.layers,
-                      num_heads=args.heads)
     if args.llama:
-        main_llama(args)
-        return
+        return run_llama(args)
     torch.set_num_threads(1)
     model, optim = build(args.params)
     count = sum(p.numel() for p in model.parameters())

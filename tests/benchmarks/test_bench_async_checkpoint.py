@@ -1,57 +1,38 @@
-"""benchmarks/bench_async_checkpoint.py --llama without launching a run
-(two launches of the 100 M Llama are minutes of CPU): its config overrides
-against the real config, how it reads the logged iteration times, and which
-iterations it counts as the step that saves."""
-import argparse
+"""benchmarks/bench_async_checkpoint.py --llama without its two 100 M runs
+(minutes of CPU): the config it launches, the clock it reads and how it
+sorts iterations into normal, saving and after-a-save."""
 import json
-import os
 
-import pytest
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 
 from benchmarks import bench_async_checkpoint as bench
+from benchmarks._iter_clock import iteration_seconds
+from mmpar.config_check import check_config
 
 
-def test_options_make_the_100m_llama_and_save_sharded_every_k():
-    options = bench.llama_options(9, 4, 64, True, bench.LLAMA_100M)
-    cfg = Config.fromfile(os.path.join(bench.ROOT, bench.LLAMA_CONFIG))
-    parser = argparse.ArgumentParser()
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction)
-    cfg.merge_from_dict(
-        parser.parse_args(['--cfg-options', *options]).cfg_options)
-    assert cfg.checkpoint_format == 'sharded'
-    assert cfg.model_wrapper_cfg.type == 'MMFullyShard'
-    assert (cfg.model.dim, cfg.model.num_layers, cfg.model.num_heads,
-            cfg.model.max_seq_len) == (1024, 8, 8, 64)
-    for loader in ('train', 'val', 'test'):
-        assert cfg[f'{loader}_dataloader'].dataset.context_length == 64
-    assert cfg.train_dataloader.batch_size == 1
-    hook = cfg.default_hooks.checkpoint
-    assert (hook.interval, hook.save_last, hook.async_save) == (4, False,
-                                                                True)
-    assert cfg.default_hooks.logger.interval == 1
-    assert cfg.log_processor.window_size == 1
-    assert cfg.train_cfg.max_iters == 9
-    assert cfg.train_cfg.val_begin > 9  # no validation at the end
+def test_llama_config_is_the_judged_case(tmp_path):
+    for use_async in (False, True):
+        cfg = Config.fromfile(bench.llama_config(
+            str(tmp_path), use_async, iters=14, interval=4, context=128))
+        plan = check_config(cfg, world_size=4)
+        assert plan.wrapper_cfg['type'] == 'MMFullyShard'
+        assert cfg.checkpoint_format == 'sharded'
+        hook = cfg.default_hooks.checkpoint
+        assert (hook.async_save, hook.interval, hook.by_epoch) == (
+            use_async, 4, False)
+        assert (cfg.model.dim, cfg.model.num_layers) == (1024, 8)
+        assert [h['type'] for h in cfg.custom_hooks] == ['IterClock']
 
 
-def test_the_iteration_after_a_save_is_the_step_that_saves(tmp_path):
-    vis = tmp_path / '20261128_000000' / 'vis_data'
-    vis.mkdir(parents=True)
-    # Saves after iterations 4 and 8: iterations 5 and 9 hold them;
-    # 1 and 2 are warm-up.
-    logged = {1: 9.0, 2: 3.0, 3: 1.0, 4: 1.2, 5: 2.0, 6: 1.1, 7: 0.9,
-              8: 1.0, 9: 3.0}
-    with open(vis / 'scalars.json', 'w') as file:
-        for step, time in logged.items():
-            file.write(json.dumps(dict(lr=1e-3, time=time, step=step)) + '\n')
-    times = bench.iteration_times(str(tmp_path))
-    assert times == logged
-    row = bench.summarize(times, 4, [4.0, 6.0])
-    assert row['normal'] == pytest.approx(1.0)  # median of 3, 4, 6, 7, 8
-    assert row['saving'] == pytest.approx(2.5)  # median of 5 and 9
-    assert row['ratio'] == pytest.approx(2.5)
-    assert row['written'] == pytest.approx(5.0)
-    assert bench.summarize(times, 4, [])['written'] is None
-    with pytest.raises(RuntimeError, match='no saving'):
-        bench.summarize({1: 1.0, 2: 1.0, 3: 1.0}, 4, [])
+def test_slowest_rank_per_iteration(tmp_path):
+    for rank, ends in enumerate([[1.0, 3.0, 4.0], [1.5, 2.5, 4.5]]):
+        (tmp_path / f'iter_clock_rank{rank}.json').write_text(
+            json.dumps(dict(start=0.0, ends=ends)))
+    assert iteration_seconds(str(tmp_path)) == [1.5, 2.0, 2.0]
+
+
+def test_iterations_sorted_by_kind():
+    # Iterations 1..10, saves every 4: 4 and 8 save (1 and 10 left out).
+    seconds = [100.0, 2.0, 3.0, 40.0, 5.0, 6.0, 7.0, 80.0, 9.0, 1000.0]
+    assert bench.split_saving(seconds, 4) == dict(
+        normal=[2.0, 3.0, 6.0, 7.0], saves=[40.0, 80.0], after=[5.0, 9.0])
