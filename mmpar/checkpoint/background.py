@@ -108,7 +108,7 @@ class BackgroundSave:
                         break
                     then = self._then.pop(0)
                 then()
-            # Read by benchmarks/bench_async_checkpoint.py --llama.
+            # How long the write took, in the log of every async save.
             print_log(
                 f'checkpoint {self._path} written in the background in '
                 f'{self.last_duration:.2f} s', logger='current')
