@@ -350,9 +350,15 @@ class Killer:
         try:
             waiting = [pid for r, pid in ranks.items() if r != stopped]
             hit = wait_blocked(waiting)
-            os.kill(ranks[victim], signal.SIGKILL)
+            try:
+                os.kill(ranks[victim], signal.SIGKILL)
+            except ProcessLookupError:  # the attempt ended meanwhile: late
+                hit = False
         finally:
-            os.kill(ranks[stopped], signal.SIGCONT)
+            try:
+                os.kill(ranks[stopped], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         return hit
 
     def next_moment(self, planned: List[str]) -> str:
