@@ -337,7 +337,11 @@ class Killer:
             elif moment == 'mid-collective':
                 hit = self.kill_in_collective(ranks, rank)
             else:
-                os.kill(ranks[rank], signal.SIGKILL)
+                try:
+                    os.kill(ranks[rank], signal.SIGKILL)
+                except ProcessLookupError:  # the attempt ended meanwhile
+                    self.missed.append(moment)
+                    continue
             self.kills.append(Kill(moment, rank, time.time() - start, hit))
 
     def kill_in_collective(self, ranks: Dict[int, int], victim: int) -> bool:
