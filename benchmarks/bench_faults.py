@@ -13,6 +13,10 @@ resumes by itself) while a killer SIGKILLs one rank process F times, each
 at one of these moments of an attempt:
 
 - ``mid-step``: a random delay after the attempt logged an iteration;
+- ``mid-collective``: the same delay, then one rank is stopped (SIGSTOP)
+  until the others' CPU time stops advancing (``/proc/PID/stat``: they are
+  blocked in a collective waiting for it), one of those is SIGKILLed and the
+  stopped one continued (SIGCONT); late if the others never blocked;
 - ``mid-save``: as soon as a synchronous save's ``*.tmp`` file or directory
   appears (rank 0, which writes a full checkpoint and publishes either);
   the first save of a run is let through, so that later attempts have a
@@ -51,7 +55,14 @@ from benchmarks._common import utc_now, write_section  # noqa: E402
 from benchmarks.bench_clean_exits import LoadSampler, launch_env  # noqa: E402
 
 SECTION = '## Fault campaign: kill-anywhere restarts'
-MOMENTS = ('mid-step', 'mid-save', 'mid-async-write', 'during-resume')
+MOMENTS = ('mid-step', 'mid-collective', 'mid-save', 'mid-async-write',
+           'during-resume')
+#: mid-collective: the other ranks count as blocked in a collective once
+#: their CPU time (utime + stime, in clock ticks) advanced at most this much
+#: over BLOCKED_WINDOW_S; they wait for a rank that is stopped (SIGSTOP).
+BLOCKED_TICKS = 1
+BLOCKED_WINDOW_S = 1.0
+BLOCKED_TIMEOUT_S = 30.0
 ITERATION_LINE = re.compile(r'Iter\(train\)')
 # What an attempt logs when it loads the checkpoint it resumes from.
 RESUME_LINE = re.compile(
@@ -119,7 +130,7 @@ def pick_moments(rng: random.Random, num_kills: int,
     order; the first is never ``during-resume`` (the first attempt does not
     resume), and a layout saves either synchronously or asynchronously."""
     save = 'mid-async-write' if async_save else 'mid-save'
-    kinds = ['mid-step', save, 'during-resume']
+    kinds = ['mid-step', 'mid-collective', save, 'during-resume']
     moments = [kinds[i % len(kinds)] for i in range(num_kills)]
     rng.shuffle(moments)
     if moments and moments[0] == 'during-resume':
@@ -130,6 +141,36 @@ def pick_moments(rng: random.Random, num_kills: int,
         else:
             moments[0], moments[swap] = moments[swap], moments[0]
     return moments
+
+
+def cpu_ticks(pid: int) -> int:
+    """The CPU time (user + system, clock ticks) of process ``pid`` from
+    ``/proc/PID/stat`` (its fields 14 and 15, counted after the command
+    name, which may hold spaces)."""
+    with open(f'/proc/{pid}/stat') as file:
+        fields = file.read().rsplit(')', 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_blocked(pids, ticks=cpu_ticks, sleep=time.sleep,
+                 window_s: float = BLOCKED_WINDOW_S,
+                 timeout_s: float = BLOCKED_TIMEOUT_S) -> bool:
+    """Whether every process of ``pids`` stopped using the CPU (at most
+    ``BLOCKED_TICKS`` over ``window_s``) within ``timeout_s``: what ranks
+    blocked in a collective on a stopped peer do. False if one is gone."""
+    waited = 0.0
+    try:
+        last = {pid: ticks(pid) for pid in pids}
+        while waited < timeout_s:
+            sleep(window_s)
+            waited += window_s
+            now = {pid: ticks(pid) for pid in pids}
+            if all(now[pid] - last[pid] <= BLOCKED_TICKS for pid in pids):
+                return True
+            last = now
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return False
 
 
 # --- comparing checkpoints -------------------------------------------------
@@ -293,9 +334,36 @@ class Killer:
                 # Hit if the save had not completed: its .tmp is still there.
                 hit = tmp is not None and os.path.exists(
                     os.path.join(self.work_dir, tmp))
+            elif moment == 'mid-collective':
+                hit = self.kill_in_collective(ranks, rank)
             else:
-                os.kill(ranks[rank], signal.SIGKILL)
+                try:
+                    os.kill(ranks[rank], signal.SIGKILL)
+                except ProcessLookupError:  # the attempt ended meanwhile
+                    self.missed.append(moment)
+                    continue
             self.kills.append(Kill(moment, rank, time.time() - start, hit))
+
+    def kill_in_collective(self, ranks: Dict[int, int], victim: int) -> bool:
+        """Stop another rank (SIGSTOP), wait until the others are blocked
+        waiting for it, SIGKILL ``victim`` (one of them), then let the
+        stopped one go on (SIGCONT); returns whether the wait held."""
+        stopped = (victim + 1 + self.rng.randrange(len(ranks) - 1)) % len(
+            ranks)
+        os.kill(ranks[stopped], signal.SIGSTOP)
+        try:
+            waiting = [pid for r, pid in ranks.items() if r != stopped]
+            hit = wait_blocked(waiting)
+            try:
+                os.kill(ranks[victim], signal.SIGKILL)
+            except ProcessLookupError:  # the attempt ended meanwhile: late
+                hit = False
+        finally:
+            try:
+                os.kill(ranks[stopped], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        return hit
 
     def next_moment(self, planned: List[str]) -> str:
         """The next planned moment; a resume only once there is a
@@ -317,7 +385,7 @@ class Killer:
             return self._alive() and pids <= set(
                 rank_pids(self.launcher.pid).values())
 
-        if moment == 'mid-step':
+        if moment in ('mid-step', 'mid-collective'):
             while attempt_alive():
                 if ITERATION_LINE.search(self._log(offset)):
                     time.sleep(self.rng.uniform(0.0, 2.0))

@@ -13,10 +13,12 @@ thread only once it succeeded, and a failure is kept and raised by the next
 :meth:`BackgroundSave.check` or :meth:`BackgroundSave.wait`, never lost.
 """
 import threading
+import time
 from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from mmengine.logging import print_log
 from mmengine.utils import apply_to
 
 from mmpar.parallel.mesh import checkpoint_group
@@ -48,6 +50,10 @@ class BackgroundSave:
         self._finished = True
         self._then: List[Callable[[], None]] = []
         self._group: Optional[dist.ProcessGroup] = None
+        self._started = 0.0
+        #: Seconds from :meth:`start` to the end of the last successful
+        #: write and what followed it (None before one finished).
+        self.last_duration: Optional[float] = None
 
     def group(self) -> Optional[dist.ProcessGroup]:
         """The writer group (:func:`mmpar.parallel.mesh.checkpoint_group`),
@@ -81,6 +87,7 @@ class BackgroundSave:
         with self._lock:
             self._path, self._error = path, None
             self._finished, self._then = False, []
+        self._started = time.perf_counter()
         # Not a daemon: an interpreter that ends normally finishes the
         # write (mmpar's tools wait for it explicitly, mmpar.failures ends
         # them with os._exit).
@@ -96,9 +103,15 @@ class BackgroundSave:
                 with self._lock:
                     if not self._then:
                         self._finished = True
-                        return
+                        self.last_duration = (time.perf_counter() -
+                                              self._started)
+                        break
                     then = self._then.pop(0)
                 then()
+            # How long the write took, in the log of every async save.
+            print_log(
+                f'checkpoint {self._path} written in the background in '
+                f'{self.last_duration:.2f} s', logger='current')
         except BaseException as err:  # noqa: B902 - kept for the caller
             with self._lock:
                 self._error, self._finished = err, True

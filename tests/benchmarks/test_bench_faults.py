@@ -49,12 +49,13 @@ def test_comparison_finds_one_ulp_in_one_optimizer_state():
 
 def test_moments_cover_each_kind_and_never_start_with_a_resume():
     for seed in range(20):
-        moments = bench.pick_moments(random.Random(seed), 6, async_save=True)
+        moments = bench.pick_moments(random.Random(seed), 8, async_save=True)
         assert sorted(moments) == sorted(
-            ['mid-step', 'mid-async-write', 'during-resume'] * 2)
+            ['mid-step', 'mid-collective', 'mid-async-write',
+             'during-resume'] * 2)
         assert moments[0] != 'during-resume'
-    assert set(bench.pick_moments(random.Random(0), 3, False)) == {
-        'mid-step', 'mid-save', 'during-resume'}
+    assert set(bench.pick_moments(random.Random(0), 4, False)) == {
+        'mid-step', 'mid-collective', 'mid-save', 'during-resume'}
     assert bench.pick_moments(random.Random(0), 1, False) != [
         'during-resume']
 
@@ -102,9 +103,10 @@ def test_report_says_which_runs_differed():
     assert report.startswith('2 SIGKILLs over 2 runs')
     assert '**1 of 2 bit-identical**' in report
     assert '**1 corrupt loads**' in report
-    assert ('| ddp | 2 | full, async_save | 1 | 0 | 1 (1 late) | 0 | 2 | 0 '
-            '| 0 | yes |') in report
-    assert '| pp | 2 | full | 0 | 0 | 0 | 0 | 0 | 0 | 1 | **no** |' in report
+    assert ('| ddp | 2 | full, async_save | 1 | 0 | 0 | 1 (1 late) | 0 | 2 '
+            '| 0 | 0 | yes |') in report
+    assert ('| pp | 2 | full | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 1 | **no** |'
+            in report)
     assert (good.failed, bad.failed) == (False, True)
 
 
@@ -124,3 +126,41 @@ def test_killer_waits_for_a_new_save_and_a_checkpoint_to_resume(tmp_path):
     (tmp_path / 'iter_3').mkdir()
     assert killer.next_moment(planned) == 'during-resume'
     assert planned == ['during-resume']
+
+
+def test_collective_check_needs_every_waiting_rank_to_stop_using_cpu():
+    # Fake CPU clocks: rank pid 1 stops at once, pid 2 after 3 windows.
+    clock = {1: iter([5, 5, 5, 5, 5, 5]), 2: iter([0, 10, 20, 30, 31, 31])}
+    slept = []
+    assert bench.wait_blocked([1, 2], ticks=lambda pid: next(clock[pid]),
+                              sleep=slept.append, window_s=1.0)
+    assert slept == [1.0] * 4  # not before pid 2 stopped
+    busy = iter(range(0, 1000, 7))
+    slept.clear()
+    assert not bench.wait_blocked([3], ticks=lambda pid: next(busy),
+                                  sleep=slept.append, window_s=1.0,
+                                  timeout_s=5.0)
+    assert len(slept) == 5
+
+    def gone(pid):
+        raise FileNotFoundError(pid)
+
+    assert not bench.wait_blocked([4], ticks=gone, sleep=slept.append)
+    assert bench.cpu_ticks(os.getpid()) > 0
+
+
+def test_collective_kill_stops_one_rank_kills_a_waiting_one_resumes():
+    procs = [subprocess.Popen(['sleep', '30']) for _ in range(2)]
+    try:
+        ranks = {0: procs[0].pid, 1: procs[1].pid}
+        killer = bench.Killer(None, '', '', 2, [], random.Random(0))
+        # Sleeping ranks use no CPU: blocked as if in a collective.
+        assert killer.kill_in_collective(ranks, victim=1)
+        assert procs[1].wait(5) == -9
+        with open(f'/proc/{procs[0].pid}/stat') as file:
+            state = file.read().rsplit(')', 1)[1].split()[0]
+        assert state == 'S'  # continued, not left stopped
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

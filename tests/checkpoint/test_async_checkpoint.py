@@ -2,10 +2,13 @@
 the saved state equals a synchronous save's bit for bit, in both formats and
 on 2 FSDP2 ranks; a failing background write is raised at the next step;
 nothing reads a checkpoint before its write is complete."""
+import logging
 import threading
+import time
 
 import pytest
 import torch
+from mmengine.logging import MMLogger
 
 import mmpar.checkpoint.files as files
 from mmpar.checkpoint.background import (BackgroundSave, CheckpointSaveError,
@@ -50,6 +53,27 @@ def test_one_write_in_flight_and_then_runs_after_it():
     saves.wait()
     assert order == ['first', 'pointer a', 'second']
     assert not saves.in_flight
+
+
+def test_write_duration_covers_what_follows_and_is_logged():
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = MMLogger.get_current_instance()
+    logger.addHandler(handler)
+    saves = BackgroundSave()
+    assert saves.last_duration is None
+    saves.start('ckpt_3', lambda: time.sleep(0.1))
+    saves.then(lambda: time.sleep(0.1))  # e.g. the rename, the pointer
+    saves.wait()
+    logger.removeHandler(handler)
+    assert 0.2 <= saves.last_duration < 5
+    assert logged == [f'checkpoint ckpt_3 written in the background in '
+                      f'{saves.last_duration:.2f} s']
+    saves.start('ckpt_4', lambda: 1 / 0)
+    with pytest.raises(CheckpointSaveError):
+        saves.wait()
+    assert 0.2 <= saves.last_duration  # a failed write leaves it
 
 
 def test_stage_copies_cpu_tensors():
