@@ -59,25 +59,32 @@ def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
                                WHOLE_EXPERTS)
 
 
-def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
-    """pp=2 x ep=2 on 4 ranks (1F1B, 2 micro-batches): each stage's
-    experts split over its 2 ep ranks, dispatched per micro-batch. Without
-    balancing (a stage runs no model forward to add the auxiliary loss)."""
-    options = [*OPTIONS, 'model.moe.balance=None']
+def _four_ranks_against_one(tmp_path, options, *layout) -> str:
+    """The ep config at ``layout`` on 4 ranks and the config on one process
+    (the same global batch) match; returns the 4-rank log."""
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
-                   'parallel.pp=2', 'parallel.pipeline.schedule=1F1B',
-                   'parallel.pipeline.num_microbatches=2',
-                   f'train_dataloader.batch_size={BATCH}'])
+                   *layout, f'train_dataloader.batch_size={BATCH}'])
     one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
                     tmp_path / 'one', '--cfg-options', *options,
                     f'train_dataloader.batch_size={2 * BATCH}'])
     ep_log = ep.stdout + ep.stderr
-    assert "ep=2, pipeline=dict(num_microbatches=2, schedule='1F1B'), " \
-        'pp=2' in ep_log
     assert_matches_one_process(ep_log, tmp_path / 'ep',
                                one.stdout + one.stderr, tmp_path / 'one',
                                ('loss', 'grad_norm'), WHOLE_EXPERTS)
+    return ep_log
+
+
+def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
+    """pp=2 x ep=2 on 4 ranks (1F1B, 2 micro-batches): each stage's
+    experts split over its 2 ep ranks, dispatched per micro-batch. Without
+    balancing (a stage runs no model forward to add the auxiliary loss)."""
+    ep_log = _four_ranks_against_one(
+        tmp_path, [*OPTIONS, 'model.moe.balance=None'], 'parallel.pp=2',
+        'parallel.pipeline.schedule=1F1B',
+        'parallel.pipeline.num_microbatches=2')
+    assert "ep=2, pipeline=dict(num_microbatches=2, schedule='1F1B'), " \
+        'pp=2' in ep_log
 
 
 def test_dist_train_ep2_cp2_matches_one_process(tmp_path):
@@ -86,17 +93,7 @@ def test_dist_train_ep2_cp2_matches_one_process(tmp_path):
     balanced by the bias (the auxiliary loss is per sequence, refused with
     cp), its loads summed over the data and cp ranks as one process counts
     them: the final ``expert_bias`` buffers match."""
-    options = [*OPTIONS, 'model.moe.balance=bias',
-               'model.moe.bias_update_rate=0.01']
-    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
-                   '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
-                   'parallel.cp=2',
-                   f'train_dataloader.batch_size={BATCH}'])
-    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
-                    tmp_path / 'one', '--cfg-options', *options,
-                    f'train_dataloader.batch_size={2 * BATCH}'])
-    ep_log = ep.stdout + ep.stderr
+    ep_log = _four_ranks_against_one(
+        tmp_path, [*OPTIONS, 'model.moe.balance=bias',
+                   'model.moe.bias_update_rate=0.01'], 'parallel.cp=2')
     assert 'parallel = dict(cp=2, ep=2)' in ep_log
-    assert_matches_one_process(ep_log, tmp_path / 'ep',
-                               one.stdout + one.stderr, tmp_path / 'one',
-                               ('loss', 'grad_norm'), WHOLE_EXPERTS)
