@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from mmpar.failures import ConfigError
-from mmpar.parallel.axes import AXES, DATA_AXES, EXPERT, axes_of
+from mmpar.parallel.axes import AXES, DATA, EXPERT, SEQUENCE, axes_of
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -161,7 +161,7 @@ def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
         return
     # The data axes, ep itself, pp (each stage's experts split over its ep
     # ranks) and cp (the MoE layer is per token); tp is not tested yet.
-    supported = set(axes_of(EXPERT)) | set(DATA_AXES) | {'pp', 'cp'}
+    supported = set(axes_of(DATA, SEQUENCE, EXPERT)) | {'pp'}
     for axis in AXES:
         if axis not in supported and getattr(dims, axis) > 1:
             raise ValueError(
