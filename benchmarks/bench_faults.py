@@ -328,20 +328,20 @@ class Killer:
             if rank is None:
                 self.missed.append(moment)
                 continue
-            if moment in ('mid-save', 'mid-async-write'):
-                tmp = self.new_save_tmp(before)
-                os.kill(ranks[rank], signal.SIGKILL)
-                # Hit if the save had not completed: its .tmp is still there.
-                hit = tmp is not None and os.path.exists(
-                    os.path.join(self.work_dir, tmp))
-            elif moment == 'mid-collective':
+            if moment == 'mid-collective':
                 hit = self.kill_in_collective(ranks, rank)
             else:
+                tmp = self.new_save_tmp(before)
                 try:
                     os.kill(ranks[rank], signal.SIGKILL)
                 except ProcessLookupError:  # the attempt ended meanwhile
                     self.missed.append(moment)
                     continue
+                if moment in ('mid-save', 'mid-async-write'):
+                    # Hit if the save had not completed: its .tmp is still
+                    # there.
+                    hit = tmp is not None and os.path.exists(
+                        os.path.join(self.work_dir, tmp))
             self.kills.append(Kill(moment, rank, time.time() - start, hit))
 
     def kill_in_collective(self, ranks: Dict[int, int], victim: int) -> bool:
