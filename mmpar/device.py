@@ -10,6 +10,7 @@ A process *uses* its accelerator when torch has one and, once a process
 group exists, the group's backend is not gloo: ``env_cfg.dist_cfg.backend=
 'gloo'`` on a GPU node trains on the CPU, as it always did.
 """
+import functools
 import gc
 import os
 from typing import Dict, List, Optional
@@ -152,11 +153,67 @@ def release_memory() -> None:
         torch.accelerator.synchronize()
         torch.accelerator.empty_cache()
         return
+    trim_heap()
+
+
+# -------------------------------------------------- the CPU's heap (glibc)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_ENV = 'MALLOC_MMAP_THRESHOLD_'
+# glibc's own starting value; fixed, it no longer rises as blocks are freed.
+DEFAULT_MMAP_THRESHOLD = 128 << 10
+
+
+@functools.lru_cache(maxsize=None)
+def _glibc():
+    import ctypes
+    import ctypes.util
     try:
-        import ctypes
-        ctypes.CDLL('libc.so.6').malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
+        libc = ctypes.CDLL(ctypes.util.find_library('c'))
+        libc.mallopt, libc.malloc_trim  # glibc has both
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
+
+
+def trim_heap() -> None:
+    """Return glibc's free heap pages to the system (no-op elsewhere)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def mmap_threshold(default: int) -> int:
+    """The mmap threshold the environment asks glibc for
+    (``MALLOC_MMAP_THRESHOLD_``), else ``default``."""
+    try:
+        return int(os.environ[MMAP_THRESHOLD_ENV])
+    except (KeyError, ValueError):
+        return default
+
+
+def set_mmap_threshold(nbytes: int) -> None:
+    """Fix glibc's mmap threshold at ``nbytes``: blocks at least that big are
+    mapped on their own and go back to the system when freed (no-op where
+    the C library is not glibc)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, nbytes)
+
+
+def steady_cpu_heap() -> Optional[int]:
+    """On the CPU, the process's mmap threshold fixed from now on, as if its
+    environment set ``MALLOC_MMAP_THRESHOLD_`` (the user's value if it does,
+    else glibc's default, 128 KiB): freed tensors go back to the system, so
+    a later peak resident size is not an earlier peak's leftovers (glibc's
+    dynamic threshold keeps them). Returns the threshold, or None on an
+    accelerator or without glibc (nothing changed)."""
+    if uses_accelerator() or _glibc() is None:
+        return None
+    nbytes = mmap_threshold(DEFAULT_MMAP_THRESHOLD)
+    # In the environment too: the meta build restores it after its own.
+    os.environ[MMAP_THRESHOLD_ENV] = str(nbytes)
+    set_mmap_threshold(nbytes)
+    return nbytes
 
 
 def reset_peak_memory() -> None:

@@ -30,7 +30,6 @@ values. A model that does anything else is refused with an error naming the
 parameter and the switch ``meta_init=False`` (build whole on every rank).
 """
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -41,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # Private module: torch 2.13 has no public home for TorchDispatchMode.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mmpar import device
 from mmpar.failures import ConfigError
 
 KEY = 'meta_init'
@@ -296,9 +296,6 @@ def _parameters_on_meta(recorder: _Recorder) -> Iterator[None]:
             setattr(init, name, function)
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
 @contextlib.contextmanager
 def _temporaries_returned() -> Iterator[None]:
     """Big tensors freed in the block go back to the system at once.
@@ -314,35 +311,12 @@ def _temporaries_returned() -> Iterator[None]:
     docs/big_models.md: training memory on CPU), and free heap is trimmed.
     A no-op where the C library is not glibc.
     """
-    libc = _glibc()
-    if libc is None:
-        yield
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, min(1 << 20, _user_threshold(1 << 20)))
+    device.set_mmap_threshold(min(1 << 20, device.mmap_threshold(1 << 20)))
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, _user_threshold(32 << 20))
-        libc.malloc_trim(0)
-
-
-def _user_threshold(default: int) -> int:
-    """The mmap threshold the environment asks glibc for, else ``default``."""
-    try:
-        return int(os.environ['MALLOC_MMAP_THRESHOLD_'])
-    except (KeyError, ValueError):
-        return default
-
-
-def _glibc():
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library('c'))
-        libc.mallopt, libc.malloc_trim  # glibc has both
-    except (OSError, AttributeError, TypeError):
-        return None
-    return libc
+        device.set_mmap_threshold(device.mmap_threshold(32 << 20))
+        device.trim_heap()
 
 
 @dataclass

@@ -384,10 +384,10 @@ def test_the_build_keeps_a_users_malloc_threshold(monkeypatch):
     """After the build glibc's mmap threshold goes back to what the
     environment asks (docs/big_models.md, training memory on CPU), else to
     32 MiB; a value that is no number is ignored."""
-    from mmpar.parallelize.meta import _user_threshold
+    from mmpar.device import mmap_threshold
     monkeypatch.delenv('MALLOC_MMAP_THRESHOLD_', raising=False)
-    assert _user_threshold(32 << 20) == 32 << 20
+    assert mmap_threshold(32 << 20) == 32 << 20
     monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '131072')
-    assert _user_threshold(32 << 20) == 131072
+    assert mmap_threshold(32 << 20) == 131072
     monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', 'lots')
-    assert _user_threshold(32 << 20) == 32 << 20
+    assert mmap_threshold(32 << 20) == 32 << 20
