@@ -37,21 +37,27 @@ def one_process(tmp_path_factory):
     return work_dir, one.stdout + one.stderr
 
 
-@pytest.mark.parametrize('ranks,extra,layout', [
-    (2, [], 'parallel = dict(ep=2)'),
+@pytest.mark.parametrize('ranks,data_ranks,extra,layout', [
+    (2, 2, [], 'parallel = dict(ep=2)'),
     # the experts also sharded by FSDP2 over efsdp = dp_shard = 2
-    (4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)'),
+    (4, 4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)'),
     # HSDP: the experts replicated over dp_replicate = 2 (their gradients
     # all-reduced over it), the rest sharded over ep and replicated
-    (4, ['parallel.dp_replicate=2'], 'parallel = dict(dp_replicate=2, ep=2)'),
-], ids=['ep2', 'ep2_dp_shard2', 'ep2_dp_replicate2'])
+    (4, 4, ['parallel.dp_replicate=2'],
+     'parallel = dict(dp_replicate=2, ep=2)'),
+    # the Llama plan with sequence parallelism; each tp pair runs the MoE
+    # layers whole (the experts split over ep, not over tp) on the same
+    # samples, so 2 data ranks
+    (4, 2, ['parallel.tp=2', 'parallel.tp_plan=llama'],
+     "parallel = dict(ep=2, tp=2, tp_plan='llama')"),
+], ids=['ep2', 'ep2_dp_shard2', 'ep2_dp_replicate2', 'ep2_tp2'])
 def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
-                                            extra, layout):
+                                            data_ranks, extra, layout):
     one_dir, one_log = one_process
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, ranks,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
                    *extra,
-                   f'train_dataloader.batch_size={2 * BATCH // ranks}'])
+                   f'train_dataloader.batch_size={2 * BATCH // data_ranks}'])
     ep_log = ep.stdout + ep.stderr
     assert layout in ep_log
     assert_matches_one_process(ep_log, tmp_path / 'ep', one_log, one_dir,
