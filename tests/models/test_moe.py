@@ -108,3 +108,32 @@ def test_bad_moe_keys_are_named(moe, key):
     with pytest.raises(ValueError, match=key.replace('.', r'\.')
                        .replace('(', r'\(')):
         MoEConfig.from_cfg(dict(dict(num_experts=4), **moe))
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/pg',
+                            rank=0, world_size=1)
+    return init_device_mesh('cpu', (1, ))
+
+
+@pytest.mark.parametrize('plan', ['llama', 'llama_no_sp'])
+def test_llama_tp_plans_leave_the_moe_layers_whole(one_rank_mesh, plan):
+    """The registered Llama plans split attention and leave each MoE layer
+    (router, shared expert, experts) plain, so ep can split the experts and
+    every tp rank runs the layer whole; the split model computes the same
+    loss (tests/tools/test_ep_end_to_end.py: ep2_tp2 on 4 ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    from mmpar.parallelize.tensor import split_model
+    model = _model(shared_expert=True)
+    want = _loss(model)['loss']
+    labels = split_model(model, one_rank_mesh, plan)
+    assert 'layers.0.attn.wq' in labels
+    moe = model.layers['0'].mlp
+    assert not any(isinstance(p, DTensor) for p in moe.parameters())
+    assert isinstance(model.layers['0'].attn.wq.weight, DTensor)
+    assert ('layers.0.mlp' in labels) == (plan == 'llama')
+    torch.testing.assert_close(_loss(model)['loss'], want)
