@@ -419,9 +419,17 @@ class Llama(LMPipelineOutputs, BaseModel):
         self.max_seq_len, self.rope_theta = max_seq_len, rope_theta
         self.init_std = init_std
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        forced = () if self.moe is None or isinstance(
+            self.moe.force_balanced, bool) else self.moe.force_balanced
+        if any(i >= num_layers for i in forced):
+            raise ValueError(f'model.moe.force_balanced={list(forced)} is not '
+                             'allowed; allowed: block indices below '
+                             f'model.num_layers={num_layers}')
         self.layers = nn.ModuleDict({
             str(i): LlamaBlock(dim, num_heads, num_kv_heads, self.head_dim,
-                               hidden_dim, norm_eps, self.moe)
+                               hidden_dim, norm_eps,
+                               None if self.moe is None else
+                               self.moe.at_layer(i))
             for i in range(num_layers)
         })
         self.norm = RMSNorm(dim, norm_eps)

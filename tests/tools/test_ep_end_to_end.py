@@ -5,9 +5,10 @@ all-to-alls, the rest FSDP2-sharded), and the same at ep=2 x dp_shard=2 on
 4 ranks (each rank half of its 2 experts), trains as ``tools/train.py`` on
 one process with the same global batch: the same logged losses and
 gradient norms (the global-norm clip sees the experts' gradients on every
-rank), the same final weights and Adam moments. Routing natural (softmax
-top-2, auxiliary loss); forced-balanced routing is checked by
-tests/tools/test_ep_resume.py's continued steps.
+rank), the same final weights and Adam moments; likewise ep=2 x tp=2,
+pp=2 x ep=2 and ep=2 x cp=2 on 4 ranks. Every run routes both ways: blocks
+0 and 2 by their scores (softmax top-2, auxiliary loss), block 1 forced to
+balance (``model.moe.force_balanced=[1]``).
 """
 import pytest
 
@@ -18,6 +19,10 @@ from tests.tools.ep_logs import assert_matches_one_process
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
 EP_CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe_ep.py'
 OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()] + [
+    # Both routings in every run: blocks 0 and 2 route by their scores
+    # (uneven loads, all-to-all splits of any size), block 1 is forced to
+    # balance (every expert the same number of tokens).
+    'model.num_layers=3', 'model.moe.force_balanced=[1]',
     'model.moe.hidden_dim=32', 'train_cfg.max_iters=3',
     'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=3',
     # a clip that bites: the norm must be the global one to match
