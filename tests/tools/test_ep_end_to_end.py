@@ -8,7 +8,8 @@ gradient norms (the global-norm clip sees the experts' gradients on every
 rank), the same final weights and Adam moments; likewise ep=2 x tp=2,
 pp=2 x ep=2 and ep=2 x cp=2 on 4 ranks. Every run routes both ways: blocks
 0 and 2 by their scores (softmax top-2, auxiliary loss), block 1 forced to
-balance (``model.moe.force_balanced=[1]``).
+balance (``model.moe.force_balanced=[1]``). dp_replicate=2 x ep=2 also runs
+with 2 accumulated micro-batches.
 """
 import pytest
 
