@@ -83,7 +83,7 @@ MLP_ENTRIES = ('layers.*.mlp', 'layers.*.mlp.w1', 'layers.*.mlp.w3',
                'layers.*.mlp.w2')
 
 
-def split_with_moe(model: nn.Module, tp_mesh, plan: dict) -> Dict[str, str]:
+def split_with_moe(model: nn.Module, tp_mesh, plan: dict) -> None:
     """Apply a Llama ``plan``; with ``model.moe`` the MLP entries give way
     to the mixture of experts kept whole on every tp rank.
 
@@ -99,39 +99,39 @@ def split_with_moe(model: nn.Module, tp_mesh, plan: dict) -> Dict[str, str]:
     without it the block's input is already whole (docs/expert_parallel.md,
     "ep with tp").
 
-    Returns:
-        ``{module name: its style}`` of the split modules.
+    Args:
+        model: the plain :class:`Llama`; changed in place.
+        tp_mesh: the 1-D tensor-parallel mesh.
+        plan: :data:`TP_PLAN` or :data:`TP_PLAN_NO_SP`.
     """
     if getattr(model, 'moe', None) is None:
-        return module_plan(model, tp_mesh, plan)
-    labels = module_plan(model, tp_mesh, {
-        k: v for k, v in plan.items() if k not in MLP_ENTRIES})
+        module_plan(model, tp_mesh, plan)
+        return
+    module_plan(model, tp_mesh,
+                {k: v for k, v in plan.items() if k not in MLP_ENTRIES})
     if any(style == 'sequence_parallel' for style in plan.values()):
-        moe = {name: PrepareModuleInputOutput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate(),
-            use_local_input=True, output_layouts=Replicate(),
-            desired_output_layouts=Shard(1))
-            for name in match_modules(model, 'layers.*.mlp')}
-        parallelize_module(model, tp_mesh, moe)
-        labels.update({name: 'moe: whole sequence in, shard out'
-                       for name in moe})
-    return labels
+        parallelize_module(model, tp_mesh, {
+            name: PrepareModuleInputOutput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                use_local_input=True, output_layouts=Replicate(),
+                desired_output_layouts=Shard(1))
+            for name in match_modules(model, 'layers.*.mlp')})
 
 
 @TP_PLANS.register_module(name='llama')
-def llama_tp_plan(model: nn.Module, tp_mesh) -> Dict[str, str]:
+def llama_tp_plan(model: nn.Module, tp_mesh) -> None:
     """Split :class:`Llama` over ``tp_mesh`` (:data:`TP_PLAN`: Megatron
     splits with sequence-parallel norms; the sequence length must divide by
     tp). MoE layers stay whole on every tp rank (:func:`split_with_moe`)."""
-    return split_with_moe(model, tp_mesh, TP_PLAN)
+    split_with_moe(model, tp_mesh, TP_PLAN)
 
 
 @TP_PLANS.register_module(name='llama_no_sp')
-def llama_no_sp_tp_plan(model: nn.Module, tp_mesh) -> Dict[str, str]:
+def llama_no_sp_tp_plan(model: nn.Module, tp_mesh) -> None:
     """Split :class:`Llama` over ``tp_mesh`` without sequence parallelism
     (:data:`TP_PLAN_NO_SP`: norms and embedding replicated). MoE layers
     stay whole on every tp rank (:func:`split_with_moe`)."""
-    return split_with_moe(model, tp_mesh, TP_PLAN_NO_SP)
+    split_with_moe(model, tp_mesh, TP_PLAN_NO_SP)
 
 
 def pipeline_split_points(num_layers: int, num_stages: int) -> List[str]:

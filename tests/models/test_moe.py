@@ -159,5 +159,4 @@ def test_llama_tp_plans_leave_the_moe_layers_whole(one_rank_mesh, plan):
     moe = model.layers['0'].mlp
     assert not any(isinstance(p, DTensor) for p in moe.parameters())
     assert isinstance(model.layers['0'].attn.wq.weight, DTensor)
-    assert ('layers.0.mlp' in labels) == (plan == 'llama')
     torch.testing.assert_close(_loss(model)['loss'], want)
