@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from mmengine.model import BaseModel
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (PrepareModuleInputOutput,
+                                               parallelize_module)
 
 from mmpar.models import llama_hf
 from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
@@ -32,7 +35,7 @@ from mmpar.parallel.sequence import ContextParallel
 from mmpar.parallelize.context import (causal_attention,
                                        context_parallel_attention)
 from mmpar.parallelize.documents import document_rotary
-from mmpar.parallelize.module_plan import module_plan
+from mmpar.parallelize.module_plan import match_modules, module_plan
 from mmpar.registry import MODELS, TP_PLANS
 
 # Module-name patterns -> tensor-parallel styles for :class:`Llama`, as plain
@@ -75,19 +78,60 @@ TP_PLAN_NO_SP: Dict[str, Union[str, dict]] = {
 }
 
 
+# The dense MLP's entries; a mixture of experts is not split over tp.
+MLP_ENTRIES = ('layers.*.mlp', 'layers.*.mlp.w1', 'layers.*.mlp.w3',
+               'layers.*.mlp.w2')
+
+
+def split_with_moe(model: nn.Module, tp_mesh, plan: dict) -> None:
+    """Apply a Llama ``plan``; with ``model.moe`` the MLP entries give way
+    to the mixture of experts kept whole on every tp rank.
+
+    Each tp rank computes the whole MoE layer on the whole sequence: the
+    router, the shared expert and the experts (split over ep, not over tp)
+    stay plain tensors, so their gradients come out the same on every tp
+    rank (no reduction over tp), and the global-norm clip counts them once
+    (each rank adds its own copy's norm, never the tp peers'). Tokens are
+    dispatched over the ep ranks that share this rank's tp coordinate
+    (``mesh['ep']``). Under sequence parallelism the MoE's input is
+    all-gathered from the sequence shards once and its output cut back to
+    this rank's shard (backward: an all-gather of the output's gradient);
+    without it the block's input is already whole (docs/expert_parallel.md,
+    "ep with tp").
+
+    Args:
+        model: the plain :class:`Llama`; changed in place.
+        tp_mesh: the 1-D tensor-parallel mesh.
+        plan: :data:`TP_PLAN` or :data:`TP_PLAN_NO_SP`.
+    """
+    if getattr(model, 'moe', None) is None:
+        module_plan(model, tp_mesh, plan)
+        return
+    module_plan(model, tp_mesh,
+                {k: v for k, v in plan.items() if k not in MLP_ENTRIES})
+    if any(style == 'sequence_parallel' for style in plan.values()):
+        parallelize_module(model, tp_mesh, {
+            name: PrepareModuleInputOutput(
+                input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                use_local_input=True, output_layouts=Replicate(),
+                desired_output_layouts=Shard(1))
+            for name in match_modules(model, 'layers.*.mlp')})
+
+
 @TP_PLANS.register_module(name='llama')
 def llama_tp_plan(model: nn.Module, tp_mesh) -> None:
     """Split :class:`Llama` over ``tp_mesh`` (:data:`TP_PLAN`: Megatron
     splits with sequence-parallel norms; the sequence length must divide by
-    tp)."""
-    module_plan(model, tp_mesh, TP_PLAN)
+    tp). MoE layers stay whole on every tp rank (:func:`split_with_moe`)."""
+    split_with_moe(model, tp_mesh, TP_PLAN)
 
 
 @TP_PLANS.register_module(name='llama_no_sp')
 def llama_no_sp_tp_plan(model: nn.Module, tp_mesh) -> None:
     """Split :class:`Llama` over ``tp_mesh`` without sequence parallelism
-    (:data:`TP_PLAN_NO_SP`: norms and embedding replicated)."""
-    module_plan(model, tp_mesh, TP_PLAN_NO_SP)
+    (:data:`TP_PLAN_NO_SP`: norms and embedding replicated). MoE layers
+    stay whole on every tp rank (:func:`split_with_moe`)."""
+    split_with_moe(model, tp_mesh, TP_PLAN_NO_SP)
 
 
 def pipeline_split_points(num_layers: int, num_stages: int) -> List[str]:
@@ -375,9 +419,17 @@ class Llama(LMPipelineOutputs, BaseModel):
         self.max_seq_len, self.rope_theta = max_seq_len, rope_theta
         self.init_std = init_std
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        forced = () if self.moe is None or isinstance(
+            self.moe.force_balanced, bool) else self.moe.force_balanced
+        if any(i >= num_layers for i in forced):
+            raise ValueError(f'model.moe.force_balanced={list(forced)} is not '
+                             'allowed; allowed: block indices below '
+                             f'model.num_layers={num_layers}')
         self.layers = nn.ModuleDict({
             str(i): LlamaBlock(dim, num_heads, num_kv_heads, self.head_dim,
-                               hidden_dim, norm_eps, self.moe)
+                               hidden_dim, norm_eps,
+                               None if self.moe is None else
+                               self.moe.at_layer(i))
             for i in range(num_layers)
         })
         self.norm = RMSNorm(dim, norm_eps)

@@ -29,7 +29,7 @@ The per-expert token counts of a training forward are logged as
 """
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,9 @@ class MoEConfig:
             the per-expert loop).
         force_balanced: route token ``t`` to experts ``(t*k + j) mod E``
             whatever the scores (a test and benchmark switch; the scores
-            still weight the outputs and train the router).
+            still weight the outputs and train the router): True for every
+            layer, or the indices of the blocks that route so (the others
+            route by their scores; one run then checks both routings).
 
     Raises:
         ValueError: naming ``model.moe.<key>``, the value and what is
@@ -78,7 +80,7 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     bias_update_rate: float = 1e-3
     grouped_mm: bool = True
-    force_balanced: bool = False
+    force_balanced: Union[bool, Tuple[int, ...]] = False
 
     def __post_init__(self) -> None:
         for key in ('num_experts', 'top_k'):
@@ -108,10 +110,19 @@ class MoEConfig:
                     value, (int, float)) or value < 0:
                 raise ValueError(f'model.moe.{key}={value!r} is not '
                                  'allowed; allowed: a number >= 0')
-        for key in ('shared_expert', 'grouped_mm', 'force_balanced'):
+        for key in ('shared_expert', 'grouped_mm'):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f'model.moe.{key}={getattr(self, key)!r} '
                                  'is not allowed; allowed: True or False')
+        layers = self.force_balanced
+        if not isinstance(layers, bool):
+            if not isinstance(layers, (list, tuple)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and
+                    i >= 0 for i in layers):
+                raise ValueError(
+                    f'model.moe.force_balanced={layers!r} is not allowed; '
+                    'allowed: True, False or a list of block indices')
+            object.__setattr__(self, 'force_balanced', tuple(layers))
 
     @classmethod
     def from_cfg(cls, cfg) -> 'MoEConfig':
@@ -132,6 +143,13 @@ class MoEConfig:
                 raise ValueError(f'model.moe.{key} is not a known key; '
                                  f'allowed: {", ".join(names)}')
         return cls(**dict(cfg))
+
+    def at_layer(self, index: int) -> 'MoEConfig':
+        """This config for block ``index`` (``force_balanced`` a bool)."""
+        if isinstance(self.force_balanced, bool):
+            return self
+        return dataclasses.replace(
+            self, force_balanced=index in self.force_balanced)
 
     @property
     def normalises_routes(self) -> bool:

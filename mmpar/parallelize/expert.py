@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mmpar.failures import ConfigError
 from mmpar.parallel.experts import (Dispatched, ExpertGroup, SharedGroup,
@@ -94,6 +94,17 @@ def check_experts_modules(model: nn.Module, ep: int
             params = protocol_params(name, module)
         except ValueError as err:
             raise ConfigError(f'parallel.ep={ep}: {err}') from None
+        split = [p for p in params
+                 if isinstance(getattr(module, p), DTensor)]
+        if split:
+            # Sharding a DTensor over ep would need the experts on a 2-D
+            # (ep, tp) mesh, which neither the dispatch nor the wrapper's
+            # expert mesh handle.
+            raise ConfigError(
+                f'parallel.ep={ep}: parallel.tp_plan splits the experts '
+                f'{split} of {name} ({type(module).__name__}) over tp; '
+                'allowed: a tp plan that leaves the experts module out (it '
+                'runs whole on every tp rank, docs/expert_parallel.md)')
         num_experts = getattr(module, params[0]).shape[0]
         if num_experts % ep:
             raise ConfigError(

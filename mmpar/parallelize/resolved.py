@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from mmpar.failures import ConfigError
-from mmpar.parallel.axes import AXES, DATA, EXPERT, SEQUENCE, axes_of
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -149,26 +148,16 @@ def stage_wrapper_cfg(model_wrapper_cfg: dict,
 
 
 def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
-    """``parallel.ep > 1`` with what this slice supports: the data axes
-    (``dp_replicate``, ``dp_shard``), pp and cp around it and a wrapper
-    that takes the experts' own mesh (its class declares
-    ``expert_parallel``).
+    """``parallel.ep > 1`` with a wrapper that takes the experts' own mesh
+    (its class declares ``expert_parallel``): ep composes with every other
+    axis (with tp the MoE layers stay whole on every tp rank, as the
+    model's tp plan leaves them; docs/expert_parallel.md).
 
     Raises:
         ValueError: naming the key, the value and what is allowed.
     """
     if not dims.ep_enabled:
         return
-    # The data axes, ep itself, pp (each stage's experts split over its ep
-    # ranks) and cp (the MoE layer is per token); tp is not tested yet.
-    supported = set(axes_of(DATA, SEQUENCE, EXPERT)) | {'pp'}
-    for axis in AXES:
-        if axis not in supported and getattr(dims, axis) > 1:
-            raise ValueError(
-                f'parallel.{axis}={getattr(dims, axis)} with parallel.ep='
-                f'{dims.ep} is not supported yet; allowed: parallel.{axis}=1 '
-                'with ep (ep composes with dp_replicate, dp_shard, pp and cp; '
-                'docs/expert_parallel.md)')
     wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
     if not declared(wrapper).expert_parallel:
         allowed = [n for n in registered_wrappers()

@@ -1,5 +1,7 @@
 """The MoE block of the Llama: grouped matmul against the per-expert loop,
 routing, balancing and the config keys (in-process, one rank)."""
+import re
+
 import pytest
 import torch
 
@@ -103,8 +105,58 @@ def test_aux_loss_is_a_mean_over_sequences():
     (dict(score_func='relu'), "model.moe.score_func='relu'"),
     (dict(balance='loss'), "model.moe.balance='loss'"),
     (dict(experts=4), 'model.moe.experts'),
+    (dict(force_balanced='yes'), "model.moe.force_balanced='yes'"),
 ])
 def test_bad_moe_keys_are_named(moe, key):
     with pytest.raises(ValueError, match=key.replace('.', r'\.')
                        .replace('(', r'\(')):
         MoEConfig.from_cfg(dict(dict(num_experts=4), **moe))
+
+
+def test_force_balanced_in_chosen_blocks_only():
+    """``force_balanced=[1]``: block 1 routes evenly, block 0 by its
+    scores (one run checks both routings); an index past the blocks is
+    refused naming the key."""
+    model = _model(force_balanced=[1])
+    model.train()
+    _loss(model)
+    forced, natural = (model.layers[i].mlp for i in '10')
+    assert forced.tokens_per_expert.tolist() == [8] * 4
+    assert natural.tokens_per_expert.tolist() != [8] * 4
+    assert sum(natural.tokens_per_expert.tolist()) == 16 * 2
+    with pytest.raises(ValueError, match=r'model\.moe\.force_balanced=\[2\] '
+                       r'is not allowed; allowed: block indices below '
+                       r'model\.num_layers=2'):
+        _model(force_balanced=[2])
+    with pytest.raises(ValueError, match=re.escape(
+            'model.moe.force_balanced=[-1] is not allowed; allowed: True, '
+            'False or a list of block indices')):
+        _model(force_balanced=[-1])
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/pg',
+                            rank=0, world_size=1)
+    return init_device_mesh('cpu', (1, ))
+
+
+@pytest.mark.parametrize('plan', ['llama', 'llama_no_sp'])
+def test_llama_tp_plans_leave_the_moe_layers_whole(one_rank_mesh, plan):
+    """The registered Llama plans split attention and leave each MoE layer
+    (router, shared expert, experts) plain, so ep can split the experts and
+    every tp rank runs the layer whole; the split model computes the same
+    loss (tests/tools/test_ep_end_to_end.py: ep2_tp2 on 4 ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    from mmpar.parallelize.tensor import split_model
+    model = _model(shared_expert=True)
+    want = _loss(model)['loss']
+    labels = split_model(model, one_rank_mesh, plan)
+    assert 'layers.0.attn.wq' in labels
+    moe = model.layers['0'].mlp
+    assert not any(isinstance(p, DTensor) for p in moe.parameters())
+    assert isinstance(model.layers['0'].attn.wq.weight, DTensor)
+    torch.testing.assert_close(_loss(model)['loss'], want)

@@ -43,6 +43,14 @@ def test_ep_with_pp_without_balancing():
     assert (dims.ep, dims.pp, dims.dp_shard, dims.efsdp) == (2, 2, 1, 1)
 
 
+def test_ep_with_tp():
+    """ep x tp: the tp pairs read the same samples (dp = ep), the experts
+    split over ep only (efsdp one rank)."""
+    dims = _check(world=4, tp=2, tp_plan='llama').dims
+    assert (dims.ep, dims.tp, dims.dp, dims.dp_cp, dims.efsdp) == (
+        2, 2, 2, 2, 1)
+
+
 @pytest.mark.parametrize('kwargs,message', [
     (dict(model=dict(type='Llama')), "parallel.ep=2 is not allowed; "
      "model.type='Llama' has no mixture-of-experts layers"),
@@ -122,3 +130,20 @@ def test_a_users_model_is_left_to_the_build_check():
     """A model class without mmpar's ``moe`` key passes the start-up check
     (its experts modules are checked when it is built)."""
     assert _check(model=dict(type='DigitsViT')).dims.ep == 2
+
+
+def test_experts_split_by_a_tp_plan_are_refused(tmp_path):
+    """A tp plan that made the experts DTensors (over tp) is refused before
+    ep shards them again, naming both keys and the module."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/pg',
+                            rank=0, world_size=1)
+    experts = _Experts()
+    experts.up = torch.nn.Parameter(distribute_tensor(
+        experts.up.data, init_device_mesh('cpu', (1, )), [Shard(2)]))
+    with pytest.raises(ConfigError) as err:
+        check_experts_modules(_model(experts), 2)
+    assert "parallel.ep=2: parallel.tp_plan splits the experts ['up'] of " \
+        'experts (_Experts) over tp' in str(err.value)

@@ -5,19 +5,25 @@ all-to-alls, the rest FSDP2-sharded), and the same at ep=2 x dp_shard=2 on
 4 ranks (each rank half of its 2 experts), trains as ``tools/train.py`` on
 one process with the same global batch: the same logged losses and
 gradient norms (the global-norm clip sees the experts' gradients on every
-rank), the same final weights and Adam moments. Routing natural (softmax
-top-2, auxiliary loss); forced-balanced routing is checked by
-tests/tools/test_ep_resume.py's continued steps.
+rank), the same final weights and Adam moments; likewise ep=2 x tp=2,
+pp=2 x ep=2 and ep=2 x cp=2 on 4 ranks. Every run routes both ways: blocks
+0 and 2 by their scores (softmax top-2, auxiliary loss), block 1 forced to
+balance (``model.moe.force_balanced=[1]``). dp_replicate=2 x ep=2 also runs
+with 2 accumulated micro-batches.
 """
 import pytest
 
 from tests.configs.test_llama_configs import SHRINK
 from tests.e2e import run_tool
-from tests.tools.ep_logs import assert_matches_one_process
+from tests.tools.ep_logs import assert_matches_one_process, logged
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
 EP_CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe_ep.py'
 OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()] + [
+    # Both routings in every run: blocks 0 and 2 route by their scores
+    # (uneven loads, all-to-all splits of any size), block 1 is forced to
+    # balance (every expert the same number of tokens).
+    'model.num_layers=3', 'model.moe.force_balanced=[1]',
     'model.moe.hidden_dim=32', 'train_cfg.max_iters=3',
     'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=3',
     # a clip that bites: the norm must be the global one to match
@@ -37,21 +43,27 @@ def one_process(tmp_path_factory):
     return work_dir, one.stdout + one.stderr
 
 
-@pytest.mark.parametrize('ranks,extra,layout', [
-    (2, [], 'parallel = dict(ep=2)'),
+@pytest.mark.parametrize('ranks,data_ranks,extra,layout', [
+    (2, 2, [], 'parallel = dict(ep=2)'),
     # the experts also sharded by FSDP2 over efsdp = dp_shard = 2
-    (4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)'),
+    (4, 4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)'),
     # HSDP: the experts replicated over dp_replicate = 2 (their gradients
     # all-reduced over it), the rest sharded over ep and replicated
-    (4, ['parallel.dp_replicate=2'], 'parallel = dict(dp_replicate=2, ep=2)'),
-], ids=['ep2', 'ep2_dp_shard2', 'ep2_dp_replicate2'])
+    (4, 4, ['parallel.dp_replicate=2'],
+     'parallel = dict(dp_replicate=2, ep=2)'),
+    # the Llama plan with sequence parallelism; each tp pair runs the MoE
+    # layers whole (the experts split over ep, not over tp) on the same
+    # samples, so 2 data ranks
+    (4, 2, ['parallel.tp=2', 'parallel.tp_plan=llama'],
+     "parallel = dict(ep=2, tp=2, tp_plan='llama')"),
+], ids=['ep2', 'ep2_dp_shard2', 'ep2_dp_replicate2', 'ep2_tp2'])
 def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
-                                            extra, layout):
+                                            data_ranks, extra, layout):
     one_dir, one_log = one_process
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, ranks,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
                    *extra,
-                   f'train_dataloader.batch_size={2 * BATCH // ranks}'])
+                   f'train_dataloader.batch_size={2 * BATCH // data_ranks}'])
     ep_log = ep.stdout + ep.stderr
     assert layout in ep_log
     assert_matches_one_process(ep_log, tmp_path / 'ep', one_log, one_dir,
@@ -59,27 +71,31 @@ def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
                                WHOLE_EXPERTS)
 
 
-def _four_ranks_against_one(tmp_path, options, *layout) -> str:
-    """The ep config at ``layout`` on 4 ranks and the config on one process
-    (the same global batch) match; returns the 4-rank log."""
+def _four_ranks_against_one(tmp_path, options, *layout,
+                            keys=('loss', 'grad_norm'), data_ranks=2):
+    """The ep config at ``layout`` on 4 ranks (``data_ranks`` of them
+    reading different samples) and the config on one process (the same
+    global batch) match in the logged ``keys``, the weights and Adam's
+    moments; returns both logs."""
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
-                   *layout, f'train_dataloader.batch_size={BATCH}'])
+                   *layout,
+                   f'train_dataloader.batch_size={2 * BATCH // data_ranks}'])
     one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
                     tmp_path / 'one', '--cfg-options', *options,
                     f'train_dataloader.batch_size={2 * BATCH}'])
     ep_log = ep.stdout + ep.stderr
     assert_matches_one_process(ep_log, tmp_path / 'ep',
                                one.stdout + one.stderr, tmp_path / 'one',
-                               ('loss', 'grad_norm'), WHOLE_EXPERTS)
-    return ep_log
+                               keys, WHOLE_EXPERTS)
+    return ep_log, one.stdout + one.stderr
 
 
 def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
     """pp=2 x ep=2 on 4 ranks (1F1B, 2 micro-batches): each stage's
     experts split over its 2 ep ranks, dispatched per micro-batch. Without
     balancing (a stage runs no model forward to add the auxiliary loss)."""
-    ep_log = _four_ranks_against_one(
+    ep_log, _ = _four_ranks_against_one(
         tmp_path, [*OPTIONS, 'model.moe.balance=None'], 'parallel.pp=2',
         'parallel.pipeline.schedule=1F1B',
         'parallel.pipeline.num_microbatches=2')
@@ -93,7 +109,24 @@ def test_dist_train_ep2_cp2_matches_one_process(tmp_path):
     balanced by the bias (the auxiliary loss is per sequence, refused with
     cp), its loads summed over the data and cp ranks as one process counts
     them: the final ``expert_bias`` buffers match."""
-    ep_log = _four_ranks_against_one(
+    ep_log, _ = _four_ranks_against_one(
         tmp_path, [*OPTIONS, 'model.moe.balance=bias',
                    'model.moe.bias_update_rate=0.01'], 'parallel.cp=2')
     assert 'parallel = dict(cp=2, ep=2)' in ep_log
+
+
+def test_dist_train_dp_replicate2_ep2_accumulates_like_one_process(
+        tmp_path):
+    """dp_replicate=2 x ep=2 with 2 accumulated micro-batches (steps at
+    iterations 2 and 3): the first micro-batch's gradients stay unreduced
+    (the experts' units too, whose replicate-only mesh torch divides
+    before and after the all-reduce), the step's match one process's."""
+    ep_log, one_log = _four_ranks_against_one(
+        tmp_path, [*OPTIONS, 'optim_wrapper.accumulative_counts=2'],
+        'parallel.dp_replicate=2', keys=('loss', 'moe_aux_loss'),
+        data_ranks=4)
+    assert 'parallel = dict(dp_replicate=2, ep=2)' in ep_log
+    # Logged from the first step on: iterations 2 and 3.
+    norms = logged(one_log, 'grad_norm')
+    assert len(norms) == 2
+    assert logged(ep_log, 'grad_norm') == pytest.approx(norms, abs=2e-4)
