@@ -21,7 +21,6 @@ LIBRARIES = ('torch', 'mmengine')
 
 # Each internal (as the scan names it) -> the files that use it.
 ALLOWED = {
-    'attr ._HYBRID_SHARD_ZERO2': {'wrappers/fsdp.py'},
     'attr ._attn_implementation': {'models/hf.py'},
     'attr ._concatenate': {'parallel/mesh.py'},
     'attr ._execution_engine': {'wrappers/bucket.py'},
