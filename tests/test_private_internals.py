@@ -36,8 +36,6 @@ ALLOWED = {
     'attr ._to_copy': {'parallelize/meta.py'},
     'attr ._version': {'wrappers/bucket.py'},
     'module torch.distributed.fsdp._runtime_utils': {'wrappers/fsdp.py'},
-    'module torch.distributed.pipelining._backward': {
-        'parallelize/pipeline/stage.py'},
     'module torch.utils._python_dispatch': {
         'analysis/activations.py', 'parallelize/meta.py',
         'parallelize/tp_check.py'},
