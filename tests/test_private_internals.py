@@ -32,7 +32,6 @@ ALLOWED = {
     'attr ._is_root': {'wrappers/fsdp.py'},
     'attr ._non_persistent_buffers_set': {'wrappers/local_state.py'},
     'attr ._run_exitfuncs': {'failures.py'},
-    'attr ._schema': {'parallelize/meta.py'},
     'attr ._to_copy': {'parallelize/meta.py'},
     'attr ._version': {'wrappers/bucket.py'},
     'module torch.distributed.fsdp._runtime_utils': {'wrappers/fsdp.py'},
