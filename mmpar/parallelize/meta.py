@@ -145,13 +145,10 @@ class _Recorder(TorchDispatchMode):
             return self._on_cpu(func, args, kwargs)
         target = args[0] if args else None
         record = self._record_of(target)
-        # OpOverload._schema (private; no public way to ask whether an op
-        # writes its first argument).
-        schema = func._schema
-        mutates = record is not None and schema.is_mutable and \
-            schema.arguments[0].alias_info is not None and \
-            schema.arguments[0].alias_info.is_write
-        if mutates:
+        # torch.Tag.inplace: the op writes its first argument and returns it
+        # (aten's in-place ops carry it; torch.library asks it of custom
+        # ops that do so).
+        if record is not None and torch.Tag.inplace in func.tags:
             self._record(func, target, record, args, kwargs)
         else:
             # Another tensor computed from a parameter's (unknown) value,

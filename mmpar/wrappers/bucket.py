@@ -16,16 +16,16 @@ Gradient life cycle, per parameter:
 * backward: the post-accumulate hook adds a gradient that is not already in
   the slice (the other dtypes) and drops ``.grad``; a complete bucket launches
   its all-reduce;
-* end of backward (a callback on the autograd engine): launch the buckets
-  still waiting (their unused parameters contribute zeros), wait, divide by
-  the group size and write ``.grad`` back in the parameter's dtype.
+* end of backward (after the hook of the last parameter this backward
+  computes a gradient for, as ``register_multi_grad_hook`` tells): launch
+  the buckets still waiting (their unused parameters contribute zeros), wait,
+  divide by the group size and write ``.grad`` back in the parameter's dtype.
 """
 from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from mmpar.parallel.dtensor import like_param, local_grad, local_tensor
 from mmpar.registry import MODEL_WRAPPERS
@@ -144,7 +144,12 @@ class MMBucketDataParallel(PythonDataParallel):
         self._absorbed = False  # `.grad`s moved into the buckets
         self._in_backward = False
         self._syncing = True
+        self._all_computed = False  # this backward's last gradient is in
         self._hook_handles = []
+        if params:
+            self._hook_handles.append(
+                torch.autograd.graph.register_multi_grad_hook(
+                    params, self._on_all_computed))
         for bucket in self._buckets:
             for slot, param in enumerate(bucket.params):
                 self._hook_handles.append(
@@ -175,6 +180,9 @@ class MMBucketDataParallel(PythonDataParallel):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and not self._absorbed:
             self._absorb_grads()
+        # A torch.autograd.grad over the parameters since the last forward
+        # ran the multi-grad hook but no parameter hook: not a backward.
+        self._all_computed = False
         return self.module(*args, **kwargs)
 
     def _absorb_grads(self) -> None:
@@ -220,8 +228,6 @@ class MMBucketDataParallel(PythonDataParallel):
             if not self._in_backward:
                 self._in_backward = True
                 self._syncing = self.require_backward_grad_sync
-                # Private: the one way to run code when backward ends.
-                Variable._execution_engine.queue_callback(self._end_backward)
             view = bucket.views[slot]
             if param.grad is not view:  # else autograd added into the bucket
                 view.add_(local_grad(param))
@@ -231,8 +237,18 @@ class MMBucketDataParallel(PythonDataParallel):
                 bucket.num_pending -= 1
                 if bucket.num_pending == 0:
                     self._launch_ready_buckets()
+            if self._all_computed:
+                self._all_computed = False
+                self._end_backward()
 
         return hook
+
+    def _on_all_computed(self, grads) -> None:
+        # Runs as the last parameter's gradient of this backward is computed,
+        # before it is accumulated: every other parameter's hook has run, and
+        # that parameter's hook ends the backward (torch's multi-grad hook,
+        # not the engine's private end-of-backward callback).
+        self._all_computed = True
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.flags.copy_(torch.tensor(bucket.used, dtype=self.grad_dtype))

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from mmpar.device import current_device, uses_accelerator
 from mmpar.parallel.mesh import fallback_data_mesh
-from mmpar.parallel.sharding import is_hybrid
+from mmpar.parallel.sharding import UNHYBRID, is_hybrid
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers import full_state
@@ -176,10 +176,8 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
         if dist.get_world_size(shard) == 1:
             return ShardingStrategy.NO_SHARD, replicate
         if dist.get_world_size(replicate) == 1:
-            # FSDP1's HYBRID ZeRO-2 strategy has only this private name.
-            zero2 = strategy == ShardingStrategy._HYBRID_SHARD_ZERO2
-            return (ShardingStrategy.SHARD_GRAD_OP
-                    if zero2 else ShardingStrategy.FULL_SHARD), shard
+            # The plain strategy of the hybrid one, from the one table.
+            return ShardingStrategy[UNHYBRID[strategy.name]], shard
         return strategy, process_group
 
     def all_reduce_grads(self) -> None:

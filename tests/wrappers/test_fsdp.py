@@ -340,6 +340,19 @@ def test_sharding_strategy_normalised():
         fsdp_args.normalize_sharding_strategy('ZERO3')
 
 
+def test_hybrid_with_one_replica_is_its_plain_strategy():
+    # World size 2 on the fake backend (one process): a shard group of both
+    # ranks and a one-rank replicate group.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=2)
+    shard, replicate = dist.new_group([0, 1]), dist.new_group([0])
+    for hybrid, plain in (('HYBRID_SHARD', 'FULL_SHARD'),
+                          ('_HYBRID_SHARD_ZERO2', 'SHARD_GRAD_OP')):
+        assert MMFullyShardedDataParallel._data_axis(
+            ShardingStrategy[hybrid], (shard, replicate), None, None) == (
+                ShardingStrategy[plain], shard)
+
+
 def test_mixed_precision_from_dtype_names():
     cfg = dict(param_dtype='bf16', reduce_dtype='fp32', buffer_dtype='fp32')
     saved = copy.deepcopy(cfg)

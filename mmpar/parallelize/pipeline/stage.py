@@ -23,12 +23,11 @@ The split backward of the zero-bubble schedules (``"input"`` then
 ``"weight"``) keeps torch's behaviour: the weight pass runs later without
 FSDP's pre-backward hook, on parameters that must still be gathered.
 """
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-# torch 2.13 has no public name for the stage's own whole backward.
-from torch.distributed.pipelining._backward import stage_backward
 
 
 class MicrobatchReshardStage(PipelineStage):
@@ -53,3 +52,35 @@ class MicrobatchReshardStage(PipelineStage):
                                bwd_kwargs['output_grads'],
                                bwd_kwargs['input_values'])
         return grads, None
+
+
+def _outputs_with_grads(output, grad, pairs: List[tuple]) -> None:
+    """Append ``(tensor, gradient)`` for each tensor of ``output`` (nested
+    tuples, lists and dicts, as ``grad`` is) that autograd can reach."""
+    if isinstance(output, torch.Tensor):
+        if output.requires_grad or output.grad_fn is not None:
+            pairs.append((output, grad))
+    elif isinstance(output, (tuple, list)) and grad is not None:
+        for out, out_grad in zip(output, grad, strict=True):
+            _outputs_with_grads(out, out_grad, pairs)
+    elif isinstance(output, dict) and grad is not None:
+        for key in output:
+            _outputs_with_grads(output[key], grad[key], pairs)
+
+
+def stage_backward(stage_output, output_grads, input_values
+                   ) -> Tuple[Optional[torch.Tensor], ...]:
+    """A stage's whole backward, as torch's pipeline runs it: gradients
+    into the parameters, and the inputs' gradients returned (and dropped
+    from the inputs, so the next micro-batch's send frees them)."""
+    pairs: List[tuple] = []
+    _outputs_with_grads(stage_output, output_grads, pairs)
+    torch.autograd.backward([out for out, _ in pairs],
+                            grad_tensors=[grad for _, grad in pairs])
+    grads = []
+    for value in input_values:
+        is_tensor = isinstance(value, torch.Tensor)
+        grads.append(value.grad if is_tensor else None)
+        if is_tensor:
+            value.grad = None
+    return tuple(grads)
