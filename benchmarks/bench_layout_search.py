@@ -21,6 +21,10 @@ other, with the same flags:
    down the list), no early stop, no confirm rounds, each candidate's
    speed that of its least disturbed trial, as the search ranks.
 
+The ranks run with glibc's mmap threshold fixed
+(``MALLOC_MMAP_THRESHOLD_=131072`` unless the environment sets one), as
+docs/layout_search.md tells users to on the CPU.
+
 Goals (issue 34): the search's pick within 5 % of the sweep's fastest
 (both by the sweep's numbers), the search's launch in at most 1/3 of the
 sweep's, and every candidate's predicted peak per rank within 15 % of its
@@ -43,6 +47,7 @@ SECTION = '## Layout search inside the launched job (issue 34)'
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare.py'
 MiB = 2**20
 LOADED = 2.5
+MMAP_ENV, MMAP_THRESHOLD = 'MALLOC_MMAP_THRESHOLD_', 128 << 10
 
 
 def load_plan(quick: bool, steps: int) -> dict:
@@ -75,6 +80,11 @@ def launch(plan: dict, out: str, *more) -> dict:
                '--search', '--search-only', *_flags(plan), *more,
                '--out', out, '--work-dir', os.path.join(out, 'job')]
     env = dict(os.environ, OMP_NUM_THREADS='1')
+    # glibc's mmap threshold fixed (its default, 128 KiB, unless the
+    # environment sets one): freed tensors go back to the system, so a
+    # trial's peak RSS is its own, not an earlier trial's freed heap
+    # (docs/layout_search.md). Both launches, so measured the same way.
+    env.setdefault(MMAP_ENV, str(MMAP_THRESHOLD))
     start = time.time()
     job = subprocess.run([str(c) for c in command], cwd=ROOT, env=env,
                          capture_output=True, text=True)
@@ -137,7 +147,9 @@ def report(out: dict, plan: dict, conditions: dict) -> str:
         f'benchmarks/bench_layout_search.py'
         f'{" --quick" if plan["quick"] else ""}`). Global batch '
         f'{sweep["global_batch"]}, {plan["warmup"]} warm-up + '
-        f'{plan["steps"]} timed steps per trial. The two launches:',
+        f'{plan["steps"]} timed steps per trial; '
+        f'`{MMAP_ENV}={os.environ.get(MMAP_ENV, MMAP_THRESHOLD)}` in the '
+        'ranks\' environment. The two launches:',
         '',
         f'    {search["command"]}',
         f'    {sweep["command"]}',

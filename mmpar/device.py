@@ -159,8 +159,6 @@ def release_memory() -> None:
 # -------------------------------------------------- the CPU's heap (glibc)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MMAP_THRESHOLD_ENV = 'MALLOC_MMAP_THRESHOLD_'
-# glibc's own starting value; fixed, it no longer rises as blocks are freed.
-DEFAULT_MMAP_THRESHOLD = 128 << 10
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,22 +196,6 @@ def set_mmap_threshold(nbytes: int) -> None:
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, nbytes)
-
-
-def steady_cpu_heap() -> Optional[int]:
-    """On the CPU, the process's mmap threshold fixed from now on, as if its
-    environment set ``MALLOC_MMAP_THRESHOLD_`` (the user's value if it does,
-    else glibc's default, 128 KiB): freed tensors go back to the system, so
-    a later peak resident size is not an earlier peak's leftovers (glibc's
-    dynamic threshold keeps them). Returns the threshold, or None on an
-    accelerator or without glibc (nothing changed)."""
-    if uses_accelerator() or _glibc() is None:
-        return None
-    nbytes = mmap_threshold(DEFAULT_MMAP_THRESHOLD)
-    # In the environment too: the meta build restores it after its own.
-    os.environ[MMAP_THRESHOLD_ENV] = str(nbytes)
-    set_mmap_threshold(nbytes)
-    return nbytes
 
 
 def reset_peak_memory() -> None:

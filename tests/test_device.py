@@ -55,21 +55,3 @@ def test_peak_rss_resets_and_follows_a_large_tensor():
     device.release_memory()
     device.reset_peak_memory()
     assert device.peak_memory()['peak'] < grown - 32 * 2**20
-
-
-def test_steady_cpu_heap_fixes_the_threshold_unless_the_user_did(
-        monkeypatch):
-    """On the CPU the search fixes glibc's mmap threshold (its default,
-    128 KiB, or the user's ``MALLOC_MMAP_THRESHOLD_``) and records it in
-    the environment, which the meta build restores after its own."""
-    fixed = []
-    monkeypatch.setattr(device, 'set_mmap_threshold', fixed.append)
-    monkeypatch.delenv('MALLOC_MMAP_THRESHOLD_', raising=False)
-    assert device.steady_cpu_heap() == 128 << 10
-    assert fixed == [128 << 10]
-    assert device.mmap_threshold(32 << 20) == 128 << 10
-    monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '1048576')
-    assert device.steady_cpu_heap() == 1 << 20 and fixed[-1] == 1 << 20
-    # An accelerator's memory is the caching allocator's: nothing to fix.
-    monkeypatch.setattr(device, 'uses_accelerator', lambda: True)
-    assert device.steady_cpu_heap() is None and len(fixed) == 2

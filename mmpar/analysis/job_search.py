@@ -16,8 +16,7 @@ Every rank of the job takes part, on the job's backend and devices:
    filters;
 4. each candidate is built, trained and torn down inside these processes
    (:mod:`.trial`; memory: each rank's peak device memory, or its peak RSS
-   on the CPU, where glibc's mmap threshold is fixed first:
-   :func:`mmpar.device.steady_cpu_heap`), in the rounds of :mod:`.search_rounds` (``--sweep R``:
+   on the CPU), in the rounds of :mod:`.search_rounds` (``--sweep R``:
    every candidate R times, the sweep the search is benchmarked against);
 5. rank 0 writes the table and the winning config (:mod:`.search_report`),
    and every rank returns the winner's config to train (unless
@@ -120,12 +119,11 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
     stem = osp.splitext(osp.basename(config_path))[0]
     out_dir = args.out or osp.join('work_dirs', f'{stem}_search')
     log_dir = osp.join(out_dir, 'trials')
-    heap = device.steady_cpu_heap()  # each trial's peak its own (CPU)
     device.release_memory()
     device.reset_peak_memory()
     baseline = measure_baseline(cfg, osp.join(log_dir, 'baseline'))
     say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
-        f'(measured in this job, {_where(heap)})')
+        f'(measured in this job, {_where()})')
     add_baseline(rows, baseline)
     result = measure_candidates(rows, batch, world_size, args,
                                 job_trial_runner, log_dir, say, start)
@@ -157,12 +155,11 @@ def measure_candidates(rows: List[Row], batch: int, world_size: int, args,
     return result
 
 
-def _where(heap: Optional[int]) -> str:
+def _where() -> str:
     kind = device.device_type()
     name = device.device_name() if kind != device.CPU else None
-    fixed = f'; glibc mmap threshold {heap} bytes' if heap else ''
     return f'{kind}{f" ({name})" if name else ""}, backend ' \
-        f'{dist.get_backend()}, {dist.get_world_size()} ranks{fixed}'
+        f'{dist.get_backend()}, {dist.get_world_size()} ranks'
 
 
 def _say_counts(say, rows: List[Row], todo: List[Row], args,
