@@ -202,9 +202,12 @@ class FingerprintHook(Hook):
                          outputs=None) -> None:
         if outputs and 'loss' in outputs:
             self._losses.append(float(outputs['loss'].detach()))
+        probing = self._probe is not None and self._probe.first_step
+        if probing:
+            self._probe.batch_done()
         if not self._grads:  # accumulating: no optimizer step yet
             return
-        if self._probe is not None and self._probe.first_step:
+        if probing:
             if not self._probe.was_probe():  # real micro-batches: count them
                 for name, slots in self._held.items():
                     for index, entry in enumerate(slots):
