@@ -64,10 +64,20 @@ def short_run(cfg: Config, work_dir: str, steps: int, role: str) -> Config:
     return cfg
 
 
+def _dims(cfg: Config, world_size: int):
+    """The layout's sizes at ``world_size``, by the Runner's own config
+    check."""
+    # The check looks names up in the registries: the samplers, hooks and
+    # loops mmpar registers are there once mmpar.runner is imported (the
+    # Runner's own check runs after it is; verify checks before).
+    import mmpar.runner  # noqa: F401
+    return check_config(cfg, world_size=world_size).dims
+
+
 def data_size(cfg: Config, world_size: int) -> int:
     """How many data-parallel ranks read different samples at this world
     size (the reference's batch is that many per-rank batches)."""
-    dims = check_config(cfg, world_size=world_size).dims
+    dims = _dims(cfg, world_size)
     return dims.dp_replicate * dims.dp_shard
 
 
@@ -126,7 +136,7 @@ def _load_reference(work_dir: str, world_size: int, steps: int) -> dict:
 def axes_line(cfg: Config, world_size: int) -> str:
     """The layout's axes larger than 1, e.g. ``layout pp=2 x tp=2 at 4
     ranks``."""
-    dims = check_config(cfg, world_size=world_size).dims
+    dims = _dims(cfg, world_size)
     sizes = [f'{axis}={getattr(dims, axis)}' for axis in AXES
              if getattr(dims, axis) > 1]
     return 'layout ' + (' x '.join(sizes) or 'one rank') + \
