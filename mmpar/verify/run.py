@@ -14,7 +14,7 @@ from mmengine.config import Config
 
 from mmpar.config_check import check_config
 from mmpar.failures import ConfigError, is_peer_failure
-from mmpar.parallel.axes import AXES
+from mmpar.parallel.axes import AXES, SAMPLE_AXES
 from mmpar.verify.compare import Verdict, compare, touching
 from mmpar.verify.recorder import FingerprintHook
 
@@ -75,10 +75,10 @@ def _dims(cfg: Config, world_size: int):
 
 
 def data_size(cfg: Config, world_size: int) -> int:
-    """How many data-parallel ranks read different samples at this world
-    size (the reference's batch is that many per-rank batches)."""
-    dims = _dims(cfg, world_size)
-    return dims.dp_replicate * dims.dp_shard
+    """How many ranks read different samples at this world size: the data
+    axes and the expert axis (the reference's batch is that many per-rank
+    batches)."""
+    return _dims(cfg, world_size).size_of(SAMPLE_AXES)
 
 
 def reference_config(cfg: Config, world_size: int) -> Config:

@@ -47,15 +47,19 @@ def test_rounding_noise_within_atol_is_no_relative_difference():
     assert 'module `attn.wk` (gradient of bias)' in verdict.text
 
 
-def test_reference_batch_of_a_config_with_mmpar_samplers():
+def test_reference_batch_of_shipped_configs():
     # The verify tool checks the config before any Runner exists: mmpar's
     # own samplers must be registered (a fresh process, as the tool's).
+    # Expert ranks read different samples, as data ranks do: at ep=2 the
+    # reference reads 2 ranks' batches.
     code = (
         'from mmengine.config import Config\n'
         'from mmpar.verify import reference_config\n'
-        "cfg = Config.fromfile('configs/llama_shakespeare/llama_sft.py')\n"
-        'print(reference_config(cfg, 2).train_dataloader.batch_size)\n')
+        "for name in ('llama_sft', 'llama_shakespeare_moe_ep'):\n"
+        "    cfg = Config.fromfile(f'configs/llama_shakespeare/{name}.py')\n"
+        '    print(cfg.train_dataloader.batch_size,\n'
+        '          reference_config(cfg, 2).train_dataloader.batch_size)\n')
     proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-1] == '32'
+    assert proc.stdout.splitlines()[-2:] == ['16 32', '32 64']
