@@ -43,6 +43,25 @@ def tensor_leaves(value: Any) -> List[torch.Tensor]:
     return []
 
 
+def tp_split_dim(local: Tuple[int, ...], full: Tuple[int, ...],
+                 tp: int) -> Optional[int]:
+    """The dimension a tp module's plain local output of shape ``local``
+    is split along over ``tp`` ranks, against the reference's ``full``
+    shape; None when it is whole.
+
+    The last dimension first (a colwise split), then the ones before it (a
+    sequence-parallel split); never the batch, dimension 0: data ranks and
+    micro-batches hold part of it too, and with as many data ranks as tp
+    ranks a whole output would look split there.
+    """
+    if len(local) != len(full):
+        return None
+    for dim in range(len(local) - 1, 0, -1):
+        if local[dim] != full[dim] and local[dim] * tp == full[dim]:
+            return dim
+    return None
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -143,16 +162,14 @@ class FingerprintHook(Hook):
         if isinstance(tensor, DTensor):
             return tensor.full_tensor()
         want = self.reference_shapes.get((name, index))
-        if self._tp is None or want is None or len(want) != tensor.dim():
+        if self._tp is None or want is None:
             return tensor
-        for dim, (got, full) in enumerate(zip(tensor.shape, want)):
-            if got != full and got * self._tp.world_size == full:
-                parts = [torch.empty_like(tensor)
-                         for _ in range(self._tp.world_size)]
-                dist.all_gather(parts, tensor.contiguous(),
-                                group=self._tp.group)
-                return torch.cat(parts, dim)
-        return tensor
+        dim = tp_split_dim(tuple(tensor.shape), want, self._tp.world_size)
+        if dim is None:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self._tp.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self._tp.group)
+        return torch.cat(parts, dim)
 
     def _record_output(self, name: str, output: Any) -> None:
         leaves = [t for t in tensor_leaves(output) if t.is_floating_point()]
@@ -202,9 +219,12 @@ class FingerprintHook(Hook):
                          outputs=None) -> None:
         if outputs and 'loss' in outputs:
             self._losses.append(float(outputs['loss'].detach()))
+        probing = self._probe is not None and self._probe.first_step
+        if probing:
+            self._probe.batch_done()
         if not self._grads:  # accumulating: no optimizer step yet
             return
-        if self._probe is not None and self._probe.first_step:
+        if probing:
             if not self._probe.was_probe():  # real micro-batches: count them
                 for name, slots in self._held.items():
                     for index, entry in enumerate(slots):

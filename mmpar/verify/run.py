@@ -14,7 +14,7 @@ from mmengine.config import Config
 
 from mmpar.config_check import check_config
 from mmpar.failures import ConfigError, is_peer_failure
-from mmpar.parallel.axes import AXES
+from mmpar.parallel.axes import AXES, SAMPLE_AXES
 from mmpar.verify.compare import Verdict, compare, touching
 from mmpar.verify.recorder import FingerprintHook
 
@@ -40,12 +40,16 @@ def check_options(steps: int, rtol: float, atol: float,
 def short_run(cfg: Config, work_dir: str, steps: int, role: str) -> Config:
     """``cfg`` as a K-step run in ``work_dir``: iteration-based, no
     validation, testing or checkpoints, nothing resumed. The user's config
-    is not changed."""
+    is not changed. Under gradient accumulation
+    (``optim_wrapper.accumulative_counts``) a step is that many batches."""
     cfg = copy.deepcopy(cfg)
     cfg.work_dir = work_dir
     # Unique: MMEngine keeps loggers and message hubs by name.
     cfg.experiment_name = f'verify_{role}_{time.time_ns()}'
-    cfg.train_cfg = dict(by_epoch=False, max_iters=steps)
+    batches = (cfg.get('optim_wrapper') or {}).get('accumulative_counts', 1)
+    if not isinstance(batches, int) or batches < 1:
+        batches = 1  # the Runner's config check names the bad value
+    cfg.train_cfg = dict(by_epoch=False, max_iters=steps * batches)
     for key in ('val_cfg', 'val_dataloader', 'val_evaluator', 'test_cfg',
                 'test_dataloader', 'test_evaluator'):
         cfg[key] = None
@@ -60,11 +64,21 @@ def short_run(cfg: Config, work_dir: str, steps: int, role: str) -> Config:
     return cfg
 
 
+def _dims(cfg: Config, world_size: int):
+    """The layout's sizes at ``world_size``, by the Runner's own config
+    check."""
+    # The check looks names up in the registries: the samplers, hooks and
+    # loops mmpar registers are there once mmpar.runner is imported (the
+    # Runner's own check runs after it is; verify checks before).
+    import mmpar.runner  # noqa: F401
+    return check_config(cfg, world_size=world_size).dims
+
+
 def data_size(cfg: Config, world_size: int) -> int:
-    """How many data-parallel ranks read different samples at this world
-    size (the reference's batch is that many per-rank batches)."""
-    dims = check_config(cfg, world_size=world_size).dims
-    return dims.dp_replicate * dims.dp_shard
+    """How many ranks read different samples at this world size: the data
+    axes and the expert axis (the reference's batch is that many per-rank
+    batches)."""
+    return _dims(cfg, world_size).size_of(SAMPLE_AXES)
 
 
 def reference_config(cfg: Config, world_size: int) -> Config:
@@ -119,8 +133,10 @@ def _load_reference(work_dir: str, world_size: int, steps: int) -> dict:
     return saved
 
 
-def _axes_line(cfg: Config, world_size: int) -> str:
-    dims = check_config(cfg, world_size=world_size).dims
+def axes_line(cfg: Config, world_size: int) -> str:
+    """The layout's axes larger than 1, e.g. ``layout pp=2 x tp=2 at 4
+    ranks``."""
+    dims = _dims(cfg, world_size)
     sizes = [f'{axis}={getattr(dims, axis)}' for axis in AXES
              if getattr(dims, axis) > 1]
     return 'layout ' + (' x '.join(sizes) or 'one rank') + \
@@ -166,14 +182,14 @@ def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
                  f': {type(err).__name__}: {str(err).splitlines()[0][:300]}']
         lines.append('  layout on it: ' + touching(
             module, hook.touches, (cfg.get('parallel') or {}).get('tp_plan'),
-            _axes_line(cfg, world_size)))
+            axes_line(cfg, world_size)))
         verdict = Verdict(False, 0.0, lines, failed=True)
     elif not dist.is_initialized() or dist.get_rank() == 0:
         verdict = compare(
             saved['steps'], hook.steps, rtol=rtol, atol=atol,
             touches=hook.touches,
             tp_plan=(cfg.get('parallel') or {}).get('tp_plan'),
-            axes_line=_axes_line(cfg, world_size))
+            axes_line=axes_line(cfg, world_size))
     if verdict is not None and failure is None:
         torch.save(dict(steps=hook.steps, touches=hook.touches),
                    osp.join(work_dir, 'layout.pt'))

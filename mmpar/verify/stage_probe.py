@@ -13,13 +13,14 @@ class StageProbe:
 
     Args:
         stage_modules: the modules torch's stages run.
-        num_microbatches: micro-batches a step runs through each stage.
+        num_microbatches: micro-batches a batch runs through each stage.
 
     :attr:`active` is True while a stage's first call of the run is
-    running. :meth:`was_probe` says, after the first step, whether those
-    calls were torch's extra ones (each stage ran one more time than the
-    micro-batches); a torch that infers no shapes at run time leaves every
-    call counted.
+    running. :meth:`was_probe` says, after the first optimizer step,
+    whether those calls were torch's extra ones (each stage ran one more
+    time than the micro-batches of the step's batches, :meth:`batch_done`
+    counts them: more than one under gradient accumulation); a torch that
+    infers no shapes at run time leaves every call counted.
     """
 
     def __init__(self, stage_modules: Sequence[nn.Module],
@@ -28,6 +29,7 @@ class StageProbe:
         self.active = False
         self.calls: Dict[int, int] = {}
         self.first_step = True
+        self.num_batches = 0
         for index, stage in enumerate(stage_modules):
             stage.register_forward_pre_hook(self._entered(index))
             stage.register_forward_hook(self._left)
@@ -42,8 +44,13 @@ class StageProbe:
     def _left(self, module, args, output) -> None:
         self.active = False
 
+    def batch_done(self) -> None:
+        """A batch of the first optimizer step has run."""
+        self.num_batches += 1
+
     def was_probe(self) -> bool:
         """Ends the first step; True when its first calls were extra."""
         self.first_step = False
+        expected = self.num_batches * self.num_microbatches + 1
         return bool(self.calls) and all(
-            n == self.num_microbatches + 1 for n in self.calls.values())
+            n == expected for n in self.calls.values())

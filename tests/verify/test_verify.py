@@ -176,6 +176,18 @@ def test_pipeline_agrees(run_dist, tmp_path):
     assert agree, text
 
 
+def test_pipeline_with_gradient_accumulation_agrees(run_dist, tmp_path):
+    # Two batches a step: the stages' shape-inference call comes once, in
+    # the first batch; the first step runs 2 x 4 micro-batches besides it.
+    pipeline = dict(split_points=['blocks.1'], schedule='1F1B',
+                    num_microbatches=4)
+    agree, text = verify(run_dist, PP, tmp_path,
+                         parallel=dict(pp=2, pipeline=pipeline),
+                         optim_wrapper=dict(accumulative_counts=2))
+    assert agree, text
+    assert f'all {STEPS} steps agree' in text, text
+
+
 # -- planted faults -------------------------------------------------------------
 def test_swapped_plan_styles_named_at_the_module(run_dist, tmp_path):
     cfg = Config.fromfile(str(ROOT / TP_CUSTOM))
