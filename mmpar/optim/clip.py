@@ -30,6 +30,7 @@ def _expert_mesh(mesh) -> bool:
     """Whether ``mesh`` has an expert axis (expert weights live on it)."""
     return bool(set(mesh.mesh_dim_names or ()) & set(EXPERT_AXES))
 
+
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
