@@ -330,6 +330,9 @@ class Killer:
                 continue
             if moment == 'mid-collective':
                 hit = self.kill_in_collective(ranks, rank)
+                if hit is None:  # the attempt ended meanwhile
+                    self.missed.append(moment)
+                    continue
             else:
                 tmp = self.new_save_tmp(before)
                 try:
@@ -344,13 +347,18 @@ class Killer:
                         os.path.join(self.work_dir, tmp))
             self.kills.append(Kill(moment, rank, time.time() - start, hit))
 
-    def kill_in_collective(self, ranks: Dict[int, int], victim: int) -> bool:
+    def kill_in_collective(self, ranks: Dict[int, int],
+                           victim: int) -> Optional[bool]:
         """Stop another rank (SIGSTOP), wait until the others are blocked
         waiting for it, SIGKILL ``victim`` (one of them), then let the
-        stopped one go on (SIGCONT); returns whether the wait held."""
+        stopped one go on (SIGCONT); returns whether the wait held, or None
+        when the rank to stop had already exited (nothing killed)."""
         stopped = (victim + 1 + self.rng.randrange(len(ranks) - 1)) % len(
             ranks)
-        os.kill(ranks[stopped], signal.SIGSTOP)
+        try:
+            os.kill(ranks[stopped], signal.SIGSTOP)
+        except ProcessLookupError:  # the attempt ended meanwhile
+            return None
         try:
             waiting = [pid for r, pid in ranks.items() if r != stopped]
             hit = wait_blocked(waiting)

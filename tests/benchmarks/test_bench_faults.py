@@ -164,3 +164,19 @@ def test_collective_kill_stops_one_rank_kills_a_waiting_one_resumes():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_collective_kill_of_an_ended_attempt_kills_nothing():
+    # The rank to stop has exited (the attempt ended meanwhile): None, the
+    # campaign counts the moment missed instead of its thread dying.
+    ended = subprocess.Popen(['true'])
+    ended.wait()
+    alive = subprocess.Popen(['sleep', '30'])
+    try:
+        killer = bench.Killer(None, '', '', 2, [], random.Random(0))
+        assert killer.kill_in_collective(
+            {0: ended.pid, 1: alive.pid}, victim=1) is None
+        assert alive.poll() is None  # the victim was not killed
+    finally:
+        alive.kill()
+        alive.wait()
