@@ -334,13 +334,15 @@ class Killer:
                     self.missed.append(moment)
                     continue
             else:
-                tmp = self.new_save_tmp(before)
+                saving = moment in ('mid-save', 'mid-async-write')
+                # (Listed only for a save: a mid-step kill waits for nothing.)
+                tmp = self.new_save_tmp(before) if saving else None
                 try:
                     os.kill(ranks[rank], signal.SIGKILL)
                 except ProcessLookupError:  # the attempt ended meanwhile
                     self.missed.append(moment)
                     continue
-                if moment in ('mid-save', 'mid-async-write'):
+                if saving:
                     # Hit if the save had not completed: its .tmp is still
                     # there.
                     hit = tmp is not None and os.path.exists(
