@@ -1,9 +1,13 @@
 """Step time of Muon against AdamW under FSDP2, and where Muon's time goes.
 
-    PYTHONPATH=$PWD python benchmarks/bench_muon.py [--quick] [--out docs]
+    PYTHONPATH=$PWD python benchmarks/bench_muon.py [--quick|--stress] [--out docs]
 
 The Llama of ``configs/llama_shakespeare/llama_shakespeare_muon.py``
-(FSDP2 on every LlamaBlock) on 4 gloo ranks, built twice in the same
+(FSDP2 on every LlamaBlock), as shipped (its model and its per-rank batch),
+at three layouts: FSDP2 on 2 and on 4 gloo ranks, and tp=2 x FSDP2 on 4.
+``--stress`` keeps the earlier protocol: a wider model (dim 256) on a tiny
+batch (2 windows per rank), where the optimizer step is most of the step.
+At each layout the model is built twice in the same
 processes under ``mmpar.Runner``'s model and optim wrapper: once with AdamW
 (the base config's), once with Muon (+ AdamW for the embedding, head and
 norms). The two train in turn, step for step (AdamW first on even steps,
@@ -39,13 +43,23 @@ OPTIMIZERS = ('AdamW', 'Muon')
 PARTS = ('optim_step_s', 'newton_schulz_s', 'exchange_s')
 
 
-def load_plan(quick: bool) -> dict:
-    if quick:
+# (name, the config's ``parallel``, ranks), measured in this order.
+LAYOUTS = (('FSDP2', {}, 2), ('FSDP2', {}, 4),
+           ('tp=2 x FSDP2', dict(tp=2, tp_plan='llama'), 4))
+
+
+def load_plan(mode: str) -> dict:
+    """``mode``: 'shipped' (the config as it is), 'stress' or 'quick'."""
+    if mode == 'quick':
         return dict(model=dict(dim=32, num_layers=2, num_heads=2),
-                    world_size=4, batch_size=2, context=16, warmup=1,
-                    steps=2)
-    return dict(model=dict(dim=256, num_layers=4, num_heads=4),
-                world_size=4, batch_size=2, context=128, warmup=2, steps=6)
+                    layouts=LAYOUTS[1:2], batch_size=2, context=16,
+                    warmup=1, steps=2)
+    if mode == 'stress':
+        return dict(model=dict(dim=256, num_layers=4, num_heads=4),
+                    layouts=LAYOUTS[1:2], batch_size=2, context=128,
+                    warmup=2, steps=6)
+    return dict(model={}, layouts=LAYOUTS, batch_size=32, context=128,
+                warmup=2, steps=6)
 
 
 class _Timed:
@@ -62,13 +76,16 @@ class _Timed:
             self.total[0] += time.perf_counter() - start
 
 
-def _build(plan: dict, optimizer: str, work_dir: str):
-    """(runner, optim wrapper) of the config with ``optimizer``."""
+def _build(plan: dict, parallel: dict, optimizer: str, work_dir: str):
+    """(runner, optim wrapper) of the config at ``parallel`` with
+    ``optimizer``."""
     from mmengine.config import Config
 
     from mmpar.runner import Runner
     cfg = Config.fromfile(CONFIG)
     cfg.model.update(plan['model'], max_seq_len=plan['context'])
+    if parallel:
+        cfg.parallel = parallel
     if optimizer == 'AdamW':
         cfg.optim_wrapper.optimizer = ADAMW
     for key in ('val_dataloader', 'val_cfg', 'val_evaluator'):
@@ -80,9 +97,10 @@ def _build(plan: dict, optimizer: str, work_dir: str):
     return runner, runner.build_optim_wrapper(cfg.optim_wrapper)
 
 
-def measure(plan: dict) -> Dict[str, Dict[str, float]]:
-    """On every rank of a started process group: per optimizer, seconds per
-    step (median of the slowest rank), and Muon's parts (module docstring)."""
+def measure(plan: dict, parallel: dict) -> Dict[str, Dict[str, float]]:
+    """On every rank of a started process group, at ``parallel``: per
+    optimizer, seconds per step (median of the slowest rank), and Muon's
+    parts (module docstring)."""
     from mmpar.optim import whole_matrix
     gen = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, 256, (plan['batch_size'], plan['context'] + 1),
@@ -91,7 +109,8 @@ def measure(plan: dict) -> Dict[str, Dict[str, float]]:
     parts = {name: [0.0] for name in PARTS}
     times = {name: [] for name in OPTIMIZERS}
     with tempfile.TemporaryDirectory() as work_dir:
-        built = {name: _build(plan, name, work_dir) for name in OPTIMIZERS}
+        built = {name: _build(plan, parallel, name, work_dir)
+                 for name in OPTIMIZERS}
         muon = built['Muon'][1].optimizer
         muon.step = _Timed(muon.step, parts['optim_step_s'])
         muon.transform = _Timed(muon.transform, parts['newton_schulz_s'])
@@ -117,51 +136,67 @@ def measure(plan: dict) -> Dict[str, Dict[str, float]]:
     return runs
 
 
-def format_report(runs: dict, plan: dict, meta: dict) -> str:
+def _model_text(plan: dict) -> str:
+    if not plan['model']:
+        return 'as shipped (dim 128, 4 blocks)'
     model = plan['model']
-    muon, adamw = runs['Muon'], runs['AdamW']
+    return (f'with `model=dict(dim={model["dim"]}, num_layers='
+            f'{model["num_layers"]}, num_heads={model["num_heads"]})`')
+
+
+def format_report(runs: list, plan: dict, meta: dict) -> str:
+    """``runs``: (layout name, ranks, measure's result) per layout."""
     lines = [
         f'Machine: {meta["machine"]}. Run {meta["date"]} UTC; load average '
         f'{meta["load_before"]:.1f} before and {meta["load_after"]:.1f} '
         f'after (1-minute; {os.cpu_count()} cores, shared with other jobs); '
         f'{meta["wall_s"]:.0f} s.', '',
         'Protocol: `configs/llama_shakespeare/llama_shakespeare_muon.py` '
-        f'(FSDP2) with `model=dict(dim={model["dim"]}, num_layers='
-        f'{model["num_layers"]}, num_heads={model["num_heads"]})`, '
-        f'{plan["world_size"]} gloo ranks of one thread, '
+        f'{_model_text(plan)}, gloo ranks of one thread, '
         f'{plan["batch_size"]} windows of {plan["context"]} tokens per rank; '
-        'both optimizers built in the same processes and stepped in turn; '
-        f'`train_step` timed after {plan["warmup"]} warm-up steps, median of '
-        f'{plan["steps"]}, slowest rank; AdamW is the base config\'s '
-        '(`python benchmarks/bench_muon.py`). Muon\'s parts per step: '
-        '*Newton-Schulz* on the rank that runs the most of it, '
+        'at each layout both optimizers built in the same processes and '
+        f'stepped in turn; `train_step` timed after {plan["warmup"]} warm-up '
+        f'steps, median of {plan["steps"]}, slowest rank; AdamW is the base '
+        'config\'s (`python benchmarks/bench_muon.py`). Muon\'s parts per '
+        'step: *Newton-Schulz* on the rank that runs the most of it, '
         '*all-to-all* both exchanges of `mmpar/optim/whole_matrix.py` '
-        '(waiting for the owners included).', '',
-        '| optimizer | step (ms) | optimizer step (ms) | Newton-Schulz (ms) '
-        '| all-to-all (ms) | step vs AdamW |',
-        '|---|---:|---:|---:|---:|---:|',
-        f'| AdamW | {adamw["step_s"] * 1e3:.1f} | | | | 1.00x |',
-        f'| Muon | {muon["step_s"] * 1e3:.1f} | '
-        f'{muon["optim_step_s"] * 1e3:.1f} | '
-        f'{muon["newton_schulz_s"] * 1e3:.1f} | '
-        f'{muon["exchange_s"] * 1e3:.1f} | '
-        f'{muon["step_s"] / adamw["step_s"]:.2f}x |',
+        '(gathering shards to owners and scattering results back, waiting '
+        'for the owners included), and its share of Muon\'s step.', '',
+        '| layout | ranks | AdamW step (ms) | Muon step (ms) | optimizer '
+        'step (ms) | Newton-Schulz (ms) | all-to-all (ms) | all-to-all share '
+        '| step vs AdamW |',
+        '|---|---:|---:|---:|---:|---:|---:|---:|---:|',
     ]
+    for name, ranks, result in runs:
+        muon, adamw = result['Muon'], result['AdamW']
+        lines.append(
+            f'| {name} | {ranks} | {adamw["step_s"] * 1e3:.1f} | '
+            f'{muon["step_s"] * 1e3:.1f} | '
+            f'{muon["optim_step_s"] * 1e3:.1f} | '
+            f'{muon["newton_schulz_s"] * 1e3:.1f} | '
+            f'{muon["exchange_s"] * 1e3:.1f} | '
+            f'{muon["exchange_s"] / muon["step_s"]:.0%} | '
+            f'{muon["step_s"] / adamw["step_s"]:.2f}x |')
     return '\n'.join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--quick', action='store_true',
-                        help='a tiny model (checks the script)')
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument('--quick', action='store_true',
+                      help='a tiny model at one layout (checks the script)')
+    mode.add_argument('--stress', action='store_true',
+                      help='dim 256 on 2 windows per rank, FSDP2 at 4 ranks')
     parser.add_argument('--out', help='folder whose benchmarks.md gets the '
                         'section')
     args = parser.parse_args()
-    plan = load_plan(args.quick)
+    plan = load_plan('quick' if args.quick else
+                     'stress' if args.stress else 'shipped')
     start, load_before = time.time(), os.getloadavg()[0]
-    runs = measure_on_ranks(measure, plan['world_size'], plan)
+    runs = [(name, ranks, measure_on_ranks(measure, ranks, plan, parallel))
+            for name, parallel, ranks in plan['layouts']]
     text = format_report(runs, plan, run_conditions(
-        'gloo', plan['world_size'], start, load_before))
+        'gloo', max(ranks for _, ranks, _ in runs), start, load_before))
     print(text)
     if args.out:
         write_section(os.path.join(args.out, 'benchmarks.md'), SECTION, text)

@@ -16,10 +16,17 @@ matrix to ``fn`` on one rank and returns each rank its part of the result:
   matrix's owner, each owner runs ``fn`` on the matrices it owns, and a
   second all-to-all sends the result's shards back. A rank holds at most
   the matrices it owns, whole, at a time;
-* any other DTensor layout (FSDP2 x TP's two sharded mesh dimensions, a
-  fused projection's strided split): gathered whole on every rank of its
-  mesh (``full_tensor``), ``fn`` run there, and cut back locally. Exact,
-  but the work is repeated on every rank of the mesh.
+* a DTensor sharded on both dimensions of a 2-D mesh (FSDP2 x TP: the
+  outer data dimension over the inner tp split): each matrix gets an owner
+  coordinate of the outer dimension; gathered over the outer dimension
+  there is one sharded mesh dimension left, handled as above by the inner
+  groups of that coordinate (only for the matrices it owns), and each
+  result's inner shards are broadcast over the outer dimension and cut
+  locally. So the work is spread over every rank of the mesh;
+* any other DTensor layout (a fused projection's strided split on a 1-D
+  mesh, a partial placement): gathered whole on every rank of its mesh
+  (``full_tensor``), ``fn`` run there, and cut back locally. Exact, but
+  the work is repeated on every rank of the mesh.
 
 The result is the same matrix ``fn`` gives one process (the shards are
 moved, never added), so the optimizer stays the one-process optimizer.
@@ -53,6 +60,14 @@ def _one_shard_dim(param: DTensor):
     if len(sharded) == 1 and others_replicate:
         return sharded[0]
     return None
+
+
+def _both_dims_sharded(param: DTensor) -> bool:
+    """Whether ``param`` is sharded on each dimension of its 2-D mesh, the
+    inner one plainly (FSDP2 x TP's layouts)."""
+    outer, inner = (param.placements if param.device_mesh.ndim == 2 else
+                    (None, None))
+    return outer is not None and outer.is_shard() and type(inner) is Shard
 
 
 def assign_owners(numels: Sequence[int], num_ranks: int) -> List[int]:
@@ -146,6 +161,48 @@ class _Bucket:
         return local
 
 
+def _on_2d_mesh(params: List[DTensor], locals_: List[torch.Tensor],
+                fn: WholeFn, indices: List[int]) -> List[torch.Tensor]:
+    """``fn`` on whole matrices sharded on both dimensions of one 2-D mesh
+    (the same placements), each computed once (module docstring)."""
+    mesh, placements = params[0].device_mesh, tuple(params[0].placements)
+    inner = (Replicate(), placements[1])
+    outer_group = mesh.get_group(0)
+    outer_rank = mesh.get_local_rank(0)
+    # Gathered over the outer dimension: sharded over the inner one only.
+    gathered = [
+        DTensor.from_local(local, mesh, placements, run_check=False,
+                           shape=p.shape, stride=p.stride()).redistribute(
+                               mesh, inner) for p, local in zip(params, locals_)
+    ]
+    owners = assign_owners([p.numel() for p in params], mesh.size(0))
+    inner_parts: List[torch.Tensor] = [g.to_local() for g in gathered]
+    for coordinate in range(mesh.size(0)):
+        owned = [j for j, owner in enumerate(owners) if owner == coordinate]
+        if not owned:
+            continue
+        if coordinate == outer_rank:
+            bucket = _Bucket([gathered[j] for j in owned], 1,
+                             placements[1].dim)
+            for j, out in zip(owned, bucket.run(
+                    [inner_parts[j] for j in owned], fn,
+                    [indices[j] for j in owned])):
+                inner_parts[j] = out
+        # The owners' results, inner shards, to the whole outer group.
+        flat = torch.cat([inner_parts[j].reshape(-1) for j in owned])
+        dist.broadcast(flat, dist.get_global_rank(outer_group, coordinate),
+                       group=outer_group)
+        for j, piece in zip(owned, _split(
+                flat, [inner_parts[j].numel() for j in owned])):
+            inner_parts[j] = piece.view(inner_parts[j].shape)
+    return [
+        DTensor.from_local(part, mesh, inner, run_check=False, shape=p.shape,
+                           stride=p.stride()).redistribute(
+                               mesh, placements).to_local()
+        for p, part in zip(params, inner_parts)
+    ]
+
+
 def apply_to_whole(params: Sequence[torch.Tensor],
                    locals_: Sequence[torch.Tensor],
                    fn: WholeFn) -> List[torch.Tensor]:
@@ -170,10 +227,17 @@ def apply_to_whole(params: Sequence[torch.Tensor],
             results[index] = fn(index, local)
             continue
         where = _one_shard_dim(param)
+        if where is None and _both_dims_sharded(param):
+            where = '2d'
         key = (id(param.device_mesh), tuple(param.placements), where)
         buckets.setdefault(key, []).append(index)
     for (_, _, where), indices in buckets.items():
         members = [params[i] for i in indices]
+        if where == '2d':
+            for i, out in zip(indices, _on_2d_mesh(
+                    members, [locals_[i] for i in indices], fn, indices)):
+                results[i] = out
+            continue
         if where is None:
             for i in indices:
                 whole = DTensor.from_local(

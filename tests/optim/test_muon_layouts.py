@@ -72,28 +72,43 @@ def test_each_matrix_orthogonalised_whole_on_one_owner(run_dist):
     assert calls[0] and calls[1]
 
 
-def _whole_on_2d_mesh():
-    """FSDP2 x TP's layout (two sharded mesh dimensions): gathered whole."""
+def _whole_on_2d_mesh(placements):
+    """FSDP2 x TP's layouts (both dimensions of a 2 x 2 mesh sharded): every
+    rank gets its part of fn(whole matrix); the fn calls of this rank."""
     from mmpar.optim.muon import newton_schulz
     from mmpar.optim.whole_matrix import apply_to_whole
     mesh = init_device_mesh('cpu', (2, 2))
-    whole = torch.randn((6, 5), generator=torch.Generator().manual_seed(0))
-    param = distribute_tensor(whole, mesh, [Shard(0), Shard(1)],
-                              src_data_rank=None)
+    gen = torch.Generator().manual_seed(0)
+    wholes = [torch.randn(shape, generator=gen)
+              for shape in ((6, 5), (8, 4), (5, 7), (3, 9), (1, 4))]
+    params = [distribute_tensor(w, mesh, placements, src_data_rank=None)
+              for w in wholes]
+    calls = []
 
     def fn(index, matrix):
-        torch.testing.assert_close(matrix, whole, atol=0, rtol=0)
+        calls.append(index)
+        torch.testing.assert_close(matrix, wholes[index], atol=0, rtol=0)
         return newton_schulz(matrix, (3.4445, -4.775, 2.0315), 5, 1e-7)
 
-    local = apply_to_whole([param], [param.to_local()], fn)[0]
-    expected = distribute_tensor(fn(0, whole), mesh, param.placements,
-                                 src_data_rank=None).to_local()
-    torch.testing.assert_close(local, expected, atol=0, rtol=0)
+    out = apply_to_whole(params, [p.to_local() for p in params], fn)
+    for param, whole, local in zip(params, wholes, out):
+        expected = distribute_tensor(
+            newton_schulz(whole, (3.4445, -4.775, 2.0315), 5, 1e-7).float(),
+            mesh, param.placements, src_data_rank=None).to_local()
+        torch.testing.assert_close(local, expected, atol=0, rtol=0)
+    return calls
 
 
-def test_two_sharded_mesh_dims_gathered_whole(run_dist):
-    """The repeated-work path, exact (atol=rtol=0) on a 2 x 2 mesh."""
-    run_dist(_whole_on_2d_mesh, world_size=4)
+@pytest.mark.parametrize('placements', [(Shard(0), Shard(1)),
+                                        (Shard(0), Shard(0)),
+                                        (Shard(1), Shard(0))],
+                         ids=['rowwise', 'colwise', 'outer_cols'])
+def test_two_sharded_mesh_dims_each_matrix_once(run_dist, placements):
+    """Exact (atol=rtol=0) on a 2 x 2 mesh, even, uneven and empty shards;
+    each matrix orthogonalised on one rank, the work on more than one."""
+    calls = run_dist(_whole_on_2d_mesh, placements, world_size=4)
+    assert sorted(sum(calls, [])) == list(range(5))
+    assert sum(1 for mine in calls if mine) > 1
 
 
 # --------------------------------------------------------- the Runner
