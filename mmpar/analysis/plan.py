@@ -60,6 +60,8 @@ class Plan:
     layout: ParallelLayout
     wrapper_type: str
     wrapper_source: str
+    # FSDP2 shards each parameter, FSDP1 each unit's flat parameter.
+    per_param_shards: bool
     wrapper_args: dict
     model_cls: str
     param_numel: int
@@ -379,6 +381,8 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         dims=topology.dims,
         layout=topology.layout,
         wrapper_type=wrapper_cls.__name__,
+        per_param_shards=getattr(wrapper_cls, 'shards_each_parameter',
+                                 False),
         wrapper_source='model_wrapper_cfg' if explicit else
         f'default for parallel.use_fsdp={parallel.use_fsdp}',
         wrapper_args=resolved_wrapper_args(wrapper_cls, kwargs),
@@ -575,7 +579,7 @@ def _plan_fsdp(plan: Plan, stages: List[nn.Module], policy, key: str,
     plan.units = []
     for index, stage in zip(plan.pp_stages or [None], stages):
         units = fsdp_units(stage, policy, plan.shard_size,
-                           per_param=plan.wrapper_type == 'MMFullyShard')
+                           per_param=plan.per_param_shards)
         if index is not None:
             units[0].name = f'(stage {index} root)'
         plan.units += units

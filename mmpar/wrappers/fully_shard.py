@@ -95,6 +95,9 @@ class MMFullyShard(StepMixin, nn.Module):
     """
 
     shards_parameters = True
+    # Each parameter is its own shard (FSDP1 flattens a unit's parameters
+    # into one): the memory plan pads per parameter.
+    shards_each_parameter = True
     holds_shards = True
     data_axis_arg = 'device_mesh'
     tensor_parallel_wrapper = 'MMFullyShard'
