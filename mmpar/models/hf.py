@@ -13,6 +13,7 @@ import torch
 from mmengine.model import BaseModel
 from torch import nn
 
+from mmpar.models.hf_moe import declare_hf_experts
 from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
                                    transformer_flops_per_token)
 from mmpar.parallelize.context import (ContextParallel,
@@ -114,6 +115,8 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         self.hf_model = transformers.AutoModelForCausalLM.from_config(
             hf_config, dtype=torch.float32)
         self.hf_config = self.hf_model.config
+        # MoE experts: mmpar's forward, splittable over parallel.ep.
+        declare_hf_experts(self.hf_model)
         if pretrained is not None:
             # Copied into the parameters from memory-mapped files: built on
             # the meta device, each rank later reads only its shards.

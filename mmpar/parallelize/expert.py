@@ -63,7 +63,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Optional[DeviceMesh],
             setattr(module, param_name, nn.Parameter(
                 distribute_tensor(param.data, ep_mesh, [Shard(0)]),
                 requires_grad=param.requires_grad))
-        _hook_dispatch(module, group)
+        if hasattr(module, 'expert_parallel_group'):
+            # The protocol's second form: it dispatches inside its forward
+            # (run_local_experts).
+            module.expert_parallel_group = group
+        else:
+            _hook_dispatch(module, group)
     return model
 
 
