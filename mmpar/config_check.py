@@ -464,14 +464,17 @@ def has_experts(cfg: Any) -> bool:
     return isinstance(model, dict) and model.get('moe') is not None
 
 
+def _model_class(model: dict, cfg: Any) -> Any:
+    from mmpar.registry import MODELS
+    return check_type('model', model, MODELS, cfg.get('default_scope'),
+                      required=False)
+
+
 def _takes_moe(model: dict, cfg: Any) -> bool:
     # A model class with a ``moe`` argument (mmpar's Llama) has experts
     # only when model.moe is set; an unknown type is refused elsewhere.
     import inspect
-
-    from mmpar.registry import MODELS
-    cls = check_type('model', model, MODELS, cfg.get('default_scope'),
-                     required=False)
+    cls = _model_class(model, cfg)
     return not isinstance(cls, type) or \
         'moe' in inspect.signature(cls).parameters
 
@@ -492,7 +495,12 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
         if isinstance(model, dict) and not _takes_moe(model, cfg):
             # A user's model: its experts modules are checked against the
             # protocol when it is built (parallelize/expert.py), before
-            # any step.
+            # any step; a class that can tell from its config checks now.
+            check = getattr(_model_class(model, cfg), 'check_expert_parallel',
+                            None)
+            if callable(check):
+                with _as_config_error():
+                    check(model, ep)
             return
         named = model.get('type') if isinstance(model, dict) else model
         _fail('parallel.ep', ep,

@@ -137,26 +137,35 @@ def declare_hf_experts(hf_model: nn.Module) -> int:
     return len(found)
 
 
-def check_hf_expert_parallel(hf_config, ep: int, key: str) -> Optional[str]:
-    """Why ``parallel.ep=ep`` cannot split the experts of the Hugging Face
-    model of ``hf_config`` (None: it can).
+def check_hf_expert_parallel(hf_config, ep: int, source: str) -> None:
+    """Refuse ``parallel.ep=ep`` for a Hugging Face model whose experts it
+    cannot split.
 
     Args:
         hf_config: the transformers config.
         ep: ``parallel.ep`` (> 1).
-        key: the config key the model's config comes from
-            (``'model.config'`` or ``'model.pretrained'``), for the message.
+        source: where the config comes from: ``'model.config'``, or
+            ``"model.pretrained='DIR' config.json"``; the keys are named
+            under it.
+
+    Raises:
+        ValueError: a model_type without supported experts, or an expert
+            count ``ep`` does not divide; naming the key, its value and
+            what is allowed.
     """
     model_type = hf_config.model_type
     experts_key = SUPPORTED_MODEL_TYPES.get(model_type)
     if experts_key is None:
-        return (f'{key} has model_type={model_type!r}, whose experts mmpar '
-                'cannot split; allowed: a mixture-of-experts model_type '
-                f'of {sorted(SUPPORTED_MODEL_TYPES)} (or parallel.ep=1)')
+        raise ValueError(
+            f'{source}.model_type={model_type!r} is not allowed with '
+            f'parallel.ep={ep}: mmpar splits the experts of '
+            f'{", ".join(SUPPORTED_EXPERTS)} only; allowed: model_type '
+            f'{" or ".join(map(repr, SUPPORTED_MODEL_TYPES))} (or '
+            'parallel.ep=1)')
     num_experts = getattr(hf_config, experts_key)
     if num_experts % ep:
-        return (f'{key}.{experts_key}={num_experts}: parallel.ep={ep} '
-                'splits each layer\'s experts evenly over its ranks; '
-                f'allowed: a multiple of {ep} (or another parallel.ep)')
-    return None
-
+        raise ValueError(
+            f'{source}.{experts_key}={num_experts} is not allowed with '
+            f'parallel.ep={ep}, which splits each layer\'s experts evenly '
+            f'over its ranks; allowed: a multiple of {ep} (or another '
+            'parallel.ep)')
