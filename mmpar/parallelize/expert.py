@@ -6,7 +6,10 @@ module that meets the expert-parallel protocol
 expert dim) over the ep mesh, and hooks the module's forward: its routed
 tokens go to the ranks of their experts before it (``dispatch``) and come
 back after it (``combine``), as torchtitan's ``ExpertParallel`` style
-hooks its experts' inputs and outputs. As DTensors the experts load and
+hooks its experts' inputs and outputs (a module of the protocol's second
+form, which sorts its tokens inside its forward, gets the ep group in its
+``expert_parallel_group`` instead and dispatches through
+``run_local_experts``). As DTensors the experts load and
 save whole (full and sharded checkpoints), their norm is taken over every
 rank by the one global-norm clip, and FSDP2 shards them further over
 ``mesh['efsdp']`` (:class:`mmpar.wrappers.fully_shard.MMFullyShard`'s
