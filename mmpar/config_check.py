@@ -519,12 +519,6 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
               'stage runs its blocks without the model\'s forward, which '
               'adds the auxiliary loss and moves the balancing bias; '
               'allowed: None (or parallel.pp=1)')
-    cp = dims.cp if dims is not None else parallel.cp
-    if cp is not None and cp > 1 and moe.balance == 'aux_loss':
-        _fail('model.moe.balance', moe.balance,
-              f'with parallel.cp={cp} and parallel.ep={ep} each rank holds '
-              'part of every sequence, and the auxiliary loss is per '
-              "sequence; allowed: 'bias' or None (or parallel.cp=1)")
     if num_experts % ep:
         _fail('model.moe.num_experts', num_experts,
               f'parallel.ep={ep} splits each layer\'s experts evenly over '
