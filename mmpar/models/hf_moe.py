@@ -19,7 +19,7 @@ The supported experts classes are listed in :data:`SUPPORTED_EXPERTS`
 (their model types in :data:`SUPPORTED_MODEL_TYPES`): gated SwiGLU-style
 experts, ``[gate; up]`` concatenated, untransposed, without biases.
 """
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F

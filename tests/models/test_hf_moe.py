@@ -30,7 +30,8 @@ def test_mmpar_experts_compute_what_hugging_face_eager_computes(config):
     experts = [m for m in ours.modules()
                if type(m).__name__ in SUPPORTED_EXPERTS]
     assert len(experts) == 2
-    assert ours.hf_config._experts_implementation == EXPERTS_IMPLEMENTATION
+    assert ours.hf_model.get_experts_implementation() == {
+        '': EXPERTS_IMPLEMENTATION}
     assert all(m.expert_parallel_params == ('gate_up_proj', 'down_proj')
                for m in experts)
     eager = copy.deepcopy(ours.hf_model)
