@@ -15,6 +15,9 @@ Reading never holds more than one tensor per call of
 :func:`iter_hf_tensors` (``safetensors.safe_open``), and names come back as
 the plain model's: the same function serves a loader that copies each tensor
 straight into its shard. Nothing is downloaded: every path is local.
+A mixture-of-experts directory (Mixtral, Qwen3-MoE: one tensor per expert
+in the files, stacked in the model) is read whole through transformers'
+``from_pretrained``, whose per-model conversion stacks the experts.
 """
 import json
 import os.path as osp
