@@ -464,14 +464,17 @@ def has_experts(cfg: Any) -> bool:
     return isinstance(model, dict) and model.get('moe') is not None
 
 
+def _model_class(model: dict, cfg: Any) -> Any:
+    from mmpar.registry import MODELS
+    return check_type('model', model, MODELS, cfg.get('default_scope'),
+                      required=False)
+
+
 def _takes_moe(model: dict, cfg: Any) -> bool:
     # A model class with a ``moe`` argument (mmpar's Llama) has experts
     # only when model.moe is set; an unknown type is refused elsewhere.
     import inspect
-
-    from mmpar.registry import MODELS
-    cls = check_type('model', model, MODELS, cfg.get('default_scope'),
-                     required=False)
+    cls = _model_class(model, cfg)
     return not isinstance(cls, type) or \
         'moe' in inspect.signature(cls).parameters
 
@@ -492,7 +495,12 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
         if isinstance(model, dict) and not _takes_moe(model, cfg):
             # A user's model: its experts modules are checked against the
             # protocol when it is built (parallelize/expert.py), before
-            # any step.
+            # any step; a class that can tell from its config checks now.
+            check = getattr(_model_class(model, cfg), 'check_expert_parallel',
+                            None)
+            if callable(check):
+                with _as_config_error():
+                    check(model, ep)
             return
         named = model.get('type') if isinstance(model, dict) else model
         _fail('parallel.ep', ep,
@@ -511,12 +519,6 @@ def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
               'stage runs its blocks without the model\'s forward, which '
               'adds the auxiliary loss and moves the balancing bias; '
               'allowed: None (or parallel.pp=1)')
-    cp = dims.cp if dims is not None else parallel.cp
-    if cp is not None and cp > 1 and moe.balance == 'aux_loss':
-        _fail('model.moe.balance', moe.balance,
-              f'with parallel.cp={cp} and parallel.ep={ep} each rank holds '
-              'part of every sequence, and the auxiliary loss is per '
-              "sequence; allowed: 'bias' or None (or parallel.cp=1)")
     if num_experts % ep:
         _fail('model.moe.num_experts', num_experts,
               f'parallel.ep={ep} splits each layer\'s experts evenly over '

@@ -13,6 +13,8 @@ import torch
 from mmengine.model import BaseModel
 from torch import nn
 
+from mmpar.models.hf_moe import (check_hf_expert_parallel,
+                                  declare_hf_experts)
 from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
                                    transformer_flops_per_token)
 from mmpar.parallelize.context import (ContextParallel,
@@ -114,6 +116,8 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         self.hf_model = transformers.AutoModelForCausalLM.from_config(
             hf_config, dtype=torch.float32)
         self.hf_config = self.hf_model.config
+        # MoE experts: mmpar's forward, splittable over parallel.ep.
+        declare_hf_experts(self.hf_model)
         if pretrained is not None:
             # Copied into the parameters from memory-mapped files: built on
             # the meta device, each rank later reads only its shards.
@@ -126,6 +130,30 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
             self.hf_config.tie_word_embeddings)
         self._declare_pipeline_parts()
         self._init_context_parallel()
+
+    @classmethod
+    def check_expert_parallel(cls, model_cfg: dict, ep: int) -> None:
+        """At start-up (``mmpar.config_check``), before any process group:
+        refuse ``parallel.ep=ep`` when the configured model's experts
+        cannot be split (a dense or unsupported model, an expert count
+        ``ep`` does not divide).
+
+        Args:
+            model_cfg: the ``model`` section.
+            ep: ``parallel.ep`` (> 1).
+
+        Raises:
+            ValueError: naming the key, its value and what is allowed.
+        """
+        transformers = import_transformers()
+        pretrained = model_cfg.get('pretrained')
+        if pretrained is not None and model_cfg.get('config') is None:
+            hf_config = _pretrained_config(transformers, pretrained)
+            source = f'model.pretrained={pretrained!r} config.json'
+        else:
+            hf_config = _hf_config(transformers, model_cfg.get('config'))
+            source = 'model.config'
+        check_hf_expert_parallel(hf_config, ep, source)
 
     @property
     def decoder_layer_class(self) -> str:

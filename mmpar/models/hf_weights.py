@@ -15,6 +15,9 @@ Reading never holds more than one tensor per call of
 :func:`iter_hf_tensors` (``safetensors.safe_open``), and names come back as
 the plain model's: the same function serves a loader that copies each tensor
 straight into its shard. Nothing is downloaded: every path is local.
+A mixture-of-experts directory (Mixtral, Qwen3-MoE: one tensor per expert
+in the files, stacked in the model) is read whole through transformers'
+``from_pretrained``, whose per-model conversion stacks the experts.
 """
 import json
 import os.path as osp
@@ -23,6 +26,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 from torch import nn
 
+from mmpar.models.hf_moe import hf_experts_modules
 from mmpar.wrappers.base import describe
 
 WEIGHTS_NAME = 'model.safetensors'
@@ -204,6 +208,8 @@ def read_hf_state_dict(path: str, model: nn.Module) -> Dict[str, torch.Tensor]:
     _check_architecture(path, owner.hf_config)
     reference = meta_hf_model(owner.hf_config)
     expected = reference.state_dict()
+    if hf_experts_modules(reference):
+        return _read_through_transformers(path, owner, expected)
     tied = tied_sources(reference)
     unknown = sorted(set(files) - set(expected))
     if unknown:
@@ -229,6 +235,27 @@ def read_hf_state_dict(path: str, model: nn.Module) -> Dict[str, torch.Tensor]:
         tensors[key] = tensor.to(want.dtype)
     return {owner.hf_to_plain_name(key): tensors[source]
             for key, source in sources.items()}
+
+
+def _read_through_transformers(path: str, owner: nn.Module,
+                               expected: Dict[str, torch.Tensor]
+                               ) -> Dict[str, torch.Tensor]:
+    # save_pretrained writes MoE experts one tensor per expert (the
+    # checkpoints' layout, e.g. Mixtral's block_sparse_moe.experts.<e>.w1)
+    # and from_pretrained stacks them into the model's gate_up_proj /
+    # down_proj by its per-model conversion table: let it (the whole model
+    # in memory on each rank, not one tensor at a time).
+    from transformers import AutoModelForCausalLM
+    if not osp.isdir(path):
+        raise ValueError(
+            f'{path}: the experts of {type(owner).__name__} are read through '
+            "transformers' from_pretrained; allowed: a save_pretrained "
+            'directory')
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, config=owner.hf_config)
+    state = hf_model.state_dict()
+    return {owner.hf_to_plain_name(key): state[key].to(want.dtype)
+            for key, want in expected.items()}
 
 
 def save_hf_checkpoint(model: nn.Module, state: Dict[str, torch.Tensor],

@@ -440,6 +440,10 @@ class Llama(LMPipelineOutputs, BaseModel):
         self.register_buffer('rope_cos', torch.empty(0), persistent=False)
         self.register_buffer('rope_sin', torch.empty(0), persistent=False)
         self.context_parallel: Optional[ContextParallel] = None
+        if self.moe is not None:
+            # The MoE layers' auxiliary loss spans whole sequences: they
+            # take the cp setting too.
+            self.context_parallel_modules = ('layers.*.attn', 'layers.*.mlp')
         self.reset_parameters()
         # Counted now: a sharding wrapper (FSDP1 flat parameters) hides the
         # real sizes later, and FLOPs are those of the whole model.

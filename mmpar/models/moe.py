@@ -33,10 +33,12 @@ from typing import Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
 from mmpar.parallel.experts import SharedGroup, local_experts
+from mmpar.parallel.sequence import ContextParallel
 
 SCORE_FUNCS = ('softmax', 'sigmoid')
 BALANCE = ('aux_loss', 'bias', None)
@@ -269,6 +271,10 @@ class MoE(nn.Module):
         # The ranks whose counts the bias update sums (set by
         # mmpar.parallelize.expert; None: this process's).
         self.balance_group: Optional[SharedGroup] = None
+        # The cp ranks this layer's sequences are split over (set by
+        # mmpar.parallelize.context; None: whole sequences here): the
+        # auxiliary loss sums its per-sequence counts over them.
+        self.context_parallel: Optional[ContextParallel] = None
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
 
@@ -322,9 +328,21 @@ class MoE(nn.Module):
         num_experts, top_k = self.cfg.num_experts, self.cfg.top_k
         seq = scores.shape[1]
         hits = F.one_hot(chosen, num_experts).sum((1, 2)).float()
-        share = hits * num_experts / (top_k * seq)
         probs = scores / scores.sum(-1, keepdim=True)
-        per_seq = (share * probs.mean(1)).sum(-1)
+        cp = self.context_parallel
+        if cp is None:
+            mean_probs = probs.mean(1)
+        else:
+            # This rank holds part of each sequence: its counts and score
+            # sums are summed over the cp ranks (the scores' with autograd:
+            # the backward of a sum is the sum of the ranks' gradients), so
+            # every cp rank computes the whole sequence's loss.
+            dist.all_reduce(hits, group=cp.group)
+            seq *= cp.size
+            mean_probs = dist_fn.all_reduce(probs.sum(1),
+                                            group=cp.group) / seq
+        share = hits * num_experts / (top_k * seq)
+        per_seq = (share * mean_probs).sum(-1)
         return self.cfg.aux_loss_weight * per_seq.mean()
 
     @torch.no_grad()

@@ -27,9 +27,16 @@ meet alike:
 Under ep mmpar splits the stacked parameters on dim 0 over the ep ranks
 and hooks the forward: :func:`dispatch` before it, :func:`combine` after
 it; the module itself knows nothing of ep.
+
+A module whose forward takes something else (Hugging Face's experts take
+the tokens and their top-k choices, and sort inside) meets the protocol's
+second form instead: it declares ``expert_parallel_group = None`` and
+passes its tokens, sorted by expert, through :func:`run_local_experts`;
+mmpar then sets that attribute to the ep group rather than hooking the
+forward.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +61,8 @@ class SharedGroup:
 
 @dataclass(frozen=True)
 class ExpertGroup:
-    """The ranks one layer's experts are split over.
+    """The ranks one layer's experts are split over; shared, not copied,
+    by a deep copy of the module holding it (as :class:`SharedGroup`).
 
     Attributes:
         group: the ep process group.
@@ -62,6 +70,9 @@ class ExpertGroup:
     """
     group: dist.ProcessGroup
     size: int
+
+    def __deepcopy__(self, memo: dict) -> 'ExpertGroup':
+        return self
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,34 @@ def combine(computed: torch.Tensor, dispatched: Dispatched,
         computed.new_empty((sum(dispatched.send_splits),
                             computed.shape[1])), unsorted,
         dispatched.send_splits, dispatched.recv_splits, group=experts.group)
+
+
+def run_local_experts(
+        module: torch.nn.Module, routed: torch.Tensor, counts: torch.Tensor,
+        compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``compute(routed, counts)`` on the experts this rank holds: the
+    protocol's second form, for an experts module that sorts its tokens
+    inside its forward (it declares ``expert_parallel_group``).
+
+    Args:
+        module: the experts module; under ep its ``expert_parallel_group``
+            is the :class:`ExpertGroup` (set by mmpar), else None.
+        routed: ``(N, dim)`` token copies sorted by expert (all ``E``).
+        counts: ``(E,)`` rows of each expert.
+        compute: the experts' computation; it gets the rows of the
+            experts this rank holds and their counts, and returns one row
+            per row.
+
+    Returns:
+        One output row per row of ``routed``, in its order. Under ep a
+        collective over the group (:func:`dispatch`, :func:`combine`).
+    """
+    group = module.expert_parallel_group
+    if group is None:
+        return compute(routed, counts)
+    tokens, local_counts, sent = dispatch(routed, counts, group)
+    return combine(compute(tokens, local_counts), sent, group)
 
 
 def local_experts(weight: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,10 @@ module that meets the expert-parallel protocol
 expert dim) over the ep mesh, and hooks the module's forward: its routed
 tokens go to the ranks of their experts before it (``dispatch``) and come
 back after it (``combine``), as torchtitan's ``ExpertParallel`` style
-hooks its experts' inputs and outputs. As DTensors the experts load and
+hooks its experts' inputs and outputs (a module of the protocol's second
+form, which sorts its tokens inside its forward, gets the ep group in its
+``expert_parallel_group`` instead and dispatches through
+``run_local_experts``). As DTensors the experts load and
 save whole (full and sharded checkpoints), their norm is taken over every
 rank by the one global-norm clip, and FSDP2 shards them further over
 ``mesh['efsdp']`` (:class:`mmpar.wrappers.fully_shard.MMFullyShard`'s
@@ -63,7 +66,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Optional[DeviceMesh],
             setattr(module, param_name, nn.Parameter(
                 distribute_tensor(param.data, ep_mesh, [Shard(0)]),
                 requires_grad=param.requires_grad))
-        _hook_dispatch(module, group)
+        if hasattr(module, 'expert_parallel_group'):
+            # The protocol's second form: it dispatches inside its forward
+            # (run_local_experts).
+            module.expert_parallel_group = group
+        else:
+            _hook_dispatch(module, group)
     return model
 
 

@@ -31,9 +31,12 @@ def test_ep_inside_hsdp():
             dims.efsdp) == (2, 2, 1, 4, 1)
 
 
-def test_ep_with_cp_balanced_by_the_bias():
+@pytest.mark.parametrize('balance', ['bias', 'aux_loss'])
+def test_ep_with_cp_balanced(balance):
+    """Either balancing: the auxiliary loss sums each sequence's counts
+    over the cp ranks (tests/tools/test_ep_end_to_end.py)."""
     dims = _check(world=4, cp=2,
-                  model=dict(type='Llama', moe=dict(balance='bias'))).dims
+                  model=dict(type='Llama', moe=dict(balance=balance))).dims
     assert (dims.ep, dims.cp, dims.dp, dims.efsdp) == (2, 2, 2, 2)
 
 
@@ -60,9 +63,6 @@ def test_ep_with_tp():
      'model.moe.num_experts=3 is not allowed; parallel.ep=2 splits'),
     (dict(wrapper=None), "model_wrapper_cfg.type='MMDistributedDataParallel'"
      ' cannot wrap an expert-parallel model'),
-    (dict(world=4, cp=2), "model.moe.balance='aux_loss' is not allowed; "
-     'with parallel.cp=2 and parallel.ep=2 each rank holds part of every '
-     'sequence'),
     (dict(world=4, dp_replicate=2,
           wrapper=dict(FSDP2, sharding_strategy='HYBRID_SHARD')),
      "model_wrapper_cfg.sharding_strategy='HYBRID_SHARD' with parallel.ep=2"

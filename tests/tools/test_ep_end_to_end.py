@@ -103,15 +103,21 @@ def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
         'pp=2' in ep_log
 
 
-def test_dist_train_ep2_cp2_matches_one_process(tmp_path):
+@pytest.mark.parametrize('balance,keys', [
+    ('bias', ('loss', 'grad_norm')),
+    ('aux_loss', ('loss', 'grad_norm', 'moe_aux_loss')),
+])
+def test_dist_train_ep2_cp2_matches_one_process(tmp_path, balance, keys):
     """ep=2 x cp=2 on 4 ranks: each rank routes its part of every sequence
-    (the MoE layer is per token), the experts sharded over efsdp = cp = 2;
-    balanced by the bias (the auxiliary loss is per sequence, refused with
-    cp), its loads summed over the data and cp ranks as one process counts
-    them: the final ``expert_bias`` buffers match."""
+    (the MoE layer is per token), the experts sharded over efsdp = cp = 2.
+    Balanced by the bias, its loads summed over the data and cp ranks as
+    one process counts them: the final ``expert_bias`` buffers match; or
+    by the auxiliary loss, per whole sequence: each rank's counts and
+    score sums summed over the cp ranks (the scores' gradients too)."""
     ep_log, _ = _four_ranks_against_one(
-        tmp_path, [*OPTIONS, 'model.moe.balance=bias',
-                   'model.moe.bias_update_rate=0.01'], 'parallel.cp=2')
+        tmp_path, [*OPTIONS, f'model.moe.balance={balance}',
+                   'model.moe.bias_update_rate=0.01'], 'parallel.cp=2',
+        keys=keys)
     assert 'parallel = dict(cp=2, ep=2)' in ep_log
 
 

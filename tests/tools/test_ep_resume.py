@@ -5,6 +5,10 @@ Llama, routing forced to balance) saves at 2 and 4; each resume starts
 from its iteration-2 full checkpoint, whose experts are saved whole and
 resharded on load (one expert per rank at ep=4).
 
+The same in the sharded (DCP) format: a second ep=2 run saves sharded
+directories, and the resumes at ep=1 and ep=4 read its iteration-2 one,
+DCP resharding the experts (saved as ep=2's DTensor shards) on load.
+
 The continued steps at ep=1 are also the forced-balance parity of ep=2
 with one process (tests/tools/test_ep_end_to_end.py has natural routing).
 """
@@ -12,7 +16,8 @@ import pytest
 import torch
 
 from tests.configs.test_llama_configs import SHRINK
-from tests.e2e import assert_same_training_state, load_ckpt, run_tool
+from tests.e2e import (assert_same_training_state, load_ckpt,
+                       read_dcp_checkpoint, run_tool)
 from tests.tools.ep_logs import assert_close_moments, logged
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
@@ -25,10 +30,13 @@ OPTIONS = [f'{k}={v}' for k, v in SHRINK.items()
     # a clip that bites: the norm must be the global one to match
     'optim_wrapper.clip_grad.max_norm=0.5']
 GLOBAL_BATCH = 8
+# checkpoint_format -> (its iteration-2 and 4 checkpoints, their reader)
+FORMATS = {'full': ('iter_2.pth', 'iter_4.pth', load_ckpt),
+           'sharded': ('iter_2', 'iter_4', read_dcp_checkpoint)}
 
 
-def _train(work_dir, ranks, resume=None):
-    options = [*OPTIONS,
+def _train(work_dir, ranks, resume=None, checkpoint_format='full'):
+    options = [*OPTIONS, f'checkpoint_format={checkpoint_format}',
                f'train_dataloader.batch_size={GLOBAL_BATCH // ranks}']
     if ranks == 1:
         args = ['python', 'tools/train.py', CONFIG]
@@ -48,6 +56,12 @@ def ep2_run(tmp_path_factory):
     return work_dir, _train(work_dir, 2)
 
 
+@pytest.fixture(scope='module')
+def ep2_sharded_run(tmp_path_factory):
+    work_dir = tmp_path_factory.mktemp('ep2_sharded')
+    return work_dir, _train(work_dir, 2, checkpoint_format='sharded')
+
+
 def test_resumed_at_ep2_bit_exact(ep2_run, tmp_path):
     work_dir, log = ep2_run
     resumed = _train(tmp_path, 2, resume=work_dir / 'iter_2.pth')
@@ -57,18 +71,21 @@ def test_resumed_at_ep2_bit_exact(ep2_run, tmp_path):
                                load_ckpt(work_dir / 'iter_4.pth'))
 
 
+@pytest.mark.parametrize('checkpoint_format', ['full', 'sharded'])
 @pytest.mark.parametrize('ep', [1, 4])
 def test_resumed_at_another_ep_matches_the_continued_run(
-        ep2_run, tmp_path, ep):
-    work_dir, log = ep2_run
-    resumed = _train(tmp_path, ep, resume=work_dir / 'iter_2.pth')
+        request, tmp_path, ep, checkpoint_format):
+    work_dir, log = request.getfixturevalue(
+        'ep2_run' if checkpoint_format == 'full' else 'ep2_sharded_run')
+    at_2, at_4, read = FORMATS[checkpoint_format]
+    resumed = _train(tmp_path, ep, resume=work_dir / at_2,
+                     checkpoint_format=checkpoint_format)
     assert 'resumed epoch: 0, iter: 2' in resumed
     for key in ('loss', 'grad_norm', 'moe_aux_loss'):
         # Logged with 4 decimals; the experts' rows in other blocks.
         assert logged(resumed, key) == pytest.approx(
             logged(log, key)[2:], abs=2e-4), key
-    got, want = load_ckpt(tmp_path / 'iter_4.pth'), load_ckpt(
-        work_dir / 'iter_4.pth')
+    got, want = read(tmp_path / at_4), read(work_dir / at_4)
     assert got['meta']['iter'] == want['meta']['iter'] == 4
     assert got['state_dict'].keys() == want['state_dict'].keys()
     for key, value in want['state_dict'].items():

@@ -1,0 +1,82 @@
+"""A Hugging Face MoE model (transformers' Mixtral, built offline from its
+config) trains under expert parallelism through ``tools/dist_train.sh`` as
+``tools/train.py`` trains it on one process with the same global batch:
+ep=2 on 2 ranks, and ep=2 x dp_shard=2 on 4 ranks (each rank half of its
+2 experts). The same logged losses and global gradient norms (the clip
+bites), final weights and Adam moments; the router and top-k are Hugging
+Face's, the experts run through mmpar's function in transformers'
+``ExpertsInterface``, which dispatches the routed tokens to their
+experts' ranks. The ep=2 x dp_shard=2 run's checkpoint exports with
+``convert_checkpoint.py --to hf``, ``from_pretrained`` loads it (the
+experts whole), and ``HFCausalLM(pretrained=...)`` reads it back.
+"""
+import pytest
+import torch
+
+from mmpar.convert import main as convert_main
+from tests.e2e import load_ckpt, run_tool
+from tests.tools.ep_logs import assert_matches_one_process
+
+CONFIG = 'configs/hf_finetune/mixtral_shakespeare_hf_moe.py'
+EP_CONFIG = 'configs/hf_finetune/mixtral_shakespeare_hf_moe_ep.py'
+SHRINK = [f'model.config.{k}={v}' for k, v in dict(
+    hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=2).items()]
+OPTIONS = SHRINK + [
+    'train_dataloader.dataset.context_length=32',
+    'default_hooks.logger.interval=1', 'train_cfg.max_iters=3',
+    'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=3',
+    # a clip that bites: the norm must be the global one to match
+    'optim_wrapper.clip_grad.max_norm=0.5']
+BATCH = 4  # the global batch
+EXPERTS = 'hf_model.model.layers.0.mlp.experts.gate_up_proj'
+
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory):
+    """The one-process reference, with the layouts' global batch."""
+    work_dir = tmp_path_factory.mktemp('one')
+    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
+                    work_dir, '--cfg-options', *OPTIONS,
+                    f'train_dataloader.batch_size={BATCH}'])
+    return work_dir, one.stdout + one.stderr
+
+
+@pytest.mark.parametrize('ranks,extra,layout,export', [
+    (2, [], 'parallel = dict(ep=2)', False),
+    # exported once: the experts split over ep and sharded over dp_shard
+    (4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)', True),
+], ids=['ep2', 'ep2_dp_shard2'])
+def test_hf_mixtral_under_ep_matches_one_process(tmp_path, one_process,
+                                                 ranks, extra, layout,
+                                                 export):
+    one_dir, one_log = one_process
+    ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, ranks,
+                   '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
+                   *extra, f'train_dataloader.batch_size={BATCH // ranks}'])
+    ep_log = ep.stdout + ep.stderr
+    assert layout in ep_log
+    assert_matches_one_process(ep_log, tmp_path / 'ep', one_log, one_dir,
+                               ('loss', 'grad_norm'), EXPERTS,
+                               clip_every_step=True)
+    if export:
+        _export_loads(tmp_path, one_dir)
+
+
+def _export_loads(tmp_path, one_dir):
+    """Weights out and in: Hugging Face's own loader takes the export of
+    the ep run's checkpoint, with one process's final weights."""
+    from transformers import AutoModelForCausalLM
+
+    from mmpar.models import HFCausalLM
+    out = str(tmp_path / 'hf')
+    convert_main([str(tmp_path / 'ep' / 'iter_3.pth'), '--to', 'hf',
+                  '--config', EP_CONFIG, '--out', out, '--cfg-options',
+                  *SHRINK])
+    want = load_ckpt(one_dir / 'iter_3.pth')['state_dict']
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    ours = HFCausalLM(pretrained=out)
+    for name, weight in hf.state_dict().items():
+        torch.testing.assert_close(weight, want[f'hf_model.{name}'],
+                                   atol=1e-5, rtol=1e-4, msg=name)
+        assert torch.equal(ours.state_dict()[f'hf_model.{name}'], weight)
