@@ -117,12 +117,13 @@ class FingerprintHook(Hook):
             module.register_forward_pre_hook(self._entered(name))
             module.register_forward_hook(self._left(name))
             self.touches[name] = self._placements(module)
-        if not self.reference_shapes:  # the reference: plain parameters
+        if not self.reference_shapes:  # the reference
             # The order gradients are ready in, which names the module a
             # gradient first differs at (the root's own parameters, used
-            # first, are ready last).
+            # first, are ready last). A parallel reference's parameters may
+            # be views of a flat one (FSDP1), which take no such hook.
             for name, param in plain_named_parameters(runner.model):
-                if param.requires_grad:
+                if param.requires_grad and param.is_leaf:
                     param.register_post_accumulate_grad_hook(
                         self._grad_ready(name))
         runner.optim_wrapper.optimizer.register_step_pre_hook(

@@ -1,6 +1,7 @@
 """tools/verify.py as a user meets it: the shipped ViT config agrees at
 DDP, FSDP1, FSDP2, tp=2 and pp=2; a user's own mistakes (their plan,
-sampler, loss, model written here) are named at the right step and module.
+sampler, loss, model written here) are named at the right step and module,
+against one process or a parallel reference (``--against dp_shard=2``).
 
 The reference runs in this process, the layout on the shared gloo pool
 (``run_dist``), through the same functions the tool calls; one launch of
@@ -18,6 +19,7 @@ from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
 from mmpar.registry import DATA_SAMPLERS, MODELS
 from mmpar.verify import check_options, run_layout, run_reference
+from mmpar.verify.choose import choose_reference
 from tests.e2e import ROOT, run_tool
 from tests.verify.one_rank_fails import MESSAGE
 from tests.trained import SMALL_MODEL
@@ -133,18 +135,29 @@ def user_cfg(config, **updates):
     return cfg
 
 
-def _layout(config, updates, work_dir):
+def _layout(config, updates, work_dir, against='one-process'):
     cfg = user_cfg(config, **updates)
     cfg.launcher = 'pytorch'
-    verdict = run_layout(cfg, work_dir, STEPS, **TOL)
+    verdict = run_layout(cfg, work_dir, STEPS, **TOL, against=against)
     return None if verdict is None else (verdict.agree, verdict.text)
 
 
-def verify(run_dist, config, work_dir, reference=True, **updates):
-    """The verdict's (agree, text) from rank 0."""
-    if reference:
+def _parallel_reference(config, work_dir, against):
+    cfg = user_cfg(config)
+    cfg.launcher = 'pytorch'
+    return run_reference(cfg, work_dir, STEPS, 2, against)
+
+
+def verify(run_dist, config, work_dir, reference=True, against=None,
+           **updates):
+    """The verdict's (agree, text) from rank 0; against a parallel
+    reference (at 2 ranks) when ``against`` is given."""
+    if reference and against is None:
         run_reference(user_cfg(config, **updates), str(work_dir), STEPS, 2)
-    results = run_dist(_layout, config, updates, str(work_dir))
+    elif reference:
+        run_dist(_parallel_reference, config, str(work_dir), against)
+    results = run_dist(_layout, config, updates, str(work_dir),
+                       against or 'one-process')
     return results[0]
 
 
@@ -242,6 +255,39 @@ def test_loss_averaged_per_rank_named_at_the_head_gradient(run_dist,
     # The same loss with its count: mmpar averages over the global count.
     agree, text = verify(run_dist, CONFIG, tmp_path / 'counted',
                          model=dict(type='UnlabelledViT', count=True))
+    assert agree, text
+
+
+def test_fused_qkv_split_as_plain_colwise_named_against_dp_shard_2(
+        run_dist, tmp_path):
+    # The user's timm-style attention (one qkv Linear, rows [q; k; v]) split
+    # by a plain colwise plan, not a fused one: rank 0 holds q and half of
+    # k as "its q, k, v". The gathered qkv output is the reference's; the
+    # attention's output, `proj`, is the first to differ. The fused plan
+    # agrees, against the same data-parallel reference (2 ranks, DDP).
+    plans = {}
+    for name, qkv in (('plain', "'colwise'"),
+                      ('fused', "dict(style='colwise', fused=3)")):
+        plans[name] = tmp_path / f'{name}.py'
+        plans[name].write_text(
+            f"_base_ = [{str(ROOT / TP_CUSTOM)!r}]\n"
+            "model = dict(fused_qkv=True)\n"
+            "parallel = dict(tp_plan=dict(plan=dict(_delete_=True, **{\n"
+            "    'blocks.*.attn': 'prepare_input',\n"
+            f"    'blocks.*.attn.qkv': {qkv},\n"
+            "    'blocks.*.attn.proj': 'rowwise',\n"
+            "    'blocks.*.mlp.fc1': 'colwise',\n"
+            "    'blocks.*.mlp.fc2': 'rowwise'})))\n")
+    against = 'dp_shard=2'
+    agree, text = verify(run_dist, plans['plain'], tmp_path, against=against)
+    assert not agree
+    assert 'step 0 differs first at module `blocks.0.attn.proj` (output)' \
+        in text, text
+    assert '`blocks.0.attn.qkv`' in text.splitlines()[1], text
+    assert "tp: rowwise plan on 'blocks.*.attn.proj'" in text, text
+    assert '(dp_shard=2 at 2 ranks)' in text, text
+    agree, text = verify(run_dist, plans['fused'], tmp_path, reference=False,
+                         against=against)
     assert agree, text
 
 
