@@ -21,7 +21,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mmpar.verify.fingerprint import row_fingerprint, tensor_fingerprint
 from mmpar.verify.stage_probe import StageProbe
@@ -92,6 +92,9 @@ class FingerprintHook(Hook):
         self.touches: Dict[str, List[str]] = {}
         self.running: List[str] = []  # modules entered, not left
         self._tp = None
+        # Per tp module: the weight row (output column) each gathered
+        # column of its output is; None where they are in order.
+        self._columns: Dict[str, Optional[torch.Tensor]] = {}
         self._probe: Optional[StageProbe] = None
         self._held: Dict[str, list] = {}  # the stages' shape probe
         self._new_step()
@@ -149,7 +152,7 @@ class FingerprintHook(Hook):
         def hook(module, args, output):
             if self.running and self.running[-1] == name:
                 self.running.pop()
-            self._record_output(name, output)
+            self._record_output(name, output, module)
         return hook
 
     def _grad_ready(self, name: str):
@@ -159,7 +162,8 @@ class FingerprintHook(Hook):
         return hook
 
     # -- recording ------------------------------------------------------------
-    def _full(self, name: str, index: int, tensor: torch.Tensor):
+    def _full(self, name: str, index: int, tensor: torch.Tensor,
+              module: Optional[nn.Module] = None):
         if isinstance(tensor, DTensor):
             return tensor.full_tensor()
         want = self.reference_shapes.get((name, index))
@@ -168,11 +172,46 @@ class FingerprintHook(Hook):
         dim = tp_split_dim(tuple(tensor.shape), want, self._tp.world_size)
         if dim is None:
             return tensor
+        whole = torch.cat(self._gather_tp(tensor), dim)
+        if dim == whole.dim() - 1 and module is not None:
+            columns = self._output_columns(name, module, whole.shape[-1])
+            if columns is not None:  # back in the weight's row order
+                ordered = torch.empty_like(whole)
+                ordered[..., columns.to(whole.device)] = whole
+                return ordered
+        return whole
+
+    def _gather_tp(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         parts = [torch.empty_like(tensor) for _ in range(self._tp.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self._tp.group)
-        return torch.cat(parts, dim)
+        return parts
 
-    def _record_output(self, name: str, output: Any) -> None:
+    def _output_columns(self, name: str, module: nn.Module,
+                        width: int) -> Optional[torch.Tensor]:
+        """The row of ``module``'s weight that each column of its gathered
+        output is: a split that packs several parts (a fused q/k/v, gate
+        and up: ``dict(style='colwise', fused=3)``) gives each rank a slice
+        of every part, so the tp ranks' outputs side by side are not the
+        reference's order. Found once per module by laying out the row
+        numbers as its weight is (collective over tp: every tp rank runs
+        the module)."""
+        if name not in self._columns:
+            weight = getattr(module, 'weight', None)
+            columns = None
+            if isinstance(weight, DTensor) and weight.device_mesh.ndim == 1 \
+                    and weight.shape[0] == width:
+                rows = distribute_tensor(
+                    torch.arange(width, device=weight.device_mesh.device_type),
+                    weight.device_mesh, weight.placements,
+                    src_data_rank=None).to_local()
+                columns = torch.cat(self._gather_tp(rows)).cpu()
+                if torch.equal(columns, torch.arange(width)):
+                    columns = None
+            self._columns[name] = columns
+        return self._columns[name]
+
+    def _record_output(self, name: str, output: Any,
+                       module: Optional[nn.Module] = None) -> None:
         leaves = [t for t in tensor_leaves(output) if t.is_floating_point()]
         if not leaves:
             return
@@ -182,7 +221,7 @@ class FingerprintHook(Hook):
         store = self._held if self._probe and self._probe.active \
             else self._outputs
         for index, tensor in enumerate(leaves):
-            tensor = self._full(name, index, tensor)
+            tensor = self._full(name, index, tensor, module)
             if tensor.dim() == 0:  # a scalar (a loss): compared as the loss
                 continue
             self.shapes.setdefault((name, index), tuple(tensor.shape))

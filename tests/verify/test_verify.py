@@ -332,7 +332,10 @@ def test_dist_verify_ends_when_the_layout_fails_on_one_rank(tmp_path):
     (0, 1e-3, 0.0, 'one-process', '--steps=0'),
     (2, -1.0, 0.0, 'one-process', '--rtol=-1.0'),
     (2, 1e-3, float('nan'), 'one-process', '--atol=nan'),
-    (2, 1e-3, 0.0, 'tp=2', "--against='tp=2'; allowed: one-process"),
+    (2, 1e-3, 0.0, 'tp=2', "--against='tp=2': a tensor-parallel reference"),
+    (2, 1e-3, 0.0, 'dp_shard=1', "--against='dp_shard=1': 1 rank"),
+    (2, 1e-3, 0.0, 'dp=x', "--against='dp=x': unknown axis 'dp'"),
+    (2, 1e-3, 0.0, 'pp=two', "--against='pp=two': pp=two is not an int"),
 ])
 def test_bad_options_name_the_option(steps, rtol, atol, against, named):
     with pytest.raises(ConfigError, match='allowed') as err:
