@@ -8,10 +8,11 @@ For each file of ``configs/vit_digits``, ``configs/llama_shakespeare`` and
 ``bash tools/dist_verify.sh CONFIG N --steps K`` at the world size the
 config documents (its ``bash tools/dist_train.sh CONFIG N`` line; 2 when it
 documents none; :data:`RANKS_HERE` where this CPU machine runs a smaller
-documented layout, unless ``--documented``), with ``--cfg-options`` that shrink the model and the
-data (:func:`shrink_options`: the layout, the plan and the wrapper stay the
-config's own). It prints a markdown table (config, layout, ranks, verdict
-with the largest relative difference) and writes it to ``--out``.
+documented layout, unless ``--documented``), with ``--cfg-options``
+that shrink the model and the data (:func:`shrink_options`: the layout,
+the plan and the wrapper stay the config's own). It prints a markdown
+table (config, layout, ranks, verdict with the largest relative
+difference) and writes it to ``--out``.
 
 The Hugging Face fine-tuning configs load a local ``save_pretrained``
 directory: a small random LlamaForCausalLM is written to

@@ -1,7 +1,7 @@
 """Train K steps of a config at its layout and at the reference layout
-(one process, or the layout ``--against`` names) through mmpar's own Runner, each with a
-:class:`~mmpar.verify.recorder.FingerprintHook`, in the verify work dir,
-and compare them (docs/verify.md)."""
+(one process, or the layout ``--against`` names) through mmpar's own
+Runner, each with a :class:`~mmpar.verify.recorder.FingerprintHook`, in
+the verify work dir, and compare them (docs/verify.md)."""
 import copy
 import os
 import os.path as osp

@@ -26,7 +26,8 @@ def test_parallel_reference_config():
     assert parse_against(' pp=2, dp_shard=2').label == 'dp_shard=2,pp=2'
     for bad, why in (('dp_shard=3', 'does not split over its 3 data ranks'),
                      ('pp=2', "pp needs the config's parallel.pipeline"),
-                     ('dp_shard=2,wrapper=Nope', "'Nope' is not a registered")):
+                     ('dp_shard=2,wrapper=Nope',
+                      "'Nope' is not a registered")):
         with pytest.raises(ConfigError, match='allowed') as err:
             reference_config(cfg, 2, bad)
         assert f'--against={bad!r}: ' in str(err.value)
