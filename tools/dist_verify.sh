@@ -17,9 +17,13 @@ AGAINST=()
 # A reference other than the default one process: choose it (and refuse a
 # bad --against) before anything trains.
 if printf '%s\n' "${@:3}" | grep -qE '^--(against|memory-budget)'; then
-    CHOICE=$(python "$HERE/verify.py" "$1" --choose-reference "$2" "${@:3}" \
-        | grep '^verify-reference: ' | tail -n 1)
-    read -r _ REF_RANKS LAYOUT <<< "$CHOICE"
+    if ! OUT=$(python "$HERE/verify.py" "$1" --choose-reference "$2" \
+            "${@:3}"); then
+        printf '%s\n' "$OUT"  # the refusal (a logger's line) is here
+        exit 1
+    fi
+    read -r _ REF_RANKS LAYOUT <<< "$(printf '%s\n' "$OUT" \
+        | grep '^verify-reference: ' | tail -n 1)"
     AGAINST=(--against "$LAYOUT")
 fi
 if [ "$REF_RANKS" = 1 ]; then

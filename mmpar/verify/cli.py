@@ -78,6 +78,13 @@ def verify_main(argv: Optional[List[str]] = None) -> int:
               f'{against}', flush=True)
         return 0
     if args.reference_world is not None:
+        ranks = parse_against(args.against).world_size
+        if ranks > 1 and args.launcher == 'none':
+            raise ConfigError(
+                f'--against={args.against!r}: the reference runs on {ranks} '
+                'ranks in a launched job; allowed: bash tools/dist_verify.sh '
+                'CONFIG N --against ... (which launches it), or --launcher '
+                f'pytorch under torchrun --nproc_per_node {ranks}')
         path = run_reference(cfg, work_dir, args.steps, args.reference_world,
                              args.against)
         if path is not None:

@@ -298,12 +298,23 @@ def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
         f"_base_ = [{str(ROOT / TP_CUSTOM)!r}]\n"
         "parallel = dict(tp_plan=dict(plan={'blocks.*.mlp.fc1': 'rowwise', "
         "'blocks.*.mlp.fc2': 'colwise'}))\n")
-    proc = run_tool(['bash', 'tools/dist_verify.sh', config, 2, '--steps',
-                     1, '--work-dir', tmp_path / 'verify'], check=False)
+    work_dir = tmp_path / 'verify'
+    tool = ['bash', 'tools/dist_verify.sh', config, 2, '--steps', 1,
+            '--work-dir', work_dir]
+    # A reference layout the global batch (32) does not split over: refused
+    # before anything trains.
+    proc = run_tool(tool + ['--against', 'dp_shard=3'], check=False)
+    assert proc.returncode != 0
+    assert "--against='dp_shard=3': the global batch of 32 samples" in \
+        proc.stdout + proc.stderr, proc.stdout[-3000:]
+    assert not work_dir.exists()
+    # Against a data-parallel reference, launched on its own 2 ranks.
+    proc = run_tool(tool + ['--against', 'dp_shard=2'], check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert 'step 0: the layout failed in module `blocks.0.mlp.fc1`' in \
         proc.stdout, proc.stdout[-3000:]
     assert "tp: rowwise plan on 'blocks.*.mlp.fc1'" in proc.stdout
+    assert '(dp_shard=2 at 2 ranks)' in proc.stdout, proc.stdout[-3000:]
 
 
 def test_dist_verify_ends_when_the_layout_fails_on_one_rank(tmp_path):
