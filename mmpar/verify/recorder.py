@@ -112,14 +112,17 @@ class FingerprintHook(Hook):
         if topology is not None and topology.dims.tp > 1:
             self._tp = topology.tp
         self._model = runner.model
-        pipeline = describe(runner.model).pipeline
-        if pipeline is not None:
-            self._probe = StageProbe(pipeline.stage_modules,
-                                     runner.model.num_microbatches)
         for name, module in plain_named_modules(runner.model):
             module.register_forward_pre_hook(self._entered(name))
             module.register_forward_hook(self._left(name))
             self.touches[name] = self._placements(module)
+        pipeline = describe(runner.model).pipeline
+        if pipeline is not None:
+            # After the modules' hooks: a stage module's own output is
+            # recorded while the probe still says whether the call is
+            # torch's shape inference (its hook, run last, ends that).
+            self._probe = StageProbe(pipeline.stage_modules,
+                                     runner.model.num_microbatches)
         if not self.reference_shapes:  # the reference
             # The order gradients are ready in, which names the module a
             # gradient first differs at (the root's own parameters, used
