@@ -50,3 +50,16 @@ def test_memory_budget_falls_back_to_the_smallest_layout_that_fits():
         choose_reference(cfg, 4, 'one-process', 0.5)
     assert 'dp_shard=4,wrapper=MMFullyShard: ' in str(err.value)
     assert 'allowed: a larger budget, or --against LAYOUT' in str(err.value)
+
+
+def test_parallel_reference_needs_its_launch(tmp_path):
+    # python tools/verify.py ... --reference-world 2 --against dp_shard=2
+    # without torchrun: refused, saying how to launch it.
+    from mmpar.verify.cli import verify_main
+    with pytest.raises(ConfigError, match='--nproc_per_node 2') as err:
+        verify_main([str(ROOT / TP_CUSTOM), '--reference-world', '2',
+                     '--against', 'dp_shard=2', '--work-dir',
+                     str(tmp_path)])
+    assert "--against='dp_shard=2': the reference runs on 2 ranks" in \
+        str(err.value)
+    assert not any(tmp_path.iterdir())  # nothing trained
