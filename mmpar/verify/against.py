@@ -16,8 +16,9 @@ ONE_PROCESS = 'one-process'
 # The axes a reference may use: its module outputs must be whole along each
 # row (verify gathers a layout's tp outputs against the reference's full
 # shapes, so a tp reference's split outputs would compare as whole ones),
-# and its per-rank batch is the global batch over its data ranks.
-REFERENCE_AXES = ('dp_replicate', 'dp_shard', 'pp', 'cp')
+# and its per-rank batch is the global batch over the ranks that read
+# different samples (dp_replicate x dp_shard x ep).
+REFERENCE_AXES = ('dp_replicate', 'dp_shard', 'ep', 'pp', 'cp')
 ALLOWED = (f'{ONE_PROCESS}, or AXIS=SIZE[,AXIS=SIZE...][,wrapper=TYPE] with '
            f'AXIS in {", ".join(REFERENCE_AXES)} and sizes >= 1 whose '
            'product is >= 2 (e.g. dp_shard=2)')
@@ -108,7 +109,7 @@ def against_config(cfg: Config, reference: Reference, global_batch: int,
         raise ConfigError(
             f'--against={text!r}: the global batch of {global_batch} samples '
             f'does not split over its {data} data ranks; allowed: a '
-            'reference whose dp_replicate x dp_shard divides it')
+            'reference whose dp_replicate x dp_shard x ep divides it')
     given = dict(cfg.get('parallel') or {})
     if axes.get('pp', 1) > 1 and not given.get('pipeline'):
         raise ConfigError(

@@ -28,7 +28,7 @@ def parse_verify_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--against', default=ONE_PROCESS, metavar='LAYOUT',
         help='the reference layout: one-process (default) or '
         'AXIS=SIZE[,AXIS=SIZE...][,wrapper=TYPE] over dp_replicate, '
-        'dp_shard, pp, cp, e.g. dp_shard=2')
+        'dp_shard, ep, pp, cp, e.g. dp_shard=2')
     parser.add_argument(
         '--memory-budget', type=float, metavar='GIB',
         help='GiB per rank the reference may use: without --against, one '

@@ -12,6 +12,7 @@ from tests.e2e import ROOT
 
 TP_CUSTOM = 'configs/vit_digits/vit_digits_tp_custom.py'
 LLAMA_TP = 'configs/llama_shakespeare/llama_shakespeare_tp.py'
+MOE = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
 
 
 def test_parallel_reference_config():
@@ -24,6 +25,12 @@ def test_parallel_reference_config():
         cfg.train_dataloader.batch_size
     assert cfg.parallel.tp == 2  # the user's config is not changed
     assert parse_against(' pp=2, dp_shard=2').label == 'dp_shard=2,pp=2'
+    # Expert ranks read different samples too: ep=2 halves the batch.
+    moe = Config.fromfile(str(ROOT / MOE))  # DDP: 2 data ranks at 2
+    ref = reference_config(moe, 2, 'ep=2,wrapper=MMFullyShard')
+    assert ref.parallel == dict(ep=2)
+    assert ref.train_dataloader.batch_size == \
+        moe.train_dataloader.batch_size
     for bad, why in (('dp_shard=3', 'does not split over its 3 data ranks'),
                      ('pp=2', "pp needs the config's parallel.pipeline"),
                      ('dp_shard=2,wrapper=Nope',
