@@ -1,17 +1,18 @@
 """Verify every shipped config at its documented layout (docs/verify.md).
 
     PYTHONPATH=$PWD python benchmarks/verify_shipped.py [--steps 2]
-        [--only GLOB] [--work-dir DIR] [--out TABLE.md]
+        [--only GLOB] [--documented] [--work-dir DIR] [--out TABLE.md]
 
 For each file of ``configs/vit_digits``, ``configs/llama_shakespeare`` and
 ``configs/hf_finetune`` it runs, one config at a time,
 ``bash tools/dist_verify.sh CONFIG N --steps K`` at the world size the
 config documents (its ``bash tools/dist_train.sh CONFIG N`` line; 2 when it
 documents none; :data:`RANKS_HERE` where this CPU machine runs a smaller
-documented layout), with ``--cfg-options`` that shrink the model and the
-data (:func:`shrink_options`: the layout, the plan and the wrapper stay the
-config's own). It prints a markdown table (config, layout, ranks, verdict
-with the largest relative difference) and writes it to ``--out``.
+documented layout, unless ``--documented``), with ``--cfg-options``
+that shrink the model and the data (:func:`shrink_options`: the layout,
+the plan and the wrapper stay the config's own). It prints a markdown
+table (config, layout, ranks, verdict with the largest relative
+difference) and writes it to ``--out``.
 
 The Hugging Face fine-tuning configs load a local ``save_pretrained``
 directory: a small random LlamaForCausalLM is written to
@@ -65,10 +66,11 @@ class Row(NamedTuple):
     verdict: str
 
 
-def documented_ranks(path: Path) -> int:
+def documented_ranks(path: Path, here: bool = True) -> int:
     """The world size ``path`` documents for itself (its own
-    ``dist_train.sh`` line), :data:`RANKS_HERE` where set, else 2."""
-    if path.name in RANKS_HERE:
+    ``dist_train.sh`` line), :data:`RANKS_HERE` where set (unless
+    ``here`` is False), else 2."""
+    if here and path.name in RANKS_HERE:
         return RANKS_HERE[path.name]
     for name, ranks in _DOCUMENTED.findall(path.read_text()):
         if Path(name).name == path.name:
@@ -175,13 +177,14 @@ def make_pretrained(path: Path) -> Path:
     return path
 
 
-def verify_one(path: Path, steps: int, work_dir: Path,
-               timeout: int) -> Row:
-    """Run ``dist_verify.sh`` on one config; its table row."""
+def verify_one(path: Path, steps: int, work_dir: Path, timeout: int,
+               here: bool = True) -> Row:
+    """Run ``dist_verify.sh`` on one config (at :func:`documented_ranks`
+    ``(path, here)``); its table row."""
     from mmengine.config import Config
     rel = str(path.relative_to(ROOT))
     cfg = Config.fromfile(str(path))
-    ranks = documented_ranks(path)
+    ranks = documented_ranks(path, here)
     opts = shrink_options(cfg)
     if cfg.model.get('pretrained'):
         opts['model.pretrained'] = str(
@@ -217,11 +220,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--out', help='write the table here too')
     parser.add_argument('--timeout', type=int, default=900,
                         help='seconds per config')
+    parser.add_argument('--documented', action='store_true',
+                        help='the world size each config documents, also '
+                        'where RANKS_HERE names a smaller one')
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     work_dir = (ROOT / args.work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    rows = [verify_one(path, args.steps, work_dir, args.timeout)
+    rows = [verify_one(path, args.steps, work_dir, args.timeout,
+                       here=not args.documented)
             for path in shipped_configs(args.only)]
     text = table(rows, args.steps)
     print(text)

@@ -21,7 +21,7 @@ from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mmpar.verify.fingerprint import row_fingerprint, tensor_fingerprint
 from mmpar.verify.stage_probe import StageProbe
@@ -92,6 +92,9 @@ class FingerprintHook(Hook):
         self.touches: Dict[str, List[str]] = {}
         self.running: List[str] = []  # modules entered, not left
         self._tp = None
+        # Per tp module: the weight row (output column) each gathered
+        # column of its output is; None where they are in order.
+        self._columns: Dict[str, Optional[torch.Tensor]] = {}
         self._probe: Optional[StageProbe] = None
         self._held: Dict[str, list] = {}  # the stages' shape probe
         self._new_step()
@@ -109,20 +112,24 @@ class FingerprintHook(Hook):
         if topology is not None and topology.dims.tp > 1:
             self._tp = topology.tp
         self._model = runner.model
-        pipeline = describe(runner.model).pipeline
-        if pipeline is not None:
-            self._probe = StageProbe(pipeline.stage_modules,
-                                     runner.model.num_microbatches)
         for name, module in plain_named_modules(runner.model):
             module.register_forward_pre_hook(self._entered(name))
             module.register_forward_hook(self._left(name))
             self.touches[name] = self._placements(module)
-        if not self.reference_shapes:  # the reference: plain parameters
+        pipeline = describe(runner.model).pipeline
+        if pipeline is not None:
+            # After the modules' hooks: a stage module's own output is
+            # recorded while the probe still says whether the call is
+            # torch's shape inference (its hook, run last, ends that).
+            self._probe = StageProbe(pipeline.stage_modules,
+                                     runner.model.num_microbatches)
+        if not self.reference_shapes:  # the reference
             # The order gradients are ready in, which names the module a
             # gradient first differs at (the root's own parameters, used
-            # first, are ready last).
+            # first, are ready last). A parallel reference's parameters may
+            # be views of a flat one (FSDP1), which take no such hook.
             for name, param in plain_named_parameters(runner.model):
-                if param.requires_grad:
+                if param.requires_grad and param.is_leaf:
                     param.register_post_accumulate_grad_hook(
                         self._grad_ready(name))
         runner.optim_wrapper.optimizer.register_step_pre_hook(
@@ -148,7 +155,7 @@ class FingerprintHook(Hook):
         def hook(module, args, output):
             if self.running and self.running[-1] == name:
                 self.running.pop()
-            self._record_output(name, output)
+            self._record_output(name, output, module)
         return hook
 
     def _grad_ready(self, name: str):
@@ -158,7 +165,8 @@ class FingerprintHook(Hook):
         return hook
 
     # -- recording ------------------------------------------------------------
-    def _full(self, name: str, index: int, tensor: torch.Tensor):
+    def _full(self, name: str, index: int, tensor: torch.Tensor,
+              module: Optional[nn.Module] = None):
         if isinstance(tensor, DTensor):
             return tensor.full_tensor()
         want = self.reference_shapes.get((name, index))
@@ -167,11 +175,46 @@ class FingerprintHook(Hook):
         dim = tp_split_dim(tuple(tensor.shape), want, self._tp.world_size)
         if dim is None:
             return tensor
+        whole = torch.cat(self._gather_tp(tensor), dim)
+        if dim == whole.dim() - 1 and module is not None:
+            columns = self._output_columns(name, module, whole.shape[-1])
+            if columns is not None:  # back in the weight's row order
+                ordered = torch.empty_like(whole)
+                ordered[..., columns.to(whole.device)] = whole
+                return ordered
+        return whole
+
+    def _gather_tp(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         parts = [torch.empty_like(tensor) for _ in range(self._tp.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self._tp.group)
-        return torch.cat(parts, dim)
+        return parts
 
-    def _record_output(self, name: str, output: Any) -> None:
+    def _output_columns(self, name: str, module: nn.Module,
+                        width: int) -> Optional[torch.Tensor]:
+        """The row of ``module``'s weight that each column of its gathered
+        output is: a split that packs several parts (a fused q/k/v, gate
+        and up: ``dict(style='colwise', fused=3)``) gives each rank a slice
+        of every part, so the tp ranks' outputs side by side are not the
+        reference's order. Found once per module by laying out the row
+        numbers as its weight is (collective over tp: every tp rank runs
+        the module)."""
+        if name not in self._columns:
+            weight = getattr(module, 'weight', None)
+            columns = None
+            if isinstance(weight, DTensor) and weight.device_mesh.ndim == 1 \
+                    and weight.shape[0] == width:
+                rows = distribute_tensor(
+                    torch.arange(width, device=weight.device_mesh.device_type),
+                    weight.device_mesh, weight.placements,
+                    src_data_rank=None).to_local()
+                columns = torch.cat(self._gather_tp(rows)).cpu()
+                if torch.equal(columns, torch.arange(width)):
+                    columns = None
+            self._columns[name] = columns
+        return self._columns[name]
+
+    def _record_output(self, name: str, output: Any,
+                       module: Optional[nn.Module] = None) -> None:
         leaves = [t for t in tensor_leaves(output) if t.is_floating_point()]
         if not leaves:
             return
@@ -181,7 +224,7 @@ class FingerprintHook(Hook):
         store = self._held if self._probe and self._probe.active \
             else self._outputs
         for index, tensor in enumerate(leaves):
-            tensor = self._full(name, index, tensor)
+            tensor = self._full(name, index, tensor, module)
             if tensor.dim() == 0:  # a scalar (a loss): compared as the loss
                 continue
             self.shapes.setdefault((name, index), tuple(tensor.shape))

@@ -1,7 +1,7 @@
 """Train K steps of a config at its layout and at the reference layout
-(one process) through mmpar's own Runner, each with a
-:class:`~mmpar.verify.recorder.FingerprintHook`, in the verify work dir,
-and compare them (docs/verify.md)."""
+(one process, or the layout ``--against`` names) through mmpar's own
+Runner, each with a :class:`~mmpar.verify.recorder.FingerprintHook`, in
+the verify work dir, and compare them (docs/verify.md)."""
 import copy
 import os
 import os.path as osp
@@ -15,10 +15,11 @@ from mmengine.config import Config
 from mmpar.config_check import check_config
 from mmpar.failures import ConfigError, is_peer_failure
 from mmpar.parallel.axes import AXES, SAMPLE_AXES
+from mmpar.verify.against import ONE_PROCESS, against_config, parse_against
 from mmpar.verify.compare import Verdict, compare, touching
 from mmpar.verify.recorder import FingerprintHook
 
-AGAINST = ('one-process', )
+AGAINST = (ONE_PROCESS, 'AXIS=SIZE[,AXIS=SIZE...][,wrapper=TYPE]')
 REFERENCE_FILE = 'reference.pt'
 REPORT_FILE = 'report.txt'
 
@@ -32,9 +33,7 @@ def check_options(steps: int, rtol: float, atol: float,
     for name, value in (('--rtol', rtol), ('--atol', atol)):
         if not value >= 0:
             raise ConfigError(f'{name}={value!r}; allowed: a number >= 0')
-    if against not in AGAINST:
-        raise ConfigError(f'--against={against!r}; allowed: '
-                          f'{", ".join(AGAINST)}')
+    parse_against(against)
 
 
 def short_run(cfg: Config, work_dir: str, steps: int, role: str) -> Config:
@@ -81,10 +80,29 @@ def data_size(cfg: Config, world_size: int) -> int:
     return _dims(cfg, world_size).size_of(SAMPLE_AXES)
 
 
-def reference_config(cfg: Config, world_size: int) -> Config:
-    """One process, the same global batch: ``parallel`` and the wrapper
-    dropped, the per-rank batch times the layout's data-parallel size."""
+def reference_config(cfg: Config, world_size: int,
+                     against: str = ONE_PROCESS) -> Config:
+    """The reference for the layout at ``world_size``, reading the same
+    global batch. One process: ``parallel`` and the wrapper dropped, the
+    per-rank batch times the layout's data-parallel size. A parallel
+    ``against`` (:func:`~mmpar.verify.against.parse_against`): the config at
+    that layout (:func:`~mmpar.verify.against.against_config`), checked at
+    its world size.
+
+    Raises:
+        ConfigError: a bad ``against``, or one the Runner's config check
+            refuses (the message names ``--against``).
+    """
     size = data_size(cfg, world_size)
+    reference = parse_against(against)
+    if reference.sizes:
+        ref = against_config(cfg, reference,
+                             cfg.train_dataloader.batch_size * size, against)
+        try:
+            _dims(ref, reference.world_size)
+        except ValueError as err:  # ConfigError, ParallelismError
+            raise ConfigError(f'--against={against!r}: {err}') from None
+        return ref
     cfg = copy.deepcopy(cfg)
     cfg.pop('parallel', None)
     cfg.pop('model_wrapper_cfg', None)
@@ -103,33 +121,45 @@ def _train(cfg: Config, hook: FingerprintHook) -> float:
 
 
 def run_reference(cfg: Config, work_dir: str, steps: int,
-                  world_size: int) -> str:
-    """Train the reference and save its records; returns the file."""
+                  world_size: int, against: str = ONE_PROCESS
+                  ) -> Optional[str]:
+    """Train the reference (at a parallel ``against``: in a launched job
+    of its world size) and save its records on rank 0; returns the file
+    there, None on the other ranks."""
     hook = FingerprintHook()
-    ref = short_run(reference_config(cfg, world_size),
+    ref = short_run(reference_config(cfg, world_size, against),
                     osp.join(work_dir, 'reference'), steps, 'reference')
     seconds = _train(ref, hook)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
     path = osp.join(work_dir, REFERENCE_FILE)
     torch.save(dict(steps=hook.steps, shapes=hook.shapes,
                     world_size=world_size, num_steps=steps,
+                    against=parse_against(against).label,
                     seconds=seconds), path)
     return path
 
 
-def _load_reference(work_dir: str, world_size: int, steps: int) -> dict:
+def _load_reference(work_dir: str, world_size: int, steps: int,
+                    against: str) -> dict:
     path = osp.join(work_dir, REFERENCE_FILE)
     if not osp.isfile(path):
         raise ConfigError(
             f'no reference at {path!r}; run it first (bash '
             'tools/dist_verify.sh CONFIG N does): python tools/verify.py '
-            f'CONFIG --reference-world {world_size} --steps {steps}')
+            f'CONFIG --reference-world {world_size} --steps {steps} '
+            f'--against {against}')
     saved = torch.load(path, weights_only=False)
-    if saved['world_size'] != world_size or saved['num_steps'] != steps:
+    label = parse_against(against).label
+    found = (saved['world_size'], saved['num_steps'],
+             saved.get('against', ONE_PROCESS))
+    if found != (world_size, steps, label):
         raise ConfigError(
-            f'{path!r} is a reference for {saved["world_size"]} ranks and '
-            f'{saved["num_steps"]} steps, not --steps {steps} at '
-            f'{world_size}; allowed: rerun it with --reference-world '
-            f'{world_size} --steps {steps}')
+            f'{path!r} is a reference for {found[0]} ranks, {found[1]} '
+            f'steps and --against {found[2]}, not --steps {steps} at '
+            f'{world_size} against {label}; allowed: rerun it with '
+            f'--reference-world {world_size} --steps {steps} --against '
+            f'{label}')
     return saved
 
 
@@ -144,12 +174,12 @@ def axes_line(cfg: Config, world_size: int) -> str:
 
 
 def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
-               atol: float) -> Optional[Verdict]:
+               atol: float, against: str = ONE_PROCESS) -> Optional[Verdict]:
     """Train at the layout (a launched job), compare on rank 0 and write
     the report there; returns the verdict on rank 0 and on a rank whose run
     raised (which writes the report itself), None on the others."""
     world_size = int(os.environ.get('WORLD_SIZE', '1'))
-    saved = _load_reference(work_dir, world_size, steps)
+    saved = _load_reference(work_dir, world_size, steps, against)
     shapes = saved['shapes']
     hook = FingerprintHook(reference_shapes=shapes)
     run = short_run(cfg, osp.join(work_dir, 'layout'), steps, 'layout')
@@ -194,8 +224,11 @@ def run_layout(cfg: Config, work_dir: str, steps: int, rtol: float,
         torch.save(dict(steps=hook.steps, touches=hook.touches),
                    osp.join(work_dir, 'layout.pt'))
     if verdict is not None:
+        reference = parse_against(against)
+        at = f' ({reference.label} at {reference.world_size} ranks)' \
+            if reference.sizes else ''
         verdict.lines.append(
-            f'cost: reference {saved["seconds"]:.1f} s, layout '
+            f'cost: reference {saved["seconds"]:.1f} s{at}, layout '
             f'{seconds:.1f} s for {steps} steps (with fingerprints)')
         with open(osp.join(work_dir, REPORT_FILE), 'w') as f:
             f.write(verdict.text + '\n')

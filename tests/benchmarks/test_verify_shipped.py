@@ -24,6 +24,9 @@ def test_every_shipped_folder_and_its_documented_world_size():
     assert vs.documented_ranks(
         names['vit_digits_fsdp_custom_policy.py']) == 2
     assert vs.documented_ranks(names['llama_shakespeare_pp_tp.py']) == 4
+    # --documented: its own 8 (pp=2 x tp=2 x dp_shard=2).
+    assert vs.documented_ranks(names['llama_shakespeare_pp_tp.py'],
+                               here=False) == 8
     assert vs.documented_ranks(names['llama_corpus.py']) == 2  # none
     assert vs.shipped_configs('configs/hf_finetune/*_tp.py') == [
         names['llama_shakespeare_hf_finetune_tp.py']]

@@ -1,6 +1,7 @@
 """tools/verify.py as a user meets it: the shipped ViT config agrees at
 DDP, FSDP1, FSDP2, tp=2 and pp=2; a user's own mistakes (their plan,
-sampler, loss, model written here) are named at the right step and module.
+sampler, loss, model written here) are named at the right step and module,
+against one process or a parallel reference (``--against dp_shard=2``).
 
 The reference runs in this process, the layout on the shared gloo pool
 (``run_dist``), through the same functions the tool calls; one launch of
@@ -18,6 +19,7 @@ from mmpar.failures import ConfigError
 from mmpar.models import DigitsViT
 from mmpar.registry import DATA_SAMPLERS, MODELS
 from mmpar.verify import check_options, run_layout, run_reference
+from mmpar.verify.choose import choose_reference
 from tests.e2e import ROOT, run_tool
 from tests.verify.one_rank_fails import MESSAGE
 from tests.trained import SMALL_MODEL
@@ -133,18 +135,29 @@ def user_cfg(config, **updates):
     return cfg
 
 
-def _layout(config, updates, work_dir):
+def _layout(config, updates, work_dir, against='one-process'):
     cfg = user_cfg(config, **updates)
     cfg.launcher = 'pytorch'
-    verdict = run_layout(cfg, work_dir, STEPS, **TOL)
+    verdict = run_layout(cfg, work_dir, STEPS, **TOL, against=against)
     return None if verdict is None else (verdict.agree, verdict.text)
 
 
-def verify(run_dist, config, work_dir, reference=True, **updates):
-    """The verdict's (agree, text) from rank 0."""
-    if reference:
+def _parallel_reference(config, work_dir, against):
+    cfg = user_cfg(config)
+    cfg.launcher = 'pytorch'
+    return run_reference(cfg, work_dir, STEPS, 2, against)
+
+
+def verify(run_dist, config, work_dir, reference=True, against=None,
+           **updates):
+    """The verdict's (agree, text) from rank 0; against a parallel
+    reference (at 2 ranks) when ``against`` is given."""
+    if reference and against is None:
         run_reference(user_cfg(config, **updates), str(work_dir), STEPS, 2)
-    results = run_dist(_layout, config, updates, str(work_dir))
+    elif reference:
+        run_dist(_parallel_reference, config, str(work_dir), against)
+    results = run_dist(_layout, config, updates, str(work_dir),
+                       against or 'one-process')
     return results[0]
 
 
@@ -174,6 +187,12 @@ def test_pipeline_agrees(run_dist, tmp_path):
     agree, text = verify(run_dist, PP, tmp_path,
                          parallel=dict(pp=2, pipeline=pipeline))
     assert agree, text
+    # The first stage's own output (the root's name: the reference has no
+    # tensor output there to compare it with) holds the same rows at every
+    # step: torch's extra call is not counted there either.
+    steps = torch.load(tmp_path / 'layout.pt', weights_only=False)['steps']
+    assert [step['outputs'][''][0][1] for step in steps] == [
+        steps[-1]['outputs'][''][0][1]] * STEPS
 
 
 def test_pipeline_with_gradient_accumulation_agrees(run_dist, tmp_path):
@@ -245,6 +264,39 @@ def test_loss_averaged_per_rank_named_at_the_head_gradient(run_dist,
     assert agree, text
 
 
+def test_fused_qkv_split_as_plain_colwise_named_against_dp_shard_2(
+        run_dist, tmp_path):
+    # The user's timm-style attention (one qkv Linear, rows [q; k; v]) split
+    # by a plain colwise plan, not a fused one: rank 0 holds q and half of
+    # k as "its q, k, v". The gathered qkv output is the reference's; the
+    # attention's output, `proj`, is the first to differ. The fused plan
+    # agrees, against the same data-parallel reference (2 ranks, DDP).
+    plans = {}
+    for name, qkv in (('plain', "'colwise'"),
+                      ('fused', "dict(style='colwise', fused=3)")):
+        plans[name] = tmp_path / f'{name}.py'
+        plans[name].write_text(
+            f"_base_ = [{str(ROOT / TP_CUSTOM)!r}]\n"
+            "model = dict(fused_qkv=True)\n"
+            "parallel = dict(tp_plan=dict(plan=dict(_delete_=True, **{\n"
+            "    'blocks.*.attn': 'prepare_input',\n"
+            f"    'blocks.*.attn.qkv': {qkv},\n"
+            "    'blocks.*.attn.proj': 'rowwise',\n"
+            "    'blocks.*.mlp.fc1': 'colwise',\n"
+            "    'blocks.*.mlp.fc2': 'rowwise'})))\n")
+    against = 'dp_shard=2'
+    agree, text = verify(run_dist, plans['plain'], tmp_path, against=against)
+    assert not agree
+    assert 'step 0 differs first at module `blocks.0.attn.proj` (output)' \
+        in text, text
+    assert '`blocks.0.attn.qkv`' in text.splitlines()[1], text
+    assert "tp: rowwise plan on 'blocks.*.attn.proj'" in text, text
+    assert '(dp_shard=2 at 2 ranks)' in text, text
+    agree, text = verify(run_dist, plans['fused'], tmp_path, reference=False,
+                         against=against)
+    assert agree, text
+
+
 def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
     # The user's config: their plan with fc1 and fc2's styles swapped.
     config = tmp_path / 'my_tp.py'
@@ -252,12 +304,23 @@ def test_dist_verify_names_a_swapped_plan_and_exits_1(tmp_path):
         f"_base_ = [{str(ROOT / TP_CUSTOM)!r}]\n"
         "parallel = dict(tp_plan=dict(plan={'blocks.*.mlp.fc1': 'rowwise', "
         "'blocks.*.mlp.fc2': 'colwise'}))\n")
-    proc = run_tool(['bash', 'tools/dist_verify.sh', config, 2, '--steps',
-                     1, '--work-dir', tmp_path / 'verify'], check=False)
+    work_dir = tmp_path / 'verify'
+    tool = ['bash', 'tools/dist_verify.sh', config, 2, '--steps', 1,
+            '--work-dir', work_dir]
+    # A reference layout the global batch (32) does not split over: refused
+    # before anything trains.
+    proc = run_tool(tool + ['--against', 'dp_shard=3'], check=False)
+    assert proc.returncode != 0
+    assert "--against='dp_shard=3': the global batch of 32 samples" in \
+        proc.stdout + proc.stderr, proc.stdout[-3000:]
+    assert not work_dir.exists()
+    # Against a data-parallel reference, launched on its own 2 ranks.
+    proc = run_tool(tool + ['--against', 'dp_shard=2'], check=False)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert 'step 0: the layout failed in module `blocks.0.mlp.fc1`' in \
         proc.stdout, proc.stdout[-3000:]
     assert "tp: rowwise plan on 'blocks.*.mlp.fc1'" in proc.stdout
+    assert '(dp_shard=2 at 2 ranks)' in proc.stdout, proc.stdout[-3000:]
 
 
 def test_dist_verify_ends_when_the_layout_fails_on_one_rank(tmp_path):
@@ -286,7 +349,10 @@ def test_dist_verify_ends_when_the_layout_fails_on_one_rank(tmp_path):
     (0, 1e-3, 0.0, 'one-process', '--steps=0'),
     (2, -1.0, 0.0, 'one-process', '--rtol=-1.0'),
     (2, 1e-3, float('nan'), 'one-process', '--atol=nan'),
-    (2, 1e-3, 0.0, 'tp=2', "--against='tp=2'; allowed: one-process"),
+    (2, 1e-3, 0.0, 'tp=2', "--against='tp=2': a tensor-parallel reference"),
+    (2, 1e-3, 0.0, 'dp_shard=1', "--against='dp_shard=1': 1 rank"),
+    (2, 1e-3, 0.0, 'dp=x', "--against='dp=x': unknown axis 'dp'"),
+    (2, 1e-3, 0.0, 'pp=two', "--against='pp=two': pp=two is not an int"),
 ])
 def test_bad_options_name_the_option(steps, rtol, atol, against, named):
     with pytest.raises(ConfigError, match='allowed') as err:
