@@ -131,7 +131,10 @@ def _flatten(root: DeviceMesh, axes: Tuple[str, ...], name: str,
     It must share the root: FSDP2 combines it with a tp mesh of the same
     root.
     """
-    big = tuple(axis for axis in axes if root[axis].size() > 1)
+    # (The root's own sizes: slicing a dim only to read its size builds a
+    # DeviceMesh each time, most of what building the mesh costs.)
+    big = tuple(axis for axis in axes
+                if root.size(root.mesh_dim_names.index(axis)) > 1)
     if len(big) <= 1:
         return root[big[0] if big else axes[0]]
     if big not in made:
