@@ -157,8 +157,6 @@ def release_memory() -> None:
 
 
 # -------------------------------------------------- the CPU's heap (glibc)
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD_ENV = 'MALLOC_MMAP_THRESHOLD_'
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,7 +165,7 @@ def _glibc():
     import ctypes.util
     try:
         libc = ctypes.CDLL(ctypes.util.find_library('c'))
-        libc.mallopt, libc.malloc_trim  # glibc has both
+        libc.malloc_trim  # glibc's
     except (OSError, AttributeError, TypeError):
         return None
     return libc
@@ -178,24 +176,6 @@ def trim_heap() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
-
-
-def mmap_threshold(default: int) -> int:
-    """The mmap threshold the environment asks glibc for
-    (``MALLOC_MMAP_THRESHOLD_``), else ``default``."""
-    try:
-        return int(os.environ[MMAP_THRESHOLD_ENV])
-    except (KeyError, ValueError):
-        return default
-
-
-def set_mmap_threshold(nbytes: int) -> None:
-    """Fix glibc's mmap threshold at ``nbytes``: blocks at least that big are
-    mapped on their own and go back to the system when freed (no-op where
-    the C library is not glibc)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 def reset_peak_memory() -> None:

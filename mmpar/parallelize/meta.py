@@ -295,24 +295,20 @@ def _parameters_on_meta(recorder: _Recorder) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _temporaries_returned() -> Iterator[None]:
-    """Big tensors freed in the block go back to the system at once.
+    """Free heap goes back to the system after the block (glibc's
+    ``malloc_trim``; a no-op where the C library is not glibc).
 
-    glibc raises its mmap threshold to the largest block freed so far (up to
-    32 MiB); larger allocations then come from the heap, whose freed space
-    fragments and is not returned. Measured: building a 100 M-parameter
-    Llama one temporary parameter at a time reached 565 MB of RSS that way,
-    49 MB with the threshold fixed. So the build and the materialisation
-    run with a 1 MiB threshold; afterwards it stays fixed at 32 MiB (what
-    glibc's own adjustment tends to in training), or at the user's
-    ``MALLOC_MMAP_THRESHOLD_`` if the environment sets one (see
-    docs/big_models.md: training memory on CPU), and free heap is trimmed.
-    A no-op where the C library is not glibc.
+    mmpar does not tune the allocator. glibc raises its mmap threshold to
+    the largest block freed so far (up to 32 MiB); larger allocations then
+    come from the heap, whose freed space fragments and is not returned.
+    Measured: building a 100 M-parameter Llama one temporary parameter at a
+    time reached 565 MB of RSS that way, 49 MB with the threshold fixed at
+    1 MiB. A CPU user who builds big models sets it for the ranks,
+    ``MALLOC_MMAP_THRESHOLD_=1048576`` (docs/big_models.md).
     """
-    device.set_mmap_threshold(min(1 << 20, device.mmap_threshold(1 << 20)))
     try:
         yield
     finally:
-        device.set_mmap_threshold(device.mmap_threshold(32 << 20))
         device.trim_heap()
 
 
