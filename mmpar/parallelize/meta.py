@@ -30,6 +30,7 @@ values. A model that does anything else is refused with an error naming the
 parameter and the switch ``meta_init=False`` (build whole on every rank).
 """
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -251,13 +252,17 @@ class _Recorder(TorchDispatchMode):
 
 @contextlib.contextmanager
 def _parameters_on_meta(recorder: _Recorder) -> Iterator[None]:
-    """Every parameter registered in the block lives on the meta device
-    (buffers do not); the tensor it was given is kept until an op
-    overwrites it (a zeros token that nothing re-initialises keeps it)."""
+    """Every parameter registered in the block, by this thread, lives on
+    the meta device (buffers do not); the tensor it was given is kept until
+    an op overwrites it (a zeros token that nothing re-initialises keeps
+    it). Other threads (a data-loader or logging thread running meanwhile)
+    register theirs as torch does."""
     register = nn.Module.register_parameter
+    builder = threading.get_ident()
 
     def register_on_meta(module, name, param):
-        if param is not None and not param.is_meta:
+        if param is not None and not param.is_meta and \
+                threading.get_ident() == builder:
             initial = param.detach()
             recorder.passthrough = True
             try:

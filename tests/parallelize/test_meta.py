@@ -97,6 +97,29 @@ def test_meta_build_differs_for_another_seed():
                            model.state_dict()['output.weight'])
 
 
+def test_another_threads_modules_are_built_as_torch_builds_them():
+    """A thread that makes a module while the model is built on meta (a
+    data-loader or logging thread) gets real parameters: the build's
+    recording is this thread's only."""
+    import threading
+    made = {}
+
+    def other_thread():
+        made['layer'] = nn.Linear(3, 2)
+
+    def build():
+        model = nn.Linear(4, 4)
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        return model
+
+    model, _ = build_on_meta(build, init_weights=False)
+    assert not made['layer'].weight.is_meta
+    assert made['layer'].weight.abs().sum() > 0  # initialised, not recorded
+    assert model.weight.shape == (4, 4)
+
+
 def test_a_model_that_reads_parameters_is_refused_naming_the_switch():
     model, init = build_on_meta(ReadsParameters)
     with pytest.raises(ConfigError, match=r"'b.weight'.*meta_init=False"):
