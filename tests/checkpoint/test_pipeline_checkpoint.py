@@ -16,7 +16,7 @@ from tests.checkpoint.test_sharded_checkpoint import (_assert_resumed_state,
 from tests.dist_harness import pool_runner
 from tests.e2e import (assert_same_training_state, load_ckpt,
                        read_dcp_checkpoint)
-from tests.trained import CONFIGS, NO_VAL, ONE, checkpoint_path
+from tests.trained import CONFIGS, NO_VAL
 from tests.trained import plain_model as _plain_model
 from tests.trained import small_cfg as _small_cfg
 from tests.trained import train as _train
@@ -145,15 +145,14 @@ def _resume_pp(work_dir, ckpt, name):
     return str(err.value)
 
 
-def test_index_keyed_optimizer_state_is_refused_under_pp(
-        run_dist, trained_run, tmp_path):
+def test_index_keyed_optimizer_state_is_refused_under_pp(run_dist,
+                                                         tmp_path):
     # A one-process checkpoint keys the optimizer state by index: which
-    # index is which stage's parameter cannot be known under pp. The
-    # session's shared one-process run (tests/trained.py) saved it.
-    ckpt = checkpoint_path(trained_run(ONE, 'full'), 1, 'full')
-    assert all(isinstance(k, int)
-               for k in load_ckpt(ckpt)['optimizer']['state'])
-    messages = run_dist(_resume_pp, tmp_path / 'pp', ckpt, 'one_to_pp')
+    # index is which stage's parameter cannot be known under pp.
+    _train(CONFIGS['MMDistributedDataParallel'], tmp_path / 'one', 1,
+           'one_for_pp', 'full', launcher='none', **NO_VAL)
+    messages = run_dist(_resume_pp, tmp_path / 'pp',
+                        tmp_path / 'one' / 'epoch_1.pth', 'one_to_pp')
     for message in messages:
         assert 'parallel.pp > 1' in message and 'keyed by index' in message
         assert "checkpoint_format='sharded'" in message
