@@ -285,3 +285,35 @@ def test_odd_sizes_under_fsdp2_end_through_the_tool(tmp_path):
     assert proc.returncode == 0, output[-3000:]
     # 3 samples a rank (one repeat), 2 batches; the repeat dropped.
     assert 'Epoch(val) [1][2/2]    count: 5 ' in output, output[-3000:]
+
+
+EXIT_WITH_OPEN_FILES = '''
+import io, sys
+from mmpar.failures import exit_process
+kept = open(sys.argv[1], 'w')  # reachable, never closed
+kept.write('kept')
+text = open(sys.argv[2], 'w', buffering=1 << 16)  # a large buffer
+text.write('text' * 1000)
+class Mine(io.BufferedWriter):  # a subclass: found by its base
+    pass
+mine = Mine(io.FileIO(sys.argv[3], 'w'))
+mine.write(b'mine')
+exit_process(3)
+'''
+
+
+def test_exit_process_keeps_what_open_files_hold(tmp_path):
+    """A tool ends without the interpreter's teardown
+    (failures.exit_process) with the status it was given, and files a
+    user's code left open, of io's types or a subclass,
+    hold what was written to them. (One only reachable from a reference
+    cycle loses its buffer in the interpreter's own teardown too: gc may
+    close its raw file first.)"""
+    import sys
+    paths = [tmp_path / name for name in ('kept', 'text', 'mine')]
+    proc = subprocess.run(
+        [sys.executable, '-c', EXIT_WITH_OPEN_FILES, *map(str, paths)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert [p.read_text() for p in paths] == ['kept', 'text' * 1000, 'mine']

@@ -8,6 +8,7 @@ from mmpar.checkpoint import (atomic_save,
                                      find_latest_complete_checkpoint,
                                      is_complete_checkpoint)
 from tests.e2e import DEFAULT_CONFIG, load_ckpt, run_tool
+from tests.trained import BATCH, SMALL_MODEL
 
 
 def test_failed_save_leaves_previous_file_intact(tmp_path, monkeypatch):
@@ -38,10 +39,16 @@ def test_latest_complete_skips_truncated_pointer_target(tmp_path):
     assert find_latest_complete_checkpoint(str(tmp_path / 'empty')) is None
 
 
+# The small ViT in batches of 256 (6 steps an epoch): what is tested is the
+# save, not the training.
+SMALL = [f'model.{k}={v}' for k, v in SMALL_MODEL.items()] + [
+    f'train_dataloader.batch_size={BATCH}', 'train_cfg.max_epochs=3']
+
+
 def test_kill_during_save_then_resume(tmp_path):
     killed = run_tool([
         'python', 'tools/train.py', 'tests/data/kill_during_save_cfg.py',
-        '--work-dir', tmp_path, '--cfg-options', 'train_cfg.max_epochs=3'
+        '--work-dir', tmp_path, '--cfg-options', *SMALL
     ],
                       check=False)
     assert killed.returncode != 0
@@ -52,7 +59,7 @@ def test_kill_during_save_then_resume(tmp_path):
 
     resumed = run_tool([
         'python', 'tools/train.py', DEFAULT_CONFIG, '--work-dir', tmp_path,
-        '--resume', '--cfg-options', 'train_cfg.max_epochs=3'
+        '--resume', '--cfg-options', *SMALL
     ])
     assert 'resumed epoch: 1' in resumed.stdout + resumed.stderr
     assert load_ckpt(tmp_path / 'epoch_3.pth')['meta']['epoch'] == 3

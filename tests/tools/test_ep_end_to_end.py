@@ -72,23 +72,27 @@ def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
 
 
 def _four_ranks_against_one(tmp_path, options, *layout,
-                            keys=('loss', 'grad_norm'), data_ranks=2):
+                            keys=('loss', 'grad_norm'), data_ranks=2,
+                            one=None):
     """The ep config at ``layout`` on 4 ranks (``data_ranks`` of them
     reading different samples) and the config on one process (the same
     global batch) match in the logged ``keys``, the weights and Adam's
-    moments; returns both logs."""
+    moments; returns both logs. ``one``: the one-process run's (work dir,
+    log) when a shared one was trained with these ``options``."""
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, 4,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *options,
                    *layout,
                    f'train_dataloader.batch_size={2 * BATCH // data_ranks}'])
-    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
-                    tmp_path / 'one', '--cfg-options', *options,
-                    f'train_dataloader.batch_size={2 * BATCH}'])
+    if one is None:
+        run = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
+                        tmp_path / 'one', '--cfg-options', *options,
+                        f'train_dataloader.batch_size={2 * BATCH}'])
+        one = tmp_path / 'one', run.stdout + run.stderr
+    one_dir, one_log = one
     ep_log = ep.stdout + ep.stderr
-    assert_matches_one_process(ep_log, tmp_path / 'ep',
-                               one.stdout + one.stderr, tmp_path / 'one',
+    assert_matches_one_process(ep_log, tmp_path / 'ep', one_log, one_dir,
                                keys, WHOLE_EXPERTS)
-    return ep_log, one.stdout + one.stderr
+    return ep_log, one_log
 
 
 def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
@@ -103,22 +107,27 @@ def test_dist_train_pp2_ep2_matches_one_process(tmp_path):
         'pp=2' in ep_log
 
 
-@pytest.mark.parametrize('balance,keys', [
-    ('bias', ('loss', 'grad_norm')),
-    ('aux_loss', ('loss', 'grad_norm', 'moe_aux_loss')),
-])
-def test_dist_train_ep2_cp2_matches_one_process(tmp_path, balance, keys):
+@pytest.mark.parametrize('balance', ['bias', 'aux_loss'])
+def test_dist_train_ep2_cp2_matches_one_process(tmp_path, one_process,
+                                                balance):
     """ep=2 x cp=2 on 4 ranks: each rank routes its part of every sequence
     (the MoE layer is per token), the experts sharded over efsdp = cp = 2.
     Balanced by the bias, its loads summed over the data and cp ranks as
     one process counts them: the final ``expert_bias`` buffers match; or
-    by the auxiliary loss, per whole sequence: each rank's counts and
-    score sums summed over the cp ranks (the scores' gradients too)."""
-    ep_log, _ = _four_ranks_against_one(
-        tmp_path, [*OPTIONS, f'model.moe.balance={balance}',
-                   'model.moe.bias_update_rate=0.01'], 'parallel.cp=2',
-        keys=keys)
+    by the auxiliary loss (the config's), per whole sequence: each rank's
+    counts and score sums summed over the cp ranks (the scores' gradients
+    too), against the shared one-process run."""
+    if balance == 'bias':
+        options = [*OPTIONS, 'model.moe.balance=bias',
+                   'model.moe.bias_update_rate=0.01']
+        keys, one = ('loss', 'grad_norm'), None
+    else:
+        options = OPTIONS
+        keys, one = ('loss', 'grad_norm', 'moe_aux_loss'), one_process
+    ep_log, _ = _four_ranks_against_one(tmp_path, options, 'parallel.cp=2',
+                                        keys=keys, one=one)
     assert 'parallel = dict(cp=2, ep=2)' in ep_log
+    assert f"balance='{balance}'" in ep_log
 
 
 def test_dist_train_dp_replicate2_ep2_accumulates_like_one_process(
