@@ -60,8 +60,7 @@ class Plan:
     layout: ParallelLayout
     wrapper_type: str
     wrapper_source: str
-    # FSDP2 shards each parameter, FSDP1 each unit's flat parameter.
-    per_param_shards: bool
+    per_param_shards: bool  # FSDP2's shards; FSDP1's are flat per unit
     wrapper_args: dict
     model_cls: str
     param_numel: int
@@ -381,8 +380,7 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         dims=topology.dims,
         layout=topology.layout,
         wrapper_type=wrapper_cls.__name__,
-        per_param_shards=getattr(wrapper_cls, 'shards_each_parameter',
-                                 False),
+        per_param_shards=getattr(wrapper_cls, 'shards_each_parameter', False),
         wrapper_source='model_wrapper_cfg' if explicit else
         f'default for parallel.use_fsdp={parallel.use_fsdp}',
         wrapper_args=resolved_wrapper_args(wrapper_cls, kwargs),

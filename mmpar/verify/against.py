@@ -17,8 +17,8 @@ ONE_PROCESS = 'one-process'
 # row (verify gathers a layout's tp outputs against the reference's full
 # shapes, so a tp reference's split outputs would compare as whole ones),
 # and its per-rank batch is the global batch over the ranks that read
-# different samples (dp_replicate x dp_shard x ep).
-REFERENCE_AXES = ('dp_replicate', 'dp_shard', 'ep', 'pp', 'cp')
+# different samples (dp_replicate x dp_shard x ep). Every axis but tp.
+REFERENCE_AXES = tuple(axis for axis in AXES if axis != 'tp')
 ALLOWED = (f'{ONE_PROCESS}, or AXIS=SIZE[,AXIS=SIZE...][,wrapper=TYPE] with '
            f'AXIS in {", ".join(REFERENCE_AXES)} and sizes >= 1 whose '
            'product is >= 2 (e.g. dp_shard=2)')
