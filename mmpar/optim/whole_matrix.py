@@ -65,9 +65,10 @@ def _one_shard_dim(param: DTensor):
 def _both_dims_sharded(param: DTensor) -> bool:
     """Whether ``param`` is sharded on each dimension of its 2-D mesh, the
     inner one plainly (FSDP2 x TP's layouts)."""
-    outer, inner = (param.placements if param.device_mesh.ndim == 2 else
-                    (None, None))
-    return outer is not None and outer.is_shard() and type(inner) is Shard
+    if param.device_mesh.ndim != 2:
+        return False
+    outer, inner = param.placements
+    return outer.is_shard() and type(inner) is Shard
 
 
 def assign_owners(numels: Sequence[int], num_ranks: int) -> List[int]:

@@ -4,6 +4,7 @@ written as ``AXIS=SIZE[,AXIS=SIZE...][,wrapper=TYPE]`` (``dp_shard=2``,
 ``--memory-budget``, the smallest reference that fits it
 (docs/verify.md)."""
 import copy
+import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
 from mmengine.config import Config
@@ -32,10 +33,7 @@ class Reference(NamedTuple):
 
     @property
     def world_size(self) -> int:
-        size = 1
-        for _, value in self.sizes:
-            size *= value
-        return size
+        return math.prod(size for _, size in self.sizes)
 
     @property
     def label(self) -> str:
@@ -102,9 +100,7 @@ def against_config(cfg: Config, reference: Reference, global_batch: int,
             ``parallel.pipeline`` section.
     """
     axes = dict(reference.sizes)
-    data = 1
-    for axis in SAMPLE_AXES:
-        data *= axes.get(axis, 1)
+    data = math.prod(axes.get(axis, 1) for axis in SAMPLE_AXES)
     if global_batch % data:
         raise ConfigError(
             f'--against={text!r}: the global batch of {global_batch} samples '
