@@ -1,7 +1,19 @@
 """What the expert-parallel end-to-end tests read from a run: its logged
 values and its optimizer's moments by parameter name, and how they compare
-a run with one process's."""
+a run with one process's (and that one-process run)."""
 import re
+
+from tests.e2e import run_tool
+
+
+def train_one_process(config, work_dir, options: list,
+                      global_batch: int) -> tuple:
+    """``tools/train.py CONFIG`` on one process with ``options`` and the
+    layouts' ``global_batch``: (its work dir, its log)."""
+    run = run_tool(['python', 'tools/train.py', config, '--work-dir',
+                    work_dir, '--cfg-options', *options,
+                    f'train_dataloader.batch_size={global_batch}'])
+    return work_dir, run.stdout + run.stderr
 
 
 def logged(output: str, key: str) -> list:

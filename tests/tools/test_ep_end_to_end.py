@@ -15,7 +15,8 @@ import pytest
 
 from tests.configs.test_llama_configs import SHRINK
 from tests.e2e import run_tool
-from tests.tools.ep_logs import assert_matches_one_process, logged
+from tests.tools.ep_logs import (assert_matches_one_process, logged,
+                                 train_one_process)
 
 CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe.py'
 EP_CONFIG = 'configs/llama_shakespeare/llama_shakespeare_moe_ep.py'
@@ -36,11 +37,8 @@ WHOLE_EXPERTS = 'layers.0.mlp.experts.w1'
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
     """The one-process reference, with both layouts' global batch."""
-    work_dir = tmp_path_factory.mktemp('one')
-    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
-                    work_dir, '--cfg-options', *OPTIONS,
-                    f'train_dataloader.batch_size={2 * BATCH}'])
-    return work_dir, one.stdout + one.stderr
+    return train_one_process(CONFIG, tmp_path_factory.mktemp('one'),
+                             OPTIONS, 2 * BATCH)
 
 
 @pytest.mark.parametrize('ranks,data_ranks,extra,layout', [
@@ -84,10 +82,8 @@ def _four_ranks_against_one(tmp_path, options, *layout,
                    *layout,
                    f'train_dataloader.batch_size={2 * BATCH // data_ranks}'])
     if one is None:
-        run = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
-                        tmp_path / 'one', '--cfg-options', *options,
-                        f'train_dataloader.batch_size={2 * BATCH}'])
-        one = tmp_path / 'one', run.stdout + run.stderr
+        one = train_one_process(CONFIG, tmp_path / 'one', options,
+                                2 * BATCH)
     one_dir, one_log = one
     ep_log = ep.stdout + ep.stderr
     assert_matches_one_process(ep_log, tmp_path / 'ep', one_log, one_dir,

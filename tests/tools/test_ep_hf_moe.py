@@ -15,7 +15,8 @@ import torch
 
 from mmpar.convert import main as convert_main
 from tests.e2e import load_ckpt, run_tool
-from tests.tools.ep_logs import assert_matches_one_process
+from tests.tools.ep_logs import (assert_matches_one_process,
+                                 train_one_process)
 
 CONFIG = 'configs/hf_finetune/mixtral_shakespeare_hf_moe.py'
 EP_CONFIG = 'configs/hf_finetune/mixtral_shakespeare_hf_moe_ep.py'
@@ -35,11 +36,8 @@ EXPERTS = 'hf_model.model.layers.0.mlp.experts.gate_up_proj'
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
     """The one-process reference, with the layouts' global batch."""
-    work_dir = tmp_path_factory.mktemp('one')
-    one = run_tool(['python', 'tools/train.py', CONFIG, '--work-dir',
-                    work_dir, '--cfg-options', *OPTIONS,
-                    f'train_dataloader.batch_size={BATCH}'])
-    return work_dir, one.stdout + one.stderr
+    return train_one_process(CONFIG, tmp_path_factory.mktemp('one'),
+                             OPTIONS, BATCH)
 
 
 @pytest.mark.parametrize('ranks,extra,layout,export', [

@@ -11,7 +11,7 @@ Each rank holds 2 of the 4 experts (ep) and half of each of those
 sharded over all 4 data ranks.
 """
 from tests.e2e import ROOT, run_tool
-from tests.tools.ep_logs import assert_matches_one_process
+from tests.tools.ep_logs import assert_matches_one_process, train_one_process
 
 ONE_CONFIG = '\n'.join([
     f"_base_ = '{ROOT}/configs/llama_shakespeare/llama_shakespeare.py'",
@@ -44,10 +44,9 @@ def test_user_moe_at_ep2_dp_shard2_matches_one_process(tmp_path):
     ep = run_tool(['bash', 'tools/dist_train.sh', tmp_path / 'user_moe_ep.py',
                    4, '--work-dir', tmp_path / 'ep', '--cfg-options',
                    *OPTIONS, f'train_dataloader.batch_size={RANK_BATCH}'])
-    one = run_tool(['python', 'tools/train.py', tmp_path / 'user_moe.py',
-                    '--work-dir', tmp_path / 'one', '--cfg-options',
-                    *OPTIONS, f'train_dataloader.batch_size={4 * RANK_BATCH}'])
-    ep_log, one_log = ep.stdout + ep.stderr, one.stdout + one.stderr
+    _, one_log = train_one_process(tmp_path / 'user_moe.py',
+                                   tmp_path / 'one', OPTIONS, 4 * RANK_BATCH)
+    ep_log = ep.stdout + ep.stderr
     assert 'parallel = dict(dp_shard=2, ep=2)' in ep_log
     assert_matches_one_process(ep_log, tmp_path / 'ep', one_log,
                                tmp_path / 'one', ('loss', 'grad_norm'),
