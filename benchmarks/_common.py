@@ -294,6 +294,7 @@ def write_section(path: str, title: str, body: str) -> None:
         text = pattern.sub(lambda _: section + '\n', text).rstrip() + '\n'
     else:
         text = text.rstrip() + '\n\n' + section
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     with open(path, 'w') as f:
         f.write(text)
 

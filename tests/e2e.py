@@ -114,6 +114,24 @@ def run_tool(args, timeout=600, check=True, env=None, fresh=False):
     return proc
 
 
+def run_nodes(node_args, nnodes=2, timeout=400) -> list:
+    """Launch ``nnodes`` "nodes" on the loopback, as a user starts one
+    ``tools/dist_train.sh`` per machine (``NNODES``, ``NODE_RANK``, one
+    ``PORT``): ``node_args(node_rank)`` is each node's command. Waits for
+    all; fails with the tail of a node that exited non-zero; returns each
+    node's output (stdout and stderr together)."""
+    from mmpar.dist import free_port
+    env = tool_env(NNODES=nnodes, MASTER_ADDR='127.0.0.1', PORT=free_port())
+    nodes = [subprocess.Popen(
+        [str(a) for a in node_args(rank)], cwd=ROOT,
+        env=dict(env, NODE_RANK=str(rank)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for rank in range(nnodes)]
+    outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    for rank, (node, output) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f'node {rank}:\n{output[-4000:]}'
+    return outputs
+
+
 def load_ckpt(path) -> dict:
     return torch.load(path, map_location='cpu', weights_only=True)
 

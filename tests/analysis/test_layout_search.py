@@ -23,7 +23,7 @@ from mmpar.analysis.search import (OVER_BUDGET, REFUSED, SKIPPED, Row,
 from mmpar.analysis.search_report import best_config_text, nothing_fits
 from mmpar.config_check import check_config
 from mmpar.parallel.dims import AXES
-from tests.e2e import ROOT, run_tool
+from tests.e2e import ROOT, run_nodes, run_tool
 
 TINY = 'tests/data/search_llama.py'
 VIT = 'configs/vit_digits/vit_digits.py'
@@ -224,22 +224,34 @@ def test_search_only_in_the_launched_job_then_dist_train(tmp_path):
 
 
 def test_search_then_the_same_job_trains_the_winner(tmp_path):
-    # Through the sweep (--sweep 1: the same 4 candidates, no early stop):
+    # Two "nodes" of one rank each on the loopback (NNODES=2, one
+    # dist_train.sh per node, each with its own --out and work dir, as on
+    # separate machines): every trial runs on the ranks of both nodes. And
+    # through the sweep (--sweep 1: the same 4 candidates, no early stop):
     # the mode the benchmark compares the search with runs in the job too.
-    out = tmp_path / 'search'
-    proc = run_tool(['bash', 'tools/dist_train.sh', TINY, 2, '--search',
-                     *SMALL_SEARCH, '--sweep', 1, '--out', out,
-                     '--work-dir', tmp_path / 'job'])
-    log = proc.stdout + proc.stderr
-    assert '4 to run x 1 (sweep)' in proc.stderr
+    def node(rank):
+        return ['bash', 'tools/dist_train.sh', TINY, 1, '--search',
+                *SMALL_SEARCH, '--sweep', 1, '--out', tmp_path / f'out{rank}',
+                '--work-dir', tmp_path / f'job{rank}']
+    log = run_nodes(node)[0]
+    out, job = tmp_path / 'out0', tmp_path / 'job0'
+    assert '4 to run x 1 (sweep)' in log
+    assert 'measured in this job, cpu, backend gloo, 2 ranks' in log
     assert len(re.findall(r'\[sweep 1\.\d \d+m\d\ds\] \S.*: [\d.]+ s/step',
-                          proc.stderr)) == 4
-    best = json.loads((out / 'search.json').read_text())['rows'][0]
+                          log)) == 4
+    result = json.loads((out / 'search.json').read_text())
+    assert result['world_size'] == 2
+    measured = [r for r in result['rows'] if r['status'] == 'measured']
+    assert {r['layout'] for r in measured} == FOUR
+    for row in measured:  # one peak from each node's rank
+        assert len(row['measured_peaks']) == 2
+        assert min(row['measured_peaks']) > 2**20
+    best = result['rows'][0]
     assert f'training with the searched layout {best["layout"]}' in log
     assert re.search(r'Iter\(train\) \[2/2\]', log)
-    assert _checkpoint_of(tmp_path / 'job')
+    assert _checkpoint_of(job)
     # It trained the written winner (MMEngine dumps the config it ran).
-    ran = Config.fromfile(str(tmp_path / 'job' / 'search_llama.py'))
+    ran = Config.fromfile(str(job / 'search_llama.py'))
     winner = Config.fromfile(str(out / 'search_llama_best_2ranks.py'))
     for key in ('parallel', 'activation_checkpointing', 'train_dataloader'):
         assert ran.get(key) == winner.get(key), key

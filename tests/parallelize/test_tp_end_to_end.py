@@ -94,10 +94,8 @@ def test_two_nodes_keep_each_tp_group_on_one_node(run_dist, tmp_path):
     ends with the same weights as one node of 4 processes (the shared gloo
     pool of 4: no fourth torchrun start-up)."""
     import json
-    import subprocess
 
-    from mmpar.dist import free_port
-    from tests.e2e import ROOT, tool_env
+    from tests.e2e import ROOT, run_nodes
     config = tmp_path / 'placement.py'
     config.write_text('\n'.join([
         f"_base_ = '{ROOT / CONFIG}'",
@@ -108,18 +106,8 @@ def test_two_nodes_keep_each_tp_group_on_one_node(run_dist, tmp_path):
     options = ['--cfg-options', *TP, 'train_cfg.max_iters=4', *SHORT]
     one_node = tmp_path / 'one_node'
     run_dist(_one_node, one_node, world_size=4)
-    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1', PORT=free_port())
-    nodes = [
-        subprocess.Popen(
-            ['bash', 'tools/dist_train.sh', str(config), '2', '--work-dir',
-             str(tmp_path / f'node{n}'), *options],
-            cwd=ROOT, env=dict(env, NODE_RANK=str(n)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for n in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=400)[0] for node in nodes]
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-4000:]
+    run_nodes(lambda n: ['bash', 'tools/dist_train.sh', config, '2',
+                         '--work-dir', tmp_path / f'node{n}', *options])
     records = [
         json.loads(path.read_text())
         for n in (0, 1) for path in (tmp_path / f'node{n}').glob(

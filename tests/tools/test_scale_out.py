@@ -8,13 +8,12 @@ the start of epoch 2 and that torchrun restarts from the epoch-1 checkpoint
 same data and gloo reduces in the same order.
 """
 import os
-import subprocess
 
 import pytest
 
 from mmpar.dist import free_port
 from tests.e2e import (DEFAULT_CONFIG, ROOT, assert_same_training_state,
-                       load_ckpt, run_tool, tool_env)
+                       load_ckpt, run_nodes, run_tool, tool_env)
 from tests.test_no_hangs import write_config
 
 JOB_TIMEOUT_S = 400
@@ -31,20 +30,10 @@ def reference(default_two_rank_run):
 
 
 def test_two_nodes_match_one_node(reference, tmp_path):
-    env = tool_env(NNODES=2, MASTER_ADDR='127.0.0.1', PORT=free_port())
-    nodes = []
-    for node_rank in (0, 1):
-        # Each "node" keeps its own work dir, as on separate machines.
-        args = [
-            'bash', 'tools/dist_train.sh', DEFAULT_CONFIG, '1', '--work-dir',
-            str(tmp_path / f'node{node_rank}')
-        ] + epochs(1)
-        nodes.append(subprocess.Popen(
-            args, cwd=ROOT, env=dict(env, NODE_RANK=str(node_rank)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [node.communicate(timeout=JOB_TIMEOUT_S)[0] for node in nodes]
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-4000:]
+    # Each "node" keeps its own work dir, as on separate machines.
+    outputs = run_nodes(lambda node_rank: [
+        'bash', 'tools/dist_train.sh', DEFAULT_CONFIG, '1', '--work-dir',
+        tmp_path / f'node{node_rank}'] + epochs(1), timeout=JOB_TIMEOUT_S)
     assert 'GPU number: 2' in outputs[0]  # MMEngine's name for world size
     # Rank 0 (on node 0) writes the checkpoint.
     assert_same_training_state(
