@@ -8,14 +8,15 @@ each module that holds a colwise -> rowwise pair (its input is then
 replicated once for all its column-split layers, and their input gradients
 all-reduced once, not once per projection) and applies them. Nothing here
 imports transformers: without it no module carries such a plan, and the plan
-fails at start-up saying so.
+fails at start-up saying so. A mixture-of-experts layer stays whole on every
+tp rank (its experts split over ``parallel.ep``, if set).
 """
 from typing import Dict, List, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mmpar.parallelize.module_plan import module_plan
+from mmpar.parallelize.module_plan import match_modules, module_plan
 from mmpar.registry import TP_PLANS
 
 # transformers style name -> module_plan entry (transformers/distributed/
@@ -45,8 +46,16 @@ HF_STYLES = {
     'replicated_with_grad_allreduce': 'replicate_sharded_input',
     'replicate': None,
 }
-# Expert-parallel and model-specific styles (mixture-of-experts weights that
-# are no Linear, DeepSeek's MLA projection): no module_plan equivalent.
+# Kept whole on every tp rank, with every entry under it: transformers'
+# tensor-parallel experts (``moe_tp_experts``: Mixtral's and Qwen3-MoE's
+# stacked experts split over tp, their outputs all-reduced). mmpar runs a
+# MoE layer whole on each tp rank, its experts split over parallel.ep if
+# any, as the Llama plans do (docs/expert_parallel.md, "ep with tp").
+WHOLE_STYLES = ('moe_tp_experts', )
+# Other expert-parallel and model-specific styles (DeepSeek's MLA
+# projection, grouped GEMM experts): no module_plan equivalent.
+
+
 def find_hf_plan(model: nn.Module) -> Tuple[str, Dict[str, str]]:
     """``(module name, its _tp_plan)`` of the first module carrying one.
 
@@ -84,6 +93,9 @@ def translate_hf_plan(prefix: str, plan: Dict[str, str],
                       prepare_inputs: bool = True) -> dict:
     """transformers' plan as ``module_plan`` data, names under ``prefix``.
 
+    A :data:`WHOLE_STYLES` module (MoE experts) and the entries under it
+    are left out: kept whole on every tp rank.
+
     Args:
         prefix: where the transformers model sits in the MMEngine model.
         plan: its ``_tp_plan``.
@@ -95,19 +107,34 @@ def translate_hf_plan(prefix: str, plan: Dict[str, str],
         ValueError: a style with no ``module_plan`` equivalent, naming it.
     """
     entries = {}
+    whole = [p for p, style in plan.items() if style in WHOLE_STYLES]
     for pattern, style in plan.items():
+        if any(pattern == w or pattern.startswith(f'{w}.') for w in whole):
+            continue
         if style not in HF_STYLES:
             raise ValueError(
                 f"parallel.tp_plan='hf': {pattern!r} uses the transformers "
                 f'style {style!r}, which mmpar does not translate (expert-'
                 'parallel and model-specific styles); allowed: '
-                f'{", ".join(HF_STYLES)}')
+                f'{", ".join((*HF_STYLES, *WHOLE_STYLES))}')
         if HF_STYLES[style] is not None:
             entries[f'{prefix}.{pattern}' if prefix else pattern] = \
                 HF_STYLES[style]
     for parent in megatron_parents(plan) if prepare_inputs else ():
         entries[f'{prefix}.{parent}' if prefix else parent] = 'prepare_input'
     return entries
+
+
+def hf_plan_entries(model: nn.Module, prepare_inputs: bool = True) -> dict:
+    """The ``module_plan`` entries ``tp_plan='hf'`` applies to ``model``:
+    its transformers plan translated (:func:`translate_hf_plan`), less the
+    entries that match none of ``model``'s modules. transformers' plan names
+    the modules of every layout its config can give: Qwen3-MoE's lists the
+    dense ``mlp.gate_proj``, ``up_proj`` and ``down_proj``, which only the
+    layers in its ``mlp_only_layers`` have."""
+    prefix, plan = find_hf_plan(model)
+    entries = translate_hf_plan(prefix, plan, prepare_inputs)
+    return {p: e for p, e in entries.items() if match_modules(model, p)}
 
 
 @TP_PLANS.register_module(name='hf')
@@ -124,6 +151,4 @@ def hf(model: nn.Module, tp_mesh: DeviceMesh,
     if not isinstance(prepare_inputs, bool):
         raise ValueError(f"parallel.tp_plan.prepare_inputs={prepare_inputs!r}"
                          " is not allowed; allowed: True or False")
-    prefix, plan = find_hf_plan(model)
-    return module_plan(model, tp_mesh,
-                       translate_hf_plan(prefix, plan, prepare_inputs))
+    return module_plan(model, tp_mesh, hf_plan_entries(model, prepare_inputs))

@@ -52,9 +52,9 @@ def test_translation_prefixes_and_refuses_unknown_styles():
     assert translate_hf_plan('lm', {'lm_head': 'colwise_gather_output'}) == {
         'lm.lm_head': dict(style='colwise', output_layouts='replicate')}
     with pytest.raises(ValueError, match=r"'x' uses the transformers style "
-                       r"'moe_tp_experts', which mmpar does not translate "
+                       r"'grouped_gemm', which mmpar does not translate "
                        r"\(expert-parallel .*allowed: colwise, "):
-        translate_hf_plan('', {'x': 'moe_tp_experts'})
+        translate_hf_plan('', {'x': 'grouped_gemm'})
 
 
 def test_styles_translate_as_transformers_defines_them():
@@ -86,6 +86,49 @@ def test_every_family_plan_translates_and_fits(family):
     styles = module_plan_styles(model, entries, 2)
     split = {n for n, s in styles.items() if 'Parallel' in type(s).__name__}
     assert 'lm_head' in split and len(split) >= 5, sorted(split)
+
+
+def test_moe_experts_stay_whole_with_what_is_under_them():
+    """transformers' tensor-parallel experts (``moe_tp_experts``) and the
+    stacked parameters it lists under them: no entry (the MoE layer whole
+    on every tp rank); a sibling with the same prefix is still split."""
+    plan = {'l.mlp.experts': 'moe_tp_experts',
+            'l.mlp.experts.gate_up_proj': 'packed_colwise',
+            'l.mlp.experts.down_proj': 'grouped_gemm',
+            'l.mlp.experts_x': 'colwise'}
+    assert translate_hf_plan('m', plan) == {'m.l.mlp.experts_x': 'colwise'}
+
+
+QWEN3_MOE = dict(num_experts=4, moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize('family,experts,dense', [
+    ('Mixtral', dict(num_local_experts=4), []),
+    ('Qwen3Moe', QWEN3_MOE, []),
+    ('Qwen3Moe', dict(QWEN3_MOE, mlp_only_layers=[1]), [1])],
+    ids=['mixtral', 'qwen3_moe', 'qwen3_moe_dense_layer1'])
+def test_moe_family_plans_split_attention_and_leave_moe_layers_whole(
+        family, experts, dense):
+    """``tp_plan='hf'`` on transformers' MoE models: attention, the
+    embedding and the head split, every MoE layer (router and experts)
+    whole; Qwen3-MoE's dense MLP split where a layer has one
+    (``mlp_only_layers``), its entries left out where none has."""
+    import transformers
+
+    from mmpar.parallelize.hf_plan import hf_plan_entries
+    from mmpar.parallelize.module_plan import module_plan_styles
+    config = getattr(transformers, f'{family}Config')(
+        vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=32, **experts)
+    model = getattr(transformers, f'{family}ForCausalLM')(config)
+    styles = module_plan_styles(model, hf_plan_entries(model), 2)
+    split = {n for n, s in styles.items() if 'Parallel' in type(s).__name__}
+    assert {'lm_head', 'model.embed_tokens', 'model.layers.0.self_attn.q_proj',
+            'model.layers.1.self_attn.o_proj'} <= split
+    assert {n for n in styles if '.mlp' in n} == {
+        f'model.layers.{i}.mlp.{p}' for i in dense
+        for p in ('gate_proj', 'up_proj', 'down_proj')}
 
 
 def test_model_without_hf_plan_is_refused():

@@ -1,8 +1,10 @@
 """A Hugging Face MoE model (transformers' Mixtral, built offline from its
 config) trains under expert parallelism through ``tools/dist_train.sh`` as
 ``tools/train.py`` trains it on one process with the same global batch:
-ep=2 on 2 ranks, and ep=2 x dp_shard=2 on 4 ranks (each rank half of its
-2 experts). The same logged losses and global gradient norms (the clip
+ep=2 on 2 ranks (Qwen3-MoE too, switched by ``--cfg-options``), and on 4
+ranks ep=2 with dp_shard=2 (each rank half of its 2 experts), with tp=2
+(transformers' plan, the MoE layers whole on every tp rank), with pp=2 and
+with cp=2. The same logged losses and global gradient norms (the clip
 bites), final weights and Adam moments; the router and top-k are Hugging
 Face's, the experts run through mmpar's function in transformers'
 ``ExpertsInterface``, which dispatches the routed tokens to their
@@ -31,29 +33,64 @@ OPTIONS = SHRINK + [
     'optim_wrapper.clip_grad.max_norm=0.5']
 BATCH = 4  # the global batch
 EXPERTS = 'hf_model.model.layers.0.mlp.experts.gate_up_proj'
+# The model switch (--cfg-options on the Mixtral configs): options for both
+# runs, and for the ep run's FSDP2 units.
+MODELS = {
+    'mixtral': ([], []),
+    'qwen3_moe': ([f'model.config.{k}={v}' for k, v in dict(
+        model_type='qwen3_moe', num_experts=4, moe_intermediate_size=32,
+        head_dim=16).items()],
+        ['model_wrapper_cfg.fsdp_auto_wrap_policy.module_classes='
+         '[Qwen3MoeDecoderLayer]']),
+}
+PIPELINE = ['parallel.pp=2', 'parallel.pipeline.schedule=1F1B',
+            'parallel.pipeline.num_microbatches=2']
 
 
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
-    """The one-process reference, with the layouts' global batch."""
-    return train_one_process(CONFIG, tmp_path_factory.mktemp('one'),
-                             OPTIONS, BATCH)
+    """The one-process reference of a model of :data:`MODELS`, with the
+    layouts' global batch: trained on first use, once per module."""
+    runs = {}
+
+    def reference(model: str) -> tuple:
+        if model not in runs:
+            runs[model] = train_one_process(
+                CONFIG, tmp_path_factory.mktemp(model),
+                [*OPTIONS, *MODELS[model][0]], BATCH)
+        return runs[model]
+    return reference
 
 
-@pytest.mark.parametrize('ranks,extra,layout,export', [
-    (2, [], 'parallel = dict(ep=2)', False),
+@pytest.mark.parametrize('model,ranks,data_ranks,extra,layout,export', [
+    ('mixtral', 2, 2, [], 'parallel = dict(ep=2)', False),
+    ('qwen3_moe', 2, 2, [], 'parallel = dict(ep=2)', False),
     # exported once: the experts split over ep and sharded over dp_shard
-    (4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)', True),
-], ids=['ep2', 'ep2_dp_shard2'])
-def test_hf_mixtral_under_ep_matches_one_process(tmp_path, one_process,
-                                                 ranks, extra, layout,
-                                                 export):
-    one_dir, one_log = one_process
+    ('mixtral', 4, 4, ['parallel.dp_shard=2'],
+     'parallel = dict(dp_shard=2, ep=2)', True),
+    # transformers' own plan, its tensor-parallel experts left out: each tp
+    # pair runs the MoE layers whole on the same samples
+    ('mixtral', 4, 2, ['parallel.tp=2', 'parallel.tp_plan=hf'],
+     "parallel = dict(ep=2, tp=2, tp_plan='hf')", False),
+    # 1F1B, 2 micro-batches: each stage's experts split over its ep ranks
+    ('mixtral', 4, 2, PIPELINE, "ep=2, pipeline=dict(num_microbatches=2, "
+     "schedule='1F1B'), pp=2", False),
+    # each rank routes its part of every sequence, experts over efsdp=cp
+    ('mixtral', 4, 2, ['parallel.cp=2'], 'parallel = dict(cp=2, ep=2)',
+     False),
+], ids=['ep2', 'qwen3_moe_ep2', 'ep2_dp_shard2', 'ep2_tp2', 'pp2_ep2',
+        'ep2_cp2'])
+def test_hf_moe_under_ep_matches_one_process(tmp_path, one_process, model,
+                                             ranks, data_ranks, extra,
+                                             layout, export):
+    one_dir, one_log = one_process(model)
     ep = run_tool(['bash', 'tools/dist_train.sh', EP_CONFIG, ranks,
                    '--work-dir', tmp_path / 'ep', '--cfg-options', *OPTIONS,
-                   *extra, f'train_dataloader.batch_size={BATCH // ranks}'])
+                   *MODELS[model][0], *MODELS[model][1], *extra,
+                   f'train_dataloader.batch_size={BATCH // data_ranks}'])
     ep_log = ep.stdout + ep.stderr
     assert layout in ep_log
+    assert f"model_type='{model}'" in ep_log
     assert_matches_one_process(ep_log, tmp_path / 'ep', one_log, one_dir,
                                ('loss', 'grad_norm'), EXPERTS,
                                clip_every_step=True)
