@@ -17,7 +17,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mmengine.config import Config
 from torch import nn
 
-from mmpar.config_check import has_experts
 from mmpar.parallel.config import SEED_SIZE_KEYS, ParallelConfig
 from mmpar.parallel.dims import AXES
 from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -29,6 +28,13 @@ from mmpar.wrappers.builder import declared, default_wrapper_cfg
 DEFAULT_SCHEDULES = ('1F1B', 'GPipe', 'Interleaved1F1B')
 # Activation checkpointing modes, least recomputation first (None: off).
 CHECKPOINTING_MODES = (None, 'selective', 'full')
+
+
+def has_experts(cfg: Config) -> bool:
+    """Whether the config's model has mixture-of-experts layers
+    (``model.moe``): what ``parallel.ep`` splits."""
+    model = cfg.get('model')
+    return isinstance(model, dict) and model.get('moe') is not None
 
 
 @dataclass(frozen=True)
