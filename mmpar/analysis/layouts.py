@@ -30,13 +30,6 @@ DEFAULT_SCHEDULES = ('1F1B', 'GPipe', 'Interleaved1F1B')
 CHECKPOINTING_MODES = (None, 'selective', 'full')
 
 
-def has_experts(cfg: Config) -> bool:
-    """Whether the config's model has mixture-of-experts layers
-    (``model.moe``): what ``parallel.ep`` splits."""
-    model = cfg.get('model')
-    return isinstance(model, dict) and model.get('moe') is not None
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One layout of N ranks.
@@ -142,7 +135,8 @@ def enumerate_candidates(cfg: Config, world_size: int, *,
     schedules = list(dict.fromkeys(
         [own.get('schedule', '1F1B')] * bool(own) + list(schedules)))
     candidates = []
-    experts = has_experts(cfg)
+    model = cfg.get('model')  # model.moe: mixture-of-experts layers
+    experts = isinstance(model, dict) and model.get('moe') is not None
     for sizes in factorizations(world_size, len(AXES)):
         axes = dict(zip(AXES, sizes))
         if replicating and axes['dp_replicate'] > 1:

@@ -399,7 +399,20 @@ class Llama(LMPipelineOutputs, BaseModel):
         """
         if model_cfg.get('moe') is None:
             raise no_experts_error(ep, model_cfg.get('type'))
-        MoEConfig.from_cfg(model_cfg['moe']).check_expert_parallel(ep, pp)
+        moe = MoEConfig.from_cfg(model_cfg['moe'])
+        if pp is not None and pp > 1 and moe.balance is not None:
+            raise ValueError(
+                f'model.moe.balance={moe.balance!r} is not allowed; with '
+                f'parallel.pp={pp} and parallel.ep={ep} a pipeline stage '
+                "runs its blocks without the model's forward, which adds "
+                'the auxiliary loss and moves the balancing bias; allowed: '
+                'None (or parallel.pp=1)')
+        if moe.num_experts % ep:
+            raise ValueError(
+                f'model.moe.num_experts={moe.num_experts!r} is not allowed; '
+                f"parallel.ep={ep} splits each layer's experts evenly over "
+                f'its ranks; allowed: a multiple of {ep} (or another '
+                'parallel.ep)')
 
     def __init__(self,
                  vocab_size: int = 256,

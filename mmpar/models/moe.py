@@ -126,27 +126,6 @@ class MoEConfig:
                     'allowed: True, False or a list of block indices')
             object.__setattr__(self, 'force_balanced', tuple(layers))
 
-    def check_expert_parallel(self, ep: int, pp: Optional[int]) -> None:
-        """Whether ``parallel.ep=ep`` (> 1) can split these experts, with
-        ``parallel.pp=pp``.
-
-        Raises:
-            ValueError: naming the key, the value and what is allowed.
-        """
-        if pp is not None and pp > 1 and self.balance is not None:
-            raise ValueError(
-                f'model.moe.balance={self.balance!r} is not allowed; with '
-                f'parallel.pp={pp} and parallel.ep={ep} a pipeline stage '
-                'runs its blocks without the model\'s forward, which adds '
-                'the auxiliary loss and moves the balancing bias; allowed: '
-                'None (or parallel.pp=1)')
-        if self.num_experts % ep:
-            raise ValueError(
-                f'model.moe.num_experts={self.num_experts!r} is not allowed;'
-                f' parallel.ep={ep} splits each layer\'s experts evenly over '
-                f'its ranks; allowed: a multiple of {ep} (or another '
-                'parallel.ep)')
-
     @classmethod
     def from_cfg(cls, cfg) -> 'MoEConfig':
         """From the ``model.moe`` dict.

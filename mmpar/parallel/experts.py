@@ -245,12 +245,10 @@ def no_experts_error(ep: int, model_type: Any) -> ValueError:
 
 def check_expert_model(model_cfg: Any, model_class: Callable[[], Any],
                        layout: Any) -> None:
-    """At start-up, before any process group: under ``parallel.ep > 1`` a
-    model class that can tell from its config whether ep splits its experts
-    says so (its ``check_expert_parallel(model_cfg, ep, pp)`` classmethod:
-    mmpar's Llama, ``HFCausalLM``); any other model's experts modules are
-    checked against the protocol when it is built
-    (:func:`mmpar.parallelize.expert.check_experts_modules`).
+    """At start-up: under ``parallel.ep > 1`` a model class that can tell
+    from its config whether ep splits its experts says so (its classmethod
+    ``check_expert_parallel(model_cfg, ep, pp)``: Llama, HFCausalLM); any
+    other model is checked against the protocol when it is built.
 
     Args:
         model_cfg: the ``model`` section.
