@@ -2,6 +2,7 @@
 root's order, which torch 2.13 cannot reduce a DTensor norm over (FSDP2
 over a parameter that is already a DTensor on an inner axis): the norm is
 that of the whole gradients, on 4 gloo ranks, next to one on the data mesh.
+On every other mesh the clip keeps torch's own DTensor norm, bit for bit.
 """
 import pytest
 
@@ -48,3 +49,28 @@ def test_norm_of_whole_gradients_on_any_mesh(run_dist, parallel, in_order):
                                             world_size=4):
         assert ordered == in_order
         assert norm == pytest.approx(expected, rel=1e-6)
+
+
+def _ours_and_torchs(seed: int) -> tuple:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from mmpar.optim.clip import total_grad_norm
+    mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))
+    gen = torch.Generator().manual_seed(seed)
+    grads = [distribute_tensor(torch.randn(16, 12, generator=gen), mesh,
+                               placements)
+             for placements in [(Shard(0), Shard(0)), (Shard(0), Shard(1)),
+                                (Shard(0), Replicate()),
+                                (Replicate(), Shard(1))]]
+    torchs = torch.nn.utils.get_total_norm(grads).full_tensor()
+    return float(total_grad_norm(grads)), float(torchs)
+
+
+def test_an_in_order_mesh_keeps_torchs_norm_bit_for_bit(run_dist):
+    """Mixed placements on a (dp, tp) mesh, as FSDP2 over tp makes them:
+    torch's own DTensor norm, not the per-dim one (which rounds apart)."""
+    for seed in range(4):
+        for ours, torchs in run_dist(_ours_and_torchs, seed, world_size=4):
+            assert ours == torchs
