@@ -91,7 +91,7 @@ def _group_norm(grads: List[torch.Tensor], norm_type: float,
                 foreach: Optional[bool]) -> torch.Tensor:
     # Only on a mesh out of the root's order, which torch cannot reduce
     # over; every other mesh keeps torch's DTensor norm, bit for bit (the
-    # per-dim sums round differently: 7e-9 apart in a Muon FSDP2 run).
+    # per-dim sums round differently: tests/optim/test_clip_meshes.py).
     # (Any sharding, FSDP2's strided one included, splits a gradient into
     # disjoint parts; a partial one would not.)
     if isinstance(grads[0], DTensor) and not _in_root_order(
