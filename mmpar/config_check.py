@@ -22,6 +22,7 @@ from mmpar.dist import BACKENDS
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
+from mmpar.parallel.experts import check_expert_model
 from mmpar.parallelize.resolved import ResolvedPlan
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
@@ -457,75 +458,6 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
                   f'{2 * cp} (or another parallel.cp)')
 
 
-def has_experts(cfg: Any) -> bool:
-    """Whether the config's model has mixture-of-experts layers
-    (``model.moe``): what ``parallel.ep`` splits."""
-    model = cfg.get('model')
-    return isinstance(model, dict) and model.get('moe') is not None
-
-
-def _model_class(model: dict, cfg: Any) -> Any:
-    from mmpar.registry import MODELS
-    return check_type('model', model, MODELS, cfg.get('default_scope'),
-                      required=False)
-
-
-def _takes_moe(model: dict, cfg: Any) -> bool:
-    # A model class with a ``moe`` argument (mmpar's Llama) has experts
-    # only when model.moe is set; an unknown type is refused elsewhere.
-    import inspect
-    cls = _model_class(model, cfg)
-    return not isinstance(cls, type) or \
-        'moe' in inspect.signature(cls).parameters
-
-
-def check_expert_model(cfg: Any, dims: Optional[ParallelDims],
-                       parallel: ParallelConfig) -> None:
-    """With ``parallel.ep > 1``: the model has MoE layers
-    (``model.moe``) whose expert count ``ep`` divides.
-
-    Raises:
-        ConfigError: naming the key, the value and what is allowed.
-    """
-    ep = dims.ep if dims is not None else parallel.ep
-    if ep is None or ep <= 1:
-        return
-    model = cfg.get('model')
-    if not has_experts(cfg):
-        if isinstance(model, dict) and not _takes_moe(model, cfg):
-            # A user's model: its experts modules are checked against the
-            # protocol when it is built (parallelize/expert.py), before
-            # any step; a class that can tell from its config checks now.
-            check = getattr(_model_class(model, cfg), 'check_expert_parallel',
-                            None)
-            if callable(check):
-                with _as_config_error():
-                    check(model, ep)
-            return
-        named = model.get('type') if isinstance(model, dict) else model
-        _fail('parallel.ep', ep,
-              f'model.type={named!r} has no mixture-of-experts '
-              'layers (model.moe is not set), so there are no experts to '
-              'split; allowed: parallel.ep=1, or model.moe=dict(num_experts'
-              '=..., ...) (docs/expert_parallel.md)')
-    from mmpar.models.moe import MoEConfig
-    with _as_config_error():
-        moe = MoEConfig.from_cfg(model['moe'])
-    num_experts = moe.num_experts
-    pp = dims.pp if dims is not None else parallel.pp
-    if pp is not None and pp > 1 and moe.balance is not None:
-        _fail('model.moe.balance', moe.balance,
-              f'with parallel.pp={pp} and parallel.ep={ep} a pipeline '
-              'stage runs its blocks without the model\'s forward, which '
-              'adds the auxiliary loss and moves the balancing bias; '
-              'allowed: None (or parallel.pp=1)')
-    if num_experts % ep:
-        _fail('model.moe.num_experts', num_experts,
-              f'parallel.ep={ep} splits each layer\'s experts evenly over '
-              f'its ranks; allowed: a multiple of {ep} (or another '
-              'parallel.ep)')
-
-
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -565,6 +497,7 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
         ConfigError: naming the key, the value and what is allowed.
     """
     from mmpar.parallelize.resolved import resolve_plan
+    from mmpar.registry import MODELS
     loader = cfg.get('train_dataloader')
     batch_size = loader.get('batch_size') if isinstance(loader, dict) \
         else None
@@ -579,7 +512,12 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
             find_unused_parameters=bool(cfg.get('find_unused_parameters')))
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
-    check_expert_model(cfg, plan.dims, plan.parallel)
+    with _as_config_error():
+        check_expert_model(
+            cfg.get('model'), lambda: check_type(
+                'model', cfg.get('model'), MODELS, cfg.get('default_scope'),
+                required=False),
+            plan.dims if plan.dims is not None else plan.parallel)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
     return plan

@@ -17,7 +17,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from mmengine.config import Config
 from torch import nn
 
-from mmpar.config_check import has_experts
 from mmpar.parallel.config import SEED_SIZE_KEYS, ParallelConfig
 from mmpar.parallel.dims import AXES
 from mmpar.parallelize.activation import (check_activation_checkpointing,
@@ -136,7 +135,8 @@ def enumerate_candidates(cfg: Config, world_size: int, *,
     schedules = list(dict.fromkeys(
         [own.get('schedule', '1F1B')] * bool(own) + list(schedules)))
     candidates = []
-    experts = has_experts(cfg)
+    model = cfg.get('model')  # model.moe: mixture-of-experts layers
+    experts = isinstance(model, dict) and model.get('moe') is not None
     for sizes in factorizations(world_size, len(AXES)):
         axes = dict(zip(AXES, sizes))
         if replicating and axes['dp_replicate'] > 1:

@@ -132,8 +132,10 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         self._init_context_parallel()
 
     @classmethod
-    def check_expert_parallel(cls, model_cfg: dict, ep: int) -> None:
-        """At start-up (``mmpar.config_check``), before any process group:
+    def check_expert_parallel(cls, model_cfg: dict, ep: int,
+                              pp: Optional[int] = None) -> None:
+        """At start-up (:func:`mmpar.parallel.experts.check_expert_model`),
+        before any process group:
         refuse ``parallel.ep=ep`` when the configured model's experts
         cannot be split (a dense or unsupported model, an expert count
         ``ep`` does not divide).
@@ -141,6 +143,7 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         Args:
             model_cfg: the ``model`` section.
             ep: ``parallel.ep`` (> 1).
+            pp: ``parallel.pp`` (not checked here).
 
         Raises:
             ValueError: naming the key, its value and what is allowed.

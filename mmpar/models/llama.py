@@ -31,6 +31,7 @@ from mmpar.models import llama_hf
 from mmpar.models.lm_loss import (LMPipelineOutputs, lm_outputs,
                                    transformer_flops_per_token)
 from mmpar.models.moe import GroupedExperts, MoE, MoEConfig
+from mmpar.parallel.experts import no_experts_error
 from mmpar.parallel.sequence import ContextParallel
 from mmpar.parallelize.context import (causal_attention,
                                        context_parallel_attention)
@@ -385,6 +386,33 @@ class Llama(LMPipelineOutputs, BaseModel):
     logits ``(B, T, vocab_size)`` (see
     :func:`mmpar.models.lm_loss.lm_outputs`).
     """
+
+    @classmethod
+    def check_expert_parallel(cls, model_cfg: dict, ep: int,
+                              pp: Optional[int] = None) -> None:
+        """At start-up (:func:`mmpar.parallel.experts.check_expert_model`):
+        ``parallel.ep=ep`` (> 1) needs ``model.moe``, whose experts ``ep``
+        divides (and no balancing under ``parallel.pp=pp`` > 1).
+
+        Raises:
+            ValueError: naming the key, the value and what is allowed.
+        """
+        if model_cfg.get('moe') is None:
+            raise no_experts_error(ep, model_cfg.get('type'))
+        moe = MoEConfig.from_cfg(model_cfg['moe'])
+        if pp is not None and pp > 1 and moe.balance is not None:
+            raise ValueError(
+                f'model.moe.balance={moe.balance!r} is not allowed; with '
+                f'parallel.pp={pp} and parallel.ep={ep} a pipeline stage '
+                "runs its blocks without the model's forward, which adds "
+                'the auxiliary loss and moves the balancing bias; allowed: '
+                'None (or parallel.pp=1)')
+        if moe.num_experts % ep:
+            raise ValueError(
+                f'model.moe.num_experts={moe.num_experts!r} is not allowed; '
+                f"parallel.ep={ep} splits each layer's experts evenly over "
+                f'its ranks; allowed: a multiple of {ep} (or another '
+                'parallel.ep)')
 
     def __init__(self,
                  vocab_size: int = 256,

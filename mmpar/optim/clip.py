@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mmpar.parallel.axes import EXPERT, axes_of
 
-EXPERT_AXES = axes_of(EXPERT)
-
-
-def _expert_mesh(mesh) -> bool:
-    """Whether ``mesh`` has an expert axis (expert weights live on it)."""
-    return bool(set(mesh.mesh_dim_names or ()) & set(EXPERT_AXES))
+def _in_root_order(mesh) -> bool:
+    """Whether ``mesh``'s dims keep the order of the mesh they were cut
+    from: its ranks, read row by row, ascend (a root mesh numbers its ranks
+    row by row). Torch reduces a DTensor norm over all of its sharded dims
+    at once only on such a mesh (below)."""
+    ranks = mesh.mesh.flatten()
+    return bool((ranks[1:] > ranks[:-1]).all())
 
 
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -40,11 +40,14 @@ def _group_by_mesh(grads: Sequence[torch.Tensor]
     # and the order of first appearance is the same on every rank, so the
     # groups' collectives pair up.
     groups: List[Tuple[object, List[torch.Tensor]]] = []
+    in_order = {}  # id(mesh) -> _in_root_order(mesh), once per mesh object
     for grad in grads:
         mesh = grad.device_mesh if isinstance(grad, DTensor) else None
-        if mesh is not None and _expert_mesh(mesh):
-            # Placements too: an expert group's norm is combined over its
-            # sharded dims (_sharded_norm).
+        if mesh is not None and id(mesh) not in in_order:
+            in_order[id(mesh)] = _in_root_order(mesh)
+        if mesh is not None and not in_order[id(mesh)]:
+            # Placements too: such a group's norm is combined over its
+            # sharded dims one by one (_sharded_norm).
             mesh = (mesh, tuple(grad.placements))
         for key, members in groups:
             if (key is None) == (mesh is None) and (mesh is None
@@ -62,10 +65,11 @@ def _sharded_norm(grads: List[DTensor], norm_type: float,
     shards' norm, combined over each sharded mesh dim in turn.
 
     Not torch's DTensor norm and ``full_tensor()``: on a mesh whose dims
-    are not in the root's order (FSDP2's efsdp mesh over cp put outside the
-    experts' ep mesh, which the root orders ep before cp) torch 2.13 fails
-    to flatten the dims into one all-reduce (``Mesh dim indices should be
-    in ascending order``).
+    are not in the root's order torch 2.13 fails to flatten them into one
+    all-reduce (``Mesh dim indices should be in ascending order``). FSDP2
+    makes such meshes for a parameter that is already a DTensor on an
+    inner axis and is sharded over a flattened one holding an axis further
+    in (the experts: ep's DTensors sharded over efsdp = dp_shard x cp).
     """
     local = torch.nn.utils.get_total_norm(
         [g.to_local() for g in grads], norm_type, False, foreach).float()
@@ -85,12 +89,12 @@ def _sharded_norm(grads: List[DTensor], norm_type: float,
 
 def _group_norm(grads: List[torch.Tensor], norm_type: float,
                 foreach: Optional[bool]) -> torch.Tensor:
-    # Experts only (a mesh with an expert axis, whose FSDP2 dims may be out
-    # of the root's order); every other layout keeps torch's DTensor norm,
-    # bit for bit as before. (Any sharding, FSDP2's strided one over ep's
-    # included, splits a gradient into disjoint parts; a partial one would
-    # not.)
-    if isinstance(grads[0], DTensor) and _expert_mesh(
+    # Only on a mesh out of the root's order, which torch cannot reduce
+    # over; every other mesh keeps torch's DTensor norm, bit for bit (the
+    # per-dim sums round differently: tests/optim/test_clip_meshes.py).
+    # (Any sharding, FSDP2's strided one included, splits a gradient into
+    # disjoint parts; a partial one would not.)
+    if isinstance(grads[0], DTensor) and not _in_root_order(
             grads[0].device_mesh) and not any(
                 p.is_partial() for p in grads[0].placements):
         return _sharded_norm(grads, norm_type, foreach)

@@ -36,7 +36,7 @@ mmpar then sets that attribute to the ep group rather than hooking the
 forward.
 """
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -232,3 +232,38 @@ def expert_parameter_names(model: torch.nn.Module) -> Optional[set]:
         for param in module.expert_parallel_params:
             names.add(f'{prefix}.{param}' if prefix else param)
     return names
+
+
+def no_experts_error(ep: int, model_type: Any) -> ValueError:
+    """The refusal of ``parallel.ep=ep`` for a model with no experts."""
+    return ValueError(
+        f'parallel.ep={ep!r} is not allowed; model.type={model_type!r} has '
+        'no mixture-of-experts layers (model.moe is not set), so there are '
+        'no experts to split; allowed: parallel.ep=1, or model.moe=dict('
+        'num_experts=..., ...) (docs/expert_parallel.md)')
+
+
+def check_expert_model(model_cfg: Any, model_class: Callable[[], Any],
+                       layout: Any) -> None:
+    """At start-up: under ``parallel.ep > 1`` a model class that can tell
+    from its config whether ep splits its experts says so (its classmethod
+    ``check_expert_parallel(model_cfg, ep, pp)``: Llama, HFCausalLM); any
+    other model is checked against the protocol when it is built.
+
+    Args:
+        model_cfg: the ``model`` section.
+        model_class: returns the model's class (called under ep only).
+        layout: the ``ParallelDims``, or the ``ParallelConfig`` while the
+            world size is unknown (its ``ep`` and ``pp``).
+
+    Raises:
+        ValueError: naming the key, the value and what is allowed.
+    """
+    ep = layout.ep
+    if ep is None or ep <= 1:
+        return
+    if not isinstance(model_cfg, dict):
+        raise no_experts_error(ep, model_cfg)
+    check = getattr(model_class(), 'check_expert_parallel', None)
+    if callable(check):
+        check(model_cfg, ep, layout.pp)
