@@ -142,12 +142,15 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
 
         Args:
             model_cfg: the ``model`` section.
-            ep: ``parallel.ep`` (> 1).
-            pp: ``parallel.pp`` (not checked here).
+            ep: ``parallel.ep`` (1: ep does not split; nothing to check).
+            pp: ``parallel.pp`` (not checked here: mmpar adds no router
+                loss to Hugging Face models).
 
         Raises:
             ValueError: naming the key, its value and what is allowed.
         """
+        if ep <= 1:
+            return
         transformers = import_transformers()
         pretrained = model_cfg.get('pretrained')
         if pretrained is not None and model_cfg.get('config') is None:

@@ -392,18 +392,22 @@ class Llama(LMPipelineOutputs, BaseModel):
                               pp: Optional[int] = None) -> None:
         """At start-up (:func:`mmpar.parallel.experts.check_expert_model`):
         ``parallel.ep=ep`` (> 1) needs ``model.moe``, whose experts ``ep``
-        divides (and no balancing under ``parallel.pp=pp`` > 1).
+        divides; under ``parallel.pp=pp`` > 1 (with any ep) the experts
+        are not balanced.
 
         Raises:
             ValueError: naming the key, the value and what is allowed.
         """
         if model_cfg.get('moe') is None:
-            raise no_experts_error(ep, model_cfg.get('type'))
+            if ep > 1:
+                raise no_experts_error(ep, model_cfg.get('type'))
+            return
         moe = MoEConfig.from_cfg(model_cfg['moe'])
         if pp is not None and pp > 1 and moe.balance is not None:
+            with_ep = f' and parallel.ep={ep}' if ep > 1 else ''
             raise ValueError(
                 f'model.moe.balance={moe.balance!r} is not allowed; with '
-                f'parallel.pp={pp} and parallel.ep={ep} a pipeline stage '
+                f'parallel.pp={pp}{with_ep} a pipeline stage '
                 "runs its blocks without the model's forward, which adds "
                 'the auxiliary loss and moves the balancing bias; allowed: '
                 'None (or parallel.pp=1)')

@@ -245,25 +245,30 @@ def no_experts_error(ep: int, model_type: Any) -> ValueError:
 
 def check_expert_model(model_cfg: Any, model_class: Callable[[], Any],
                        layout: Any) -> None:
-    """At start-up: under ``parallel.ep > 1`` a model class that can tell
-    from its config whether ep splits its experts says so (its classmethod
-    ``check_expert_parallel(model_cfg, ep, pp)``: Llama, HFCausalLM); any
-    other model is checked against the protocol when it is built.
+    """At start-up: under ``parallel.ep > 1`` or ``parallel.pp > 1`` a
+    model class that can tell from its config whether its experts can be
+    split or staged says so (its classmethod ``check_expert_parallel(
+    model_cfg, ep, pp)``, with ``ep=1`` when ep does not split: Llama,
+    HFCausalLM); any other model is checked against the protocol when it
+    is built.
 
     Args:
         model_cfg: the ``model`` section.
-        model_class: returns the model's class (called under ep only).
+        model_class: returns the model's class (called under ep or pp only).
         layout: the ``ParallelDims``, or the ``ParallelConfig`` while the
             world size is unknown (its ``ep`` and ``pp``).
 
     Raises:
         ValueError: naming the key, the value and what is allowed.
     """
-    ep = layout.ep
-    if ep is None or ep <= 1:
+    ep, pp = layout.ep, layout.pp
+    splits = ep is not None and ep > 1
+    if not splits and (pp is None or pp <= 1):
         return
     if not isinstance(model_cfg, dict):
-        raise no_experts_error(ep, model_cfg)
+        if splits:
+            raise no_experts_error(ep, model_cfg)
+        return
     check = getattr(model_class(), 'check_expert_parallel', None)
     if callable(check):
-        check(model_cfg, ep, layout.pp)
+        check(model_cfg, ep if splits else 1, pp)

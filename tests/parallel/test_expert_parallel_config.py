@@ -13,8 +13,9 @@ MOE = dict(type='Llama', moe=dict(num_experts=4))
 
 
 def _check(world=2, model=MOE, wrapper=FSDP2, **parallel):
+    parallel.setdefault('ep', 2)
     return check_layout(dict(model=model, model_wrapper_cfg=wrapper,
-                             parallel=dict(ep=2, **parallel)), world)
+                             parallel=parallel), world)
 
 
 def test_ep_inside_the_data_ranks():
@@ -71,6 +72,10 @@ def test_ep_with_tp():
     (dict(world=4, pp=2, pipeline=dict(schedule='1F1B')),
      "model.moe.balance='aux_loss' is not allowed; with parallel.pp=2 and "
      'parallel.ep=2 a pipeline stage'),
+    # pp alone (ep=1): the stages drop the auxiliary loss just the same
+    (dict(ep=1, world=2, pp=2, pipeline=dict(schedule='1F1B')),
+     "model.moe.balance='aux_loss' is not allowed; with parallel.pp=2 a "
+     'pipeline stage'),
 ])
 def test_refused_naming_the_key(kwargs, message):
     with pytest.raises((ConfigError, ValueError)) as err:
