@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.modules.module import \
+    register_module_parameter_registration_hook
 # Private module: torch 2.13 has no public home for TorchDispatchMode.
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -257,21 +259,21 @@ def _parameters_on_meta(recorder: _Recorder) -> Iterator[None]:
     an op overwrites it (a zeros token that nothing re-initialises keeps
     it). Other threads (a data-loader or logging thread running meanwhile)
     register theirs as torch does."""
-    register = nn.Module.register_parameter
     builder = threading.get_ident()
 
     def register_on_meta(module, name, param):
-        if param is not None and not param.is_meta and \
-                threading.get_ident() == builder:
-            initial = param.detach()
-            recorder.passthrough = True
-            try:
-                param = nn.Parameter(param.to('meta'),
-                                     requires_grad=param.requires_grad)
-            finally:
-                recorder.passthrough = False
-            recorder.track(param, initial)
-        register(module, name, param)
+        if param is None or param.is_meta or \
+                threading.get_ident() != builder:
+            return None  # registered as torch registers it
+        initial = param.detach()
+        recorder.passthrough = True
+        try:
+            param = nn.Parameter(param.to('meta'),
+                                 requires_grad=param.requires_grad)
+        finally:
+            recorder.passthrough = False
+        recorder.track(param, initial)
+        return param
 
     def whole(function):
 
@@ -284,16 +286,18 @@ def _parameters_on_meta(recorder: _Recorder) -> Iterator[None]:
 
     init = torch.nn.init
     saved = {name: getattr(init, name) for name in WHOLE_INIT_FUNCTIONS}
-    # Scoped, as Accelerate's init_empty_weights does: the one way to see
-    # every parameter as it is registered (no public hook in torch 2.13),
-    # and init functions that skip meta tensors.
-    nn.Module.register_parameter = register_on_meta
+    # Every parameter as it is registered: torch's public global
+    # registration hook (it may return a replacement), removed on exit.
+    # The init functions that skip meta tensors have no hook or override
+    # (no __torch_function__ handling in torch 2.13): replaced for the
+    # block, as Accelerate's init_empty_weights does.
+    hook = register_module_parameter_registration_hook(register_on_meta)
     for name, function in saved.items():
         setattr(init, name, whole(function))
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        hook.remove()
         for name, function in saved.items():
             setattr(init, name, function)
 
