@@ -191,8 +191,9 @@ def report(out: dict, plan: dict, conditions: dict) -> str:
         f'within {worst_first:.1%} for every candidate\'s first trial and '
         f'{worst_most:.1%} over all its trials — goal 15 %: '
         f'{_verdict(worst_first <= 0.15)} / {_verdict(worst_most <= 0.15)}. '
-        'On the CPU the measured peak is the resident set, which creeps up '
-        'over the trials of one job (freed heap glibc keeps).']
+        'On the CPU the measured peak is the resident set: a later trial '
+        'also counts the heap glibc kept from earlier ones '
+        '(docs/layout_search.md, "What a later trial\'s number means").']
     if max(conditions['load_before'], conditions['load_after']) >= LOADED:
         lines += [
             '',

@@ -120,7 +120,6 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
     out_dir = args.out or osp.join('work_dirs', f'{stem}_search')
     log_dir = osp.join(out_dir, 'trials')
     device.release_memory()
-    device.reset_peak_memory()
     baseline = measure_baseline(cfg, osp.join(log_dir, 'baseline'))
     say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
         f'(measured in this job, {_where()})')

@@ -28,6 +28,7 @@ from mmpar.analysis.search_table import TrialResult
 from mmpar.parallel.seed import reset_parallelism
 from mmpar.registry import MODELS
 from mmpar.runner import Runner
+from mmpar.runner.instances import forget_experiment
 
 # Timed steps before the early stop may end a trial.
 MIN_STEPS = 2
@@ -43,16 +44,13 @@ def trial_config(cfg: Config, iterations: int, work_dir: str) -> Config:
     for key in ('val_dataloader', 'val_cfg', 'val_evaluator',
                 'test_dataloader', 'test_cfg', 'test_evaluator'):
         trial[key] = None
-    hooks = dict(trial.get('default_hooks') or {})
-    hooks['checkpoint'] = None
-    trial.default_hooks = hooks
+    trial.default_hooks = dict(trial.get('default_hooks') or {},
+                               checkpoint=None)
     trial.log_level = 'WARNING'
     # The same data for every candidate: a config without a seed would get
     # a random one (and another data order) per trial.
     randomness = dict(trial.get('randomness') or {})
-    if randomness.get('seed') is None:
-        randomness['seed'] = 0
-    trial.randomness = randomness
+    trial.randomness = dict(randomness, seed=randomness.get('seed') or 0)
     return trial
 
 
@@ -137,6 +135,7 @@ def measure_baseline(cfg: Config, work_dir: str) -> int:
     next(iter(runner.build_dataloader(base.train_dataloader)))
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, device.memory_in_use())
+    forget_experiment(runner.experiment_name)
     del runner
     teardown()
     return max(held)
@@ -161,15 +160,17 @@ def run_trial(cfg: Config, warmup: int, steps: int, data_ranks: int,
         The same result on every rank: rank 0's step times, every rank's
         peak memory, the first failing rank's traceback as ``error``.
     """
-    error, clock = None, None
+    error, clock, name = None, None, None
     try:
         runner = Runner.from_cfg(cfg)
+        name = runner.experiment_name
         clock = TrialClock(warmup, stop_above, data_ranks)
         runner.register_hook(clock)
         runner.train()
     except Exception:  # noqa: B902 - reported in the table
         error = traceback.format_exc()
     runner = None
+    forget_experiment(name)
     peak = device.peak_memory()['peak']
     mine = dict(error=error, peak=peak, times=clock.times if clock else [],
                 tokens=clock.tokens if clock else None,

@@ -32,6 +32,8 @@ from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.bucketing import (assign_buckets,  # noqa: F401
                                       check_bucket_cap_mb)
 from mmpar.wrappers.dp_base import PythonDataParallel
+from mmpar.wrappers.weak_hooks import (remove_hooks, remove_when_collected,
+                                       weak_hook)
 
 GRAD_DTYPES: Dict[str, torch.dtype] = {
     'float32': torch.float32,
@@ -145,16 +147,18 @@ class MMBucketDataParallel(PythonDataParallel):
         self._in_backward = False
         self._syncing = True
         self._all_computed = False  # this backward's last gradient is in
-        self._hook_handles = []
+        # Held weakly, removed with the wrapper: else they keep the model
+        # alive (mmpar.wrappers.weak_hooks).
+        self._hook_handles = remove_when_collected(self, [])
         if params:
             self._hook_handles.append(
                 torch.autograd.graph.register_multi_grad_hook(
-                    params, self._on_all_computed))
-        for bucket in self._buckets:
+                    params, weak_hook(self, '_on_all_computed')))
+        for index, bucket in enumerate(self._buckets):
             for slot, param in enumerate(bucket.params):
                 self._hook_handles.append(
                     param.register_post_accumulate_grad_hook(
-                        self._make_hook(bucket, slot)))
+                        weak_hook(self, '_on_accumulated', index, slot)))
 
     @classmethod
     def check_cfg(cls, kwargs: dict) -> dict:
@@ -216,32 +220,31 @@ class MMBucketDataParallel(PythonDataParallel):
         self._absorbed = True
 
     # -- backward ---------------------------------------------------------
-    def _make_hook(self, bucket: _Bucket, slot: int):
-
-        def hook(param: torch.Tensor) -> None:
-            # The hook receives the parameter; its gradient is param.grad.
-            if not self._absorbed:
-                raise RuntimeError(
-                    'MMBucketDataParallel: backward ran without a forward '
-                    'through the wrapper since gradients were last written; '
-                    'call the wrapper, not wrapper.module, once per backward')
-            if not self._in_backward:
-                self._in_backward = True
-                self._syncing = self.require_backward_grad_sync
-            view = bucket.views[slot]
-            if param.grad is not view:  # else autograd added into the bucket
-                view.add_(local_grad(param))
-                param.grad = view if bucket.aliased[slot] else None
-            bucket.used[slot] = True
-            if self._syncing:
-                bucket.num_pending -= 1
-                if bucket.num_pending == 0:
-                    self._launch_ready_buckets()
-            if self._all_computed:
-                self._all_computed = False
-                self._end_backward()
-
-        return hook
+    def _on_accumulated(self, index: int, slot: int,
+                        param: torch.Tensor) -> None:
+        # A post-accumulate hook receives the parameter; its gradient is
+        # param.grad.
+        bucket = self._buckets[index]
+        if not self._absorbed:
+            raise RuntimeError(
+                'MMBucketDataParallel: backward ran without a forward '
+                'through the wrapper since gradients were last written; '
+                'call the wrapper, not wrapper.module, once per backward')
+        if not self._in_backward:
+            self._in_backward = True
+            self._syncing = self.require_backward_grad_sync
+        view = bucket.views[slot]
+        if param.grad is not view:  # else autograd added into the bucket
+            view.add_(local_grad(param))
+            param.grad = view if bucket.aliased[slot] else None
+        bucket.used[slot] = True
+        if self._syncing:
+            bucket.num_pending -= 1
+            if bucket.num_pending == 0:
+                self._launch_ready_buckets()
+        if self._all_computed:
+            self._all_computed = False
+            self._end_backward()
 
     def _on_all_computed(self, grads) -> None:
         # Runs as the last parameter's gradient of this backward is computed,
@@ -309,9 +312,7 @@ class MMBucketDataParallel(PythonDataParallel):
         through this wrapper (a pipeline schedule runs the plain stage):
         the hooks would refuse such a backward.
         """
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        remove_hooks(self._hook_handles)
 
     def prepare_as_pipeline_stage(self) -> None:
         # Its gradients are averaged once per optimizer step instead

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmpar.wrappers.bucketing import assign_buckets
+from mmpar.wrappers.weak_hooks import remove_when_collected, weak_hook
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's default
 
@@ -108,10 +109,13 @@ class ForcedSyncBuckets:
                 self.buckets.append(_FlatBucket([group[i] for i in indices]))
         self._next = 0  # buckets start strictly in index order on all ranks
         self._armed = False
-        self._handles = [
-            param.register_post_accumulate_grad_hook(self._make_hook(bucket))
+        # Held weakly, removed with the buckets: else they keep the model
+        # alive (mmpar.wrappers.weak_hooks).
+        self._handles = remove_when_collected(self, [
+            param.register_post_accumulate_grad_hook(
+                weak_hook(self, '_on_accumulated', bucket))
             for bucket in self.buckets for param in bucket.params
-        ]
+        ])
 
     def arm(self) -> None:
         """Start buckets from the coming backward as their gradients complete.
@@ -120,15 +124,12 @@ class ForcedSyncBuckets:
         """
         self._armed = True
 
-    def _make_hook(self, bucket: _FlatBucket):
-
-        def hook(param: torch.Tensor) -> None:
-            if not self._armed:
-                return
-            bucket.num_pending -= 1
-            self._launch_ready()
-
-        return hook
+    def _on_accumulated(self, bucket: _FlatBucket,
+                        param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        bucket.num_pending -= 1
+        self._launch_ready()
 
     def _launch(self, bucket: _FlatBucket) -> None:
         bucket.flat = bucket.flatten()

@@ -17,6 +17,7 @@ from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.bucketing import check_bucket_cap_mb
 from mmpar.wrappers.dp_base import PythonDataParallel
 from mmpar.wrappers.forced_sync import DEFAULT_BUCKET_CAP_MB
+from mmpar.wrappers.weak_hooks import remove_when_collected, weak_hook
 
 
 @MODEL_WRAPPERS.register_module()
@@ -57,10 +58,13 @@ class MMNaiveDataParallel(PythonDataParallel):
             dict(bucket_cap_mb=bucket_cap_mb))['bucket_cap_mb']
         super().__init__(module, process_group, sync_strategy, buffer_sync)
         self._init_forced_sync(bucket_cap_mb)
-        self._hook_handles = [
-            param.register_post_accumulate_grad_hook(self._average_grad)
+        # Held weakly, removed with the wrapper: else they keep the model
+        # alive (mmpar.wrappers.weak_hooks).
+        self._hook_handles = remove_when_collected(self, [
+            param.register_post_accumulate_grad_hook(
+                weak_hook(self, '_average_grad'))
             for param in module.parameters() if param.requires_grad
-        ]
+        ])
 
     @classmethod
     def check_cfg(cls, kwargs: dict) -> dict:
