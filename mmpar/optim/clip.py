@@ -87,16 +87,16 @@ def _sharded_norm(grads: List[DTensor], norm_type: float,
     return local
 
 
-def _group_norm(grads: List[torch.Tensor], norm_type: float,
+def _group_norm(key: object, grads: List[torch.Tensor], norm_type: float,
                 foreach: Optional[bool]) -> torch.Tensor:
-    # Only on a mesh out of the root's order, which torch cannot reduce
-    # over; every other mesh keeps torch's DTensor norm, bit for bit (the
-    # per-dim sums round differently: tests/optim/test_clip_meshes.py).
-    # (Any sharding, FSDP2's strided one included, splits a gradient into
-    # disjoint parts; a partial one would not.)
-    if isinstance(grads[0], DTensor) and not _in_root_order(
-            grads[0].device_mesh) and not any(
-                p.is_partial() for p in grads[0].placements):
+    # Only on a mesh out of the root's order (a group _group_by_mesh keys
+    # with its placements), which torch cannot reduce over; every other
+    # mesh keeps torch's DTensor norm, bit for bit (the per-dim sums round
+    # differently: tests/optim/test_clip_meshes.py). (Any sharding, FSDP2's
+    # strided one included, splits a gradient into disjoint parts; a
+    # partial one would not.)
+    if isinstance(key, tuple) and not any(
+            p.is_partial() for p in grads[0].placements):
         return _sharded_norm(grads, norm_type, foreach)
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     if isinstance(norm, DTensor):
@@ -120,8 +120,8 @@ def total_grad_norm(grads: Sequence[torch.Tensor],
             group must call this).
     """
     norm_type = float(norm_type)
-    norms = [_group_norm(g, norm_type, foreach)
-             for _, g in _group_by_mesh(grads)]
+    norms = [_group_norm(key, g, norm_type, foreach)
+             for key, g in _group_by_mesh(grads)]
     if not norms:
         device = grads[0].device if grads else 'cpu'
         norms = [torch.zeros((), device=device)]
