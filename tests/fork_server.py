@@ -206,6 +206,15 @@ def main() -> None:
     # distutils.ccompiler (setuptools' copy) on first use; 0.07 s of a
     # process's first collect_env, 0.005 s with it imported here.
     import distutils.ccompiler  # noqa: F401
+    # And every Hugging Face model's run (mmpar.models.hf, hf_moe, llama_hf:
+    # the fine-tuning, HF Llama and MoE configs) imports transformers'
+    # modeling_utils and its model's modeling file: 0.9 s a process, on
+    # every rank of every such launch (the Mixtral MoE file alone starts
+    # ~20 of them); ~0.01 s each with these here.
+    import transformers.modeling_utils  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.mixtral.modeling_mixtral  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
     # Out of the collector's sight (Python's advice for a process that
     # forks: https://docs.python.org/3/library/gc.html#gc.freeze): a child's
     # collection then walks only its own objects, not the ~400,000 imported
