@@ -182,6 +182,30 @@ def serve(path: str, shim: str) -> None:
             conn.close()
 
 
+def _method_name(depth: int = 2) -> str:
+    """torch's ``dynamic_rendezvous.get_method_name``: the name of the
+    function ``depth`` frames up (0: this one), read from the frame."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # the stack is not that deep
+        return 'no_method_name'
+
+
+def _cheap_rendezvous_method_names() -> None:
+    """torchrun's rendezvous names each event it records after the method
+    that records it, with ``inspect.stack()`` (twice a call, 9 calls a
+    launch): that reads every frame's source line, and finding each
+    frame's module walks ``sys.modules``, here the server's ~5,000 (a
+    fresh torchrun has far fewer). It cost every served torchrun ~1 s of
+    CPU, about as much as one of its ranks' whole run. The same name from
+    the frame itself (``inspect.stack()[depth].function`` is that frame's
+    ``f_code.co_name``); left alone if torch's function changed."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    original = getattr(dynamic_rendezvous, 'get_method_name', None)
+    if original is not None and 'stack' in original.__code__.co_names:
+        dynamic_rendezvous.get_method_name = _method_name
+
+
 def main() -> None:
     path, shim = sys.argv[1:3]
     # What every tool imports before reading its config: paid once here.
@@ -206,6 +230,16 @@ def main() -> None:
     # distutils.ccompiler (setuptools' copy) on first use; 0.07 s of a
     # process's first collect_env, 0.005 s with it imported here.
     import distutils.ccompiler  # noqa: F401
+    _cheap_rendezvous_method_names()
+    # And every Hugging Face model's run (mmpar.models.hf, hf_moe, llama_hf:
+    # the fine-tuning, HF Llama and MoE configs) imports transformers'
+    # modeling_utils and its model's modeling file: 0.9 s a process, on
+    # every rank of every such launch (the Mixtral MoE file alone starts
+    # ~20 of them); ~0.01 s each with these here.
+    import transformers.modeling_utils  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.mixtral.modeling_mixtral  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
     # Out of the collector's sight (Python's advice for a process that
     # forks: https://docs.python.org/3/library/gc.html#gc.freeze): a child's
     # collection then walks only its own objects, not the ~400,000 imported

@@ -8,7 +8,7 @@ gradient norms (the global-norm clip sees the experts' gradients on every
 rank), the same final weights and Adam moments; likewise ep=2 x tp=2,
 pp=2 x ep=2 and ep=2 x cp=2 on 4 ranks. Every run routes both ways: blocks
 0 and 2 by their scores (softmax top-2, auxiliary loss), block 1 forced to
-balance (``model.moe.force_balanced=[1]``). dp_replicate=2 x ep=2 also runs
+balance (``model.moe.force_balanced=[1]``). dp_replicate=2 x ep=2 runs
 with 2 accumulated micro-batches. On 8 ranks, ep=2 x tp=2 x pp=2 and
 ep=2 x tp=2 x cp=2 go through ``tools/dist_verify.sh`` (2 steps, every
 module's output and gradient against one process).
@@ -47,16 +47,14 @@ def one_process(tmp_path_factory):
     (2, 2, [], 'parallel = dict(ep=2)'),
     # the experts also sharded by FSDP2 over efsdp = dp_shard = 2
     (4, 4, ['parallel.dp_shard=2'], 'parallel = dict(dp_shard=2, ep=2)'),
-    # HSDP: the experts replicated over dp_replicate = 2 (their gradients
-    # all-reduced over it), the rest sharded over ep and replicated
-    (4, 4, ['parallel.dp_replicate=2'],
-     'parallel = dict(dp_replicate=2, ep=2)'),
+    # HSDP (dp_replicate=2 x ep=2): launched with accumulation by
+    # test_dist_train_dp_replicate2_ep2_accumulates_like_one_process
     # the Llama plan with sequence parallelism; each tp pair runs the MoE
     # layers whole (the experts split over ep, not over tp) on the same
     # samples, so 2 data ranks
     (4, 2, ['parallel.tp=2', 'parallel.tp_plan=llama'],
      "parallel = dict(ep=2, tp=2, tp_plan='llama')"),
-], ids=['ep2', 'ep2_dp_shard2', 'ep2_dp_replicate2', 'ep2_tp2'])
+], ids=['ep2', 'ep2_dp_shard2', 'ep2_tp2'])
 def test_dist_train_ep2_matches_one_process(tmp_path, one_process, ranks,
                                             data_ranks, extra, layout):
     one_dir, one_log = one_process
@@ -130,10 +128,14 @@ def test_dist_train_ep2_cp2_matches_one_process(tmp_path, one_process,
 
 def test_dist_train_dp_replicate2_ep2_accumulates_like_one_process(
         tmp_path):
-    """dp_replicate=2 x ep=2 with 2 accumulated micro-batches (steps at
+    """dp_replicate=2 x ep=2 (HSDP: the experts replicated over
+    dp_replicate = 2, their gradients all-reduced over it, the rest sharded
+    over ep and replicated) with 2 accumulated micro-batches (steps at
     iterations 2 and 3): the first micro-batch's gradients stay unreduced
     (the experts' units too, whose replicate-only mesh torch divides
-    before and after the all-reduce), the step's match one process's."""
+    before and after the all-reduce), the step's match one process's. The
+    layout's only launch: its parity without accumulation is the same
+    reduction at every step."""
     ep_log, one_log = _four_ranks_against_one(
         tmp_path, [*OPTIONS, 'optim_wrapper.accumulative_counts=2'],
         'parallel.dp_replicate=2', keys=('loss', 'moe_aux_loss'),
