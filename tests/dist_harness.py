@@ -27,10 +27,6 @@ TASK_TIMEOUT_S = 300
 # threads by the last part of the suite and, idle, burned 17-24 % of a core
 # each (measured from /proc), 1.3 of the machine's 2 cores together.
 MAX_WORKER_THREADS = 96
-# A renewed pool is kept only if its workers are down to this many threads
-# (threads that are not a group's, e.g. a test's executors, stay with the
-# process): otherwise it is closed and the next use starts new workers.
-RENEWED_MAX_THREADS = 32
 # After one rank fails, how long the others get to finish before the pool is
 # killed (they are usually blocked in a collective the failed rank never
 # joined).
@@ -178,7 +174,7 @@ class DistPool:
         new pool costs each worker its torch and MMEngine imports, ~4.5
         CPU-s): every rank destroys all its process groups and joins a new
         world. Closes the pool if that fails or leaves it over
-        :data:`RENEWED_MAX_THREADS`."""
+        :data:`MAX_WORKER_THREADS`."""
         old, self._init_file = self._init_file, _new_init_file()
         try:
             counts = self.run(_rejoin, self._init_file, timeout=60)
@@ -186,7 +182,7 @@ class DistPool:
             counts = None  # run() closed the pool
         if os.path.exists(old):
             os.unlink(old)
-        if counts is not None and max(counts) > RENEWED_MAX_THREADS:
+        if counts is not None and max(counts) > MAX_WORKER_THREADS:
             self.close()
 
     def close(self) -> None:
