@@ -47,7 +47,7 @@ def run_dist(_pools):
 
     fn must be a module-level function (it is pickled to spawned workers).
     Returns the per-rank results; a failing rank fails the test. Workers
-    that gathered too many threads are renewed after the test
+    that gathered too many threads are replaced after the test
     (:func:`tests.dist_harness.recycle_leaky`).
     """
     yield pool_runner(_pools)

@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TASK_TIMEOUT_S = 300
-# A pool whose workers pass this thread count is renewed after the test
-# (DistPool.renew: every group destroyed, a new world joined). Groups
+# A worker whose thread count passes this is replaced after the test. Groups
 # a test does not destroy (some torch and mmpar paths make groups of their
 # own) keep their gloo transport threads, and each wakes up now and then: in
 # a clean-clone run the 2- and 4-rank pools' workers had reached 270-350
@@ -42,7 +41,12 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results):
         OMP_NUM_THREADS='1')
     import torch
     torch.set_num_threads(1)
-    _join(init_file)
+    dist.init_process_group(
+        'gloo',
+        init_method=f'file://{init_file}',
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120))
     parent = multiprocessing.parent_process()
     while True:  # until DistPool.close kills this process
         try:
@@ -68,32 +72,6 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results):
             _reset_topology()
 
 
-def _join(init_file: str) -> None:
-    """This worker's gloo world (rank and size from its environment)."""
-    dist.init_process_group(
-        'gloo',
-        init_method=f'file://{init_file}',
-        rank=int(os.environ['RANK']),
-        world_size=int(os.environ['WORLD_SIZE']),
-        timeout=datetime.timedelta(seconds=120))
-
-
-def _rejoin(init_file: str) -> int:
-    """Destroy every process group (their gloo threads end with them) and
-    join a new world; this worker's thread count after."""
-    dist.destroy_process_group()
-    _join(init_file)
-    dist.barrier()
-    return len(os.listdir('/proc/self/task'))
-
-
-def _new_init_file() -> str:
-    fd, path = tempfile.mkstemp(prefix='mmpar_rdzv_')
-    os.close(fd)
-    os.unlink(path)
-    return path
-
-
 def _reset_topology() -> None:
     try:
         from mmpar.parallel import reset_parallelism
@@ -112,7 +90,9 @@ class DistPool:
         # (connectFullMesh: connection closed by peer) in a clean-clone run;
         # never seen with new interpreters.
         ctx = mp.get_context('spawn')
-        self._init_file = _new_init_file()
+        fd, self._init_file = tempfile.mkstemp(prefix='mmpar_rdzv_')
+        os.close(fd)
+        os.unlink(self._init_file)
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
@@ -169,22 +149,6 @@ class DistPool:
                 pass
         return max(counts)
 
-    def renew(self) -> None:
-        """Drop the workers' gathered threads without new processes (a
-        new pool costs each worker its torch and MMEngine imports, ~4.5
-        CPU-s): every rank destroys all its process groups and joins a new
-        world. Closes the pool if that fails or leaves it over
-        :data:`MAX_WORKER_THREADS`."""
-        old, self._init_file = self._init_file, _new_init_file()
-        try:
-            counts = self.run(_rejoin, self._init_file, timeout=60)
-        except AssertionError:
-            counts = None  # run() closed the pool
-        if os.path.exists(old):
-            os.unlink(old)
-        if counts is not None and max(counts) > MAX_WORKER_THREADS:
-            self.close()
-
     def close(self) -> None:
         # Killed, not asked to exit: a worker holds nothing to save, and
         # tearing down torch and gloo cost ~1 s a process (8 s for a pool of
@@ -199,11 +163,12 @@ class DistPool:
 
 
 def recycle_leaky(pools: Dict[int, DistPool]) -> None:
-    """Renew the worlds of the pools whose workers have gathered more than
-    :data:`MAX_WORKER_THREADS` threads (between tests)."""
+    """Close the pools whose workers have gathered more than
+    :data:`MAX_WORKER_THREADS` threads (between tests: the next use starts
+    fresh workers)."""
     for pool in pools.values():
         if not pool.broken and pool.max_threads() > MAX_WORKER_THREADS:
-            pool.renew()
+            pool.close()
 
 
 def pool_runner(pools: Dict[int, DistPool]) -> Callable:
