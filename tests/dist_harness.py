@@ -4,15 +4,21 @@ Starting a process and importing torch and MMEngine costs seconds, so each
 world size gets one pool of workers, started on first use and shared by every
 test. A rank that raises, or a job that hangs, fails the calling test with
 the failing rank's traceback; the pool is then torn down and the next test
-starts a fresh one.
+starts a fresh one. Workers fork from the suite's fork server where the
+tools do (tests/e2e.py), else they are new interpreters; each talks to the
+pool over its own Unix socket.
 """
 import datetime
-import multiprocessing
+import json
 import os
 import pickle
-import queue
+import shutil
+import signal
+import socket
+import sys
 import tempfile
 import traceback
+from multiprocessing.connection import Connection, wait
 from typing import Callable, Dict, List
 
 import torch.distributed as dist
@@ -30,9 +36,16 @@ MAX_WORKER_THREADS = 96
 # killed (they are usually blocked in a collective the failed rank never
 # joined).
 GRACE_AFTER_FAILURE_S = 10
+# How long a pool waits for its workers to connect (a fresh interpreter
+# imports torch first).
+CONNECT_TIMEOUT_S = 120
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results):
+def _serve(rank: int, world_size: int, init_file: str, address: str):
+    """A worker: join the gloo world, then run what the pool sends until
+    the pool closes the connection or kills this process."""
+    conn = Connection(_connect(address))
+    conn.send_bytes(pickle.dumps(rank))
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -47,29 +60,41 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results):
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=120))
-    parent = multiprocessing.parent_process()
-    while True:  # until DistPool.close kills this process
+    while True:
         try:
-            fn, args, kwargs = tasks.get(timeout=5)
-        except queue.Empty:
-            # A killed test session leaves no one to close the pool: its
-            # workers go too (orphans once spent CPU for an hour).
-            if not parent.is_alive():
-                os._exit(0)
-            continue
+            task = conn.recv_bytes()
+        except (EOFError, OSError):
+            # The test session is gone (or closed the pool): so is this
+            # worker (orphans once spent CPU for an hour).
+            os._exit(0)
         saved_env = dict(os.environ)
         try:
-            result = fn(*args, **kwargs)
-            # Pickle here: the queue pickles in a background thread, where a
-            # failure is only printed and the test would wait for a result
-            # that never comes.
-            results.put((rank, True, pickle.loads(pickle.dumps(result))))
+            fn, args, kwargs = pickle.loads(task)
+            reply = (True, fn(*args, **kwargs))
         except BaseException:  # noqa: B902 - report everything to the test
-            results.put((rank, False, traceback.format_exc()))
+            reply = (False, traceback.format_exc())
         finally:
             os.environ.clear()
             os.environ.update(saved_env)
             _reset_topology()
+        _send(conn, reply)
+
+
+def _send(conn: Connection, obj) -> None:
+    """Plain pickle both ways: multiprocessing's pickler would share a
+    tensor's storage through a handshake keyed on the sender's authkey, which
+    a served worker does not share with the test session."""
+    try:
+        data = pickle.dumps(obj)
+    except Exception:  # noqa: B902 - an unpicklable result fails the test
+        data = pickle.dumps((False, traceback.format_exc()))
+    conn.send_bytes(data)
+
+
+def _connect(address: str) -> int:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    return sock.detach()
 
 
 def _reset_topology() -> None:
@@ -80,31 +105,93 @@ def _reset_topology() -> None:
     reset_parallelism()
 
 
+class _Served:
+    """A worker forked from the suite's fork server (tests/fork_server.py),
+    which imported torch, MMEngine, mmpar and transformers once: a spawned
+    worker paid ~4.5 s of CPU importing them, and a clean-clone run starts
+    about 30 workers (a pool is replaced when it fails or gathers threads).
+    The server kills the worker when this object's socket closes."""
+
+    def __init__(self, argv: List[str]):
+        from tests.e2e import ROOT, fork_server, tool_env
+        server = fork_server()
+        env = {k: v for k, v in tool_env().items() if k not in (
+            'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(server.env['MMPAR_FORK_SOCKET'])
+        request = json.dumps(dict(argv=argv, env=env, cwd=str(ROOT)))
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            socket.send_fds(self._sock, [request.encode() + b'\n'],
+                            [null, sys.__stdout__.fileno(),
+                             sys.__stderr__.fileno()])
+        finally:
+            os.close(null)
+        self._replies = self._sock.makefile('r')
+        self.pid = int(self._replies.readline().split()[1])
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # it runs in its own group
+        except ProcessLookupError:
+            pass
+        self._sock.settimeout(10)
+        try:
+            self._replies.readline()  # "exit STATUS": the server reaped it
+        except OSError:
+            pass
+        self._replies.close()
+        self._sock.close()
+
+
+class _Spawned:
+    """A worker in a new interpreter (where the fork server is not used:
+    CUDA machines, MMPAR_TEST_FRESH_TOOLS=1)."""
+
+    def __init__(self, args: tuple):
+        self._proc = mp.get_context('spawn').Process(
+            target=_serve, args=args, daemon=True)
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.join()
+
+
 class DistPool:
     """``world_size`` gloo processes that run one function at a time."""
 
     def __init__(self, world_size: int):
+        from tests.e2e import _served
         self.world_size = world_size
-        # Spawned: forked from a forkserver that preloaded torch, MMEngine
-        # and mmpar, a gloo group of the 4-rank pool once failed to connect
-        # (connectFullMesh: connection closed by peer) in a clean-clone run;
-        # never seen with new interpreters.
-        ctx = mp.get_context('spawn')
-        fd, self._init_file = tempfile.mkstemp(prefix='mmpar_rdzv_')
-        os.close(fd)
-        os.unlink(self._init_file)
-        self._tasks = [ctx.Queue() for _ in range(world_size)]
-        self._results = ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(rank, world_size, self._init_file, self._tasks[rank],
-                      self._results),
-                daemon=True) for rank in range(world_size)
-        ]
-        for proc in self._procs:
-            proc.start()
+        self._dir = tempfile.mkdtemp(prefix='mmpar_pool_')
+        init_file = os.path.join(self._dir, 'rendezvous')
+        address = os.path.join(self._dir, 'socket')
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(world_size)
+        listener.settimeout(CONNECT_TIMEOUT_S)
+        self._procs = []
+        for rank in range(world_size):
+            args = (rank, world_size, init_file, address)
+            self._procs.append(_Served(
+                ['-m', 'tests.dist_harness', *map(str, args)]) if _served()
+                else _Spawned(args))
         self.broken = False
+        self._conns = [None] * world_size
+        try:
+            for _ in range(world_size):
+                sock, _ = listener.accept()
+                sock.settimeout(None)
+                conn = Connection(sock.detach())
+                self._conns[pickle.loads(conn.recv_bytes())] = conn
+        except OSError:
+            self.close()
+            raise AssertionError(f'the {world_size}-rank test pool did not '
+                                 f'start within {CONNECT_TIMEOUT_S} s')
+        finally:
+            listener.close()
 
     def run(self, fn: Callable, *args, timeout: float = TASK_TIMEOUT_S,
             **kwargs) -> List:
@@ -112,29 +199,34 @@ class DistPool:
 
         Raises:
             AssertionError: a rank raised (its traceback is in the message),
-                or the ranks did not all finish within ``timeout`` seconds.
+                died, or the ranks did not all finish within ``timeout``
+                seconds.
         """
-        for task_queue in self._tasks:
-            task_queue.put((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(pickle.dumps((fn, args, kwargs)))
         results, failures = [None] * self.world_size, {}
-        pending = set(range(self.world_size))
+        pending = dict(zip(self._conns, range(self.world_size)))
         while pending:
-            wait = GRACE_AFTER_FAILURE_S if failures else timeout
-            try:
-                rank, ok, payload = self._results.get(timeout=wait)
-            except queue.Empty:
+            wait_s = GRACE_AFTER_FAILURE_S if failures else timeout
+            ready = wait(list(pending), timeout=wait_s)
+            if not ready:
                 break
-            pending.discard(rank)
-            if ok:
-                results[rank] = payload
-            else:
-                failures[rank] = payload
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    ok, payload = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    ok, payload = False, 'its process died'
+                if ok:
+                    results[rank] = payload
+                else:
+                    failures[rank] = payload
         if failures or pending:
             self.close()
             report = [f'rank {r} raised:\n{tb}' for r, tb in failures.items()]
             if pending:
-                report.append(f'ranks {sorted(pending)} did not finish '
-                              f'{fn.__name__} (hung or killed)')
+                report.append(f'ranks {sorted(pending.values())} did not '
+                              f'finish {fn.__name__} (hung or killed)')
             raise AssertionError('\n'.join(report))
         return results
 
@@ -156,10 +248,10 @@ class DistPool:
         self.broken = True
         for proc in self._procs:
             proc.kill()
-        for proc in self._procs:
-            proc.join()
-        if os.path.exists(self._init_file):
-            os.unlink(self._init_file)
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def recycle_leaky(pools: Dict[int, DistPool]) -> None:
@@ -182,3 +274,7 @@ def pool_runner(pools: Dict[int, DistPool]) -> Callable:
         return pool.run(fn, *args, **kwargs)
 
     return run
+
+
+if __name__ == '__main__':  # a served worker (see _Served)
+    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -40,3 +40,29 @@ def test_max_threads_counts_a_workers_threads():
     finally:
         release.set()
         extra.join()
+
+
+def _rank_and_parent(die_on_rank_1=False):
+    import torch.distributed as dist
+    if die_on_rank_1 and dist.get_rank() == 1:
+        os._exit(3)
+    return dist.get_rank(), os.getppid()
+
+
+def test_workers_fork_from_the_fork_server_and_a_dead_one_fails_the_run():
+    from tests.e2e import _served, fork_server
+    pool = DistPool(2)
+    try:
+        ranks, parents = zip(*pool.run(_rank_and_parent))
+        assert ranks == (0, 1)
+        if _served():  # else new interpreters, children of this process
+            assert set(parents) == {fork_server().proc.pid}
+        try:
+            pool.run(_rank_and_parent, True, timeout=60)
+        except AssertionError as err:
+            assert 'rank 1 raised:\nits process died' in str(err)
+        else:
+            raise AssertionError('a rank that died did not fail the run')
+        assert pool.broken
+    finally:
+        pool.close()
