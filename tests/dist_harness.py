@@ -172,7 +172,7 @@ class DistPool:
         listener.bind(address)
         listener.listen(world_size)
         listener.settimeout(CONNECT_TIMEOUT_S)
-        self._procs = []
+        self._procs, self._closed = [], False
         for rank in range(world_size):
             args = (rank, world_size, init_file, address)
             self._procs.append(_Served(
@@ -246,6 +246,9 @@ class DistPool:
         # tearing down torch and gloo cost ~1 s a process (8 s for a pool of
         # 8 on 2 cores) at the end of every session.
         self.broken = True
+        if self._closed:  # a failed run closed it already
+            return
+        self._closed = True
         for proc in self._procs:
             proc.kill()
         for conn in self._conns:
