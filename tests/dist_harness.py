@@ -9,12 +9,12 @@ tools do (tests/e2e.py), else they are new interpreters; each talks to the
 pool over its own Unix socket.
 """
 import datetime
-import json
 import os
 import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -22,7 +22,6 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable, Dict, List
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 TASK_TIMEOUT_S = 300
 # A worker whose thread count passes this is replaced after the test. Groups
@@ -45,7 +44,7 @@ def _serve(rank: int, world_size: int, init_file: str, address: str):
     """A worker: join the gloo world, then run what the pool sends until
     the pool closes the connection or kills this process."""
     conn = Connection(_connect(address))
-    conn.send_bytes(pickle.dumps(rank))
+    conn.send_bytes(pickle.dumps((rank, os.getpid())))
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -105,65 +104,11 @@ def _reset_topology() -> None:
     reset_parallelism()
 
 
-class _Served:
-    """A worker forked from the suite's fork server (tests/fork_server.py),
-    which imported torch, MMEngine, mmpar and transformers once: a spawned
-    worker paid ~4.5 s of CPU importing them, and a clean-clone run starts
-    about 30 workers (a pool is replaced when it fails or gathers threads).
-    The server kills the worker when this object's socket closes."""
-
-    def __init__(self, argv: List[str]):
-        from tests.e2e import ROOT, fork_server, tool_env
-        server = fork_server()
-        env = {k: v for k, v in tool_env().items() if k not in (
-            'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(server.env['MMPAR_FORK_SOCKET'])
-        request = json.dumps(dict(argv=argv, env=env, cwd=str(ROOT)))
-        null = os.open(os.devnull, os.O_RDONLY)
-        try:
-            socket.send_fds(self._sock, [request.encode() + b'\n'],
-                            [null, sys.__stdout__.fileno(),
-                             sys.__stderr__.fileno()])
-        finally:
-            os.close(null)
-        self._replies = self._sock.makefile('r')
-        self.pid = int(self._replies.readline().split()[1])
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)  # it runs in its own group
-        except ProcessLookupError:
-            pass
-        self._sock.settimeout(10)
-        try:
-            self._replies.readline()  # "exit STATUS": the server reaped it
-        except OSError:
-            pass
-        self._replies.close()
-        self._sock.close()
-
-
-class _Spawned:
-    """A worker in a new interpreter (where the fork server is not used:
-    CUDA machines, MMPAR_TEST_FRESH_TOOLS=1)."""
-
-    def __init__(self, args: tuple):
-        self._proc = mp.get_context('spawn').Process(
-            target=_serve, args=args, daemon=True)
-        self._proc.start()
-        self.pid = self._proc.pid
-
-    def kill(self) -> None:
-        self._proc.kill()
-        self._proc.join()
-
-
 class DistPool:
     """``world_size`` gloo processes that run one function at a time."""
 
     def __init__(self, world_size: int):
-        from tests.e2e import _served
+        from tests.e2e import ROOT, tool_env, tool_python
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix='mmpar_pool_')
         init_file = os.path.join(self._dir, 'rendezvous')
@@ -172,20 +117,30 @@ class DistPool:
         listener.bind(address)
         listener.listen(world_size)
         listener.settimeout(CONNECT_TIMEOUT_S)
-        self._procs, self._closed = [], False
-        for rank in range(world_size):
-            args = (rank, world_size, init_file, address)
-            self._procs.append(_Served(
-                ['-m', 'tests.dist_harness', *map(str, args)]) if _served()
-                else _Spawned(args))
-        self.broken = False
-        self._conns = [None] * world_size
+        env = {k: v for k, v in tool_env().items() if k not in (
+            'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
+        # Started as the tools are (tests/e2e.py): forked from the fork
+        # server, which imported torch, MMEngine, mmpar and transformers
+        # once, where tools are served (a new interpreter paid ~4.5 s of CPU
+        # for them, and a clean-clone run starts ~30 workers: a pool is
+        # replaced when it fails or gathers threads); else new interpreters.
+        self._procs = [subprocess.Popen(
+            [tool_python(), '-m', 'tests.dist_harness',
+             *map(str, (rank, world_size, init_file, address))],
+            cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+            for rank in range(world_size)]
+        self.broken, self._closed = False, False
+        # The workers' own pids (a served one's process is not the shim
+        # this process started).
+        self._conns, self._pids = [None] * world_size, []
         try:
             for _ in range(world_size):
                 sock, _ = listener.accept()
                 sock.settimeout(None)
                 conn = Connection(sock.detach())
-                self._conns[pickle.loads(conn.recv_bytes())] = conn
+                rank, pid = pickle.loads(conn.recv_bytes())
+                self._conns[rank] = conn
+                self._pids.append(pid)
         except OSError:
             self.close()
             raise AssertionError(f'the {world_size}-rank test pool did not '
@@ -234,9 +189,9 @@ class DistPool:
         """The largest thread count of its workers (0 where /proc cannot
         tell)."""
         counts = [0]
-        for proc in self._procs:
+        for pid in self._pids:
             try:
-                counts.append(len(os.listdir(f'/proc/{proc.pid}/task')))
+                counts.append(len(os.listdir(f'/proc/{pid}/task')))
             except OSError:
                 pass
         return max(counts)
@@ -249,8 +204,14 @@ class DistPool:
         if self._closed:  # a failed run closed it already
             return
         self._closed = True
-        for proc in self._procs:
+        for pid in self._pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self._procs:  # a served worker's shim, or the worker
             proc.kill()
+            proc.wait()
         for conn in self._conns:
             if conn is not None:
                 conn.close()
@@ -279,5 +240,5 @@ def pool_runner(pools: Dict[int, DistPool]) -> Callable:
     return run
 
 
-if __name__ == '__main__':  # a served worker (see _Served)
+if __name__ == '__main__':  # a worker (see DistPool)
     _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -37,6 +37,14 @@ def _served() -> bool:
             and not torch.cuda.is_available())
 
 
+def tool_python(fresh: bool = False) -> str:
+    """The ``python`` a tool process is started with: the fork server's
+    shim where tools are served, else this interpreter."""
+    if _served() and not fresh:
+        return os.path.join(fork_server().bin, 'python')
+    return sys.executable
+
+
 class _ForkServer:
     """tests/fork_server.py, and the ``python`` (tests/fork_python.py)
     that sends it the suite's tool processes."""
@@ -101,8 +109,7 @@ def run_tool(args, timeout=600, check=True, env=None, fresh=False):
     env = dict(env or tool_env())
     if fresh:
         env['MMPAR_TEST_FRESH_TOOLS'] = '1'
-    python = (os.path.join(fork_server().bin, 'python')
-              if _served() and not fresh else sys.executable)
+    python = tool_python(fresh)
     args = [python if a == 'python' else str(a) for a in args]
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)

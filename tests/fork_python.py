@@ -4,8 +4,9 @@ tests/e2e.py installs this file as ``python`` in a directory it puts first
 on the tools' PATH, with a first line naming the real interpreter (run
 with ``-S -E``: it starts in milliseconds). ``python tools/X.py ...``,
 ``python -u tools/X.py ...`` (how torchrun starts a rank) and ``python -m
-torch.distributed.run ...`` (how tools/dist_train.sh starts torchrun) are
-forked from the fork server; anything else, or any run while
+torch.distributed.run ...`` (how tools/dist_train.sh starts torchrun) and
+``python -m tests.dist_harness ...`` (a test pool's worker) are forked from
+the fork server; anything else, or any run while
 ``MMPAR_TEST_FRESH_TOOLS=1``, is the real interpreter (``exec``).
 
 Served, this process stays as the child's stand-in: signals sent to it go
@@ -26,7 +27,8 @@ TOOLS = os.environ.get('MMPAR_FORK_TOOLS', '')  # the tools/ directory
 def servable(args: list) -> bool:
     if os.environ.get('MMPAR_TEST_FRESH_TOOLS') == '1' or not SOCKET:
         return False
-    if args[:2] == ['-m', 'torch.distributed.run']:
+    if args[:2] in (['-m', 'torch.distributed.run'],
+                    ['-m', 'tests.dist_harness']):  # a test pool's worker
         return True
     if args[:1] == ['-u']:
         args = args[1:]

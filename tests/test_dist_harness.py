@@ -3,7 +3,6 @@ groups a test leaves behind keep gloo transport threads that burn CPU while
 the pool idles."""
 import os
 import threading
-import types
 
 from tests.dist_harness import MAX_WORKER_THREADS, DistPool, recycle_leaky
 
@@ -29,8 +28,7 @@ def test_only_pools_past_the_thread_limit_are_closed():
 
 def test_max_threads_counts_a_workers_threads():
     pool = DistPool.__new__(DistPool)  # its workers: this process
-    pool._procs = [types.SimpleNamespace(pid=os.getpid()),
-                   types.SimpleNamespace(pid=-1)]  # gone: not counted
+    pool._pids = [os.getpid(), -1]  # -1: gone, not counted
     before = pool.max_threads()
     release = threading.Event()
     extra = threading.Thread(target=release.wait)
