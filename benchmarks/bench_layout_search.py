@@ -19,7 +19,12 @@ other, with the same flags:
 2. **sweep**: the same with ``--sweep R``: every candidate that fits (both
    checkpointing modes) R times, interleaved (each round starts further
    down the list), no early stop, no confirm rounds, each candidate's
-   speed that of its least disturbed trial, as the search ranks.
+   speed that of its least disturbed trial, as the search ranks. R = 4
+   (``--quick``: 2): on 2 cores for 4 ranks one candidate's trials differ
+   by up to 26 %, and with R = 2 the sweep's own order of the three
+   fastest (within 10 % of each other) changed from run to run; the
+   search's close candidates run up to 3 trials (a first pass and 2
+   confirm rounds), so the reference gets at least as many.
 
 The ranks run with glibc's mmap threshold fixed
 (``MALLOC_MMAP_THRESHOLD_=131072`` unless the environment sets one), as
@@ -60,7 +65,7 @@ def load_plan(quick: bool, steps: int) -> dict:
                              'train_dataloader.batch_size': 4,
                              'train_dataloader.dataset.context_length': 32})
     return dict(quick=False, world_size=4, warmup=2, steps=steps or 4,
-                repeats=2,
+                repeats=4,
                 microbatches=4,
                 options={'train_dataloader.batch_size': 4,
                          'train_dataloader.dataset.num_windows': 4096})
