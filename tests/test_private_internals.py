@@ -24,6 +24,7 @@ ALLOWED = {
     'attr ._attn_implementation': {'models/hf.py'},
     'attr ._concatenate': {'parallel/mesh.py'},
     'attr ._exit': {'failures.py'},
+    'attr ._gen_transform_infos': {'parallel/topology.py'},
     'attr ._get_backend': {'dist.py'},
     'attr ._grouped_mm': {'models/moe.py'},
     'attr ._handle': {'wrappers/fsdp.py'},
@@ -32,19 +33,17 @@ ALLOWED = {
     'attr ._non_persistent_buffers_set': {'wrappers/local_state.py'},
     'attr ._run_exitfuncs': {'failures.py'},
     'attr ._to_copy': {'parallelize/meta.py'},
-    'attr ._version': {'wrappers/bucket.py'},
     'module torch.distributed.fsdp._runtime_utils': {'wrappers/fsdp.py'},
     'module torch.utils._python_dispatch': {
         'analysis/activations.py', 'parallelize/meta.py',
         'parallelize/tp_check.py'},
     'name torch.distributed.fsdp._runtime_utils._reshard': {
         'wrappers/fsdp.py'},
+    'name torch.distributed.tensor._redistribute': {'parallel/topology.py'},
     'name torch.distributed.tensor.debug._clear_sharding_prop_cache': {
         'parallel/topology.py'},
     'name torch.distributed.tensor.placement_types._StridedShard': {
         'parallel/dtensor.py', 'parallelize/tp_styles.py'},
-    'name torch.utils._python_dispatch._disable_current_modes': {
-        'parallelize/tp_check.py'},
 }
 
 

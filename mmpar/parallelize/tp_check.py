@@ -22,6 +22,7 @@ runs with every shape right and wrong values; only the plan can say it is
 fused (``dict(style='colwise', fused=3)``, docs/tensor_parallel.md).
 """
 import copy
+import threading
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -30,10 +31,8 @@ from mmengine.logging import print_log
 from mmengine.structures import BaseDataElement
 from torch import nn
 from torch.distributed.tensor import DTensor
-# Private: no public way to step outside the caller's dispatch modes; the dry
-# run must not show in a CommDebugMode / FlopCounterMode the caller runs.
-from torch.utils._python_dispatch import _disable_current_modes
 
+from mmpar import device
 from mmpar.failures import ConfigError
 from mmpar.parallel.dtensor import local_tensor
 
@@ -137,15 +136,41 @@ def dry_run(replica: nn.Module, labels: Dict[str, str], args: tuple,
         handles += [module.register_forward_pre_hook(enter),
                     module.register_forward_hook(leave)]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                _disable_current_modes():
-            replica(*to_meta(args), **to_meta(kwargs))
-    except Exception as err:  # noqa: B902 - any error the split model hits
-        return _judge(err, replica, labels, in_flight, returned, key)
+        err = _outside_modes(replica, to_meta(args), to_meta(kwargs))
     finally:
         for handle in handles:
             handle.remove()
+    if err is not None:
+        return _judge(err, replica, labels, in_flight, returned, key)
     return None
+
+
+def _outside_modes(replica: nn.Module, args: tuple,
+                   kwargs: dict) -> Optional[Exception]:
+    """Call ``replica`` in a thread of its own and return what it raised.
+
+    Dispatch and function modes are thread-local: a new thread starts
+    outside the caller's (a ``CommDebugMode`` or ``FlopCounterMode`` around
+    the first step must not count the dry run), with no private torch call.
+    The caller waits, so nothing runs beside it. The thread takes the
+    caller's accelerator (the current device is per thread too).
+    """
+    raised: List[Exception] = []
+    place = device.current_device()
+
+    def call():
+        try:
+            if place.index is not None:
+                device.set_device(place.index)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                replica(*args, **kwargs)
+        except Exception as err:  # noqa: B902 - any error the model hits
+            raised.append(err)
+
+    thread = threading.Thread(target=call, name='mmpar-tp-dry-run')
+    thread.start()
+    thread.join()
+    return raised[0] if raised else None
 
 
 def _judge(err: Exception, replica: nn.Module, labels: Dict[str, str],

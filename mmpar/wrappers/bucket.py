@@ -57,6 +57,17 @@ def check_grad_dtype(grad_dtype: Union[str, torch.dtype]) -> torch.dtype:
                      f'{", ".join(GRAD_DTYPES)} (as names or torch dtypes)')
 
 
+def _unchanged(grad: torch.Tensor, written: Optional[torch.Tensor],
+               view: torch.Tensor) -> bool:
+    """``grad`` is the ``.grad`` last written from the bucket slice ``view``
+    and still holds its values (compared, not read from torch's private
+    version counter): the slice, in the wider ``grad_dtype``, stays."""
+    if grad is not written:
+        return False
+    local = local_tensor(grad)
+    return torch.equal(local, view.to(local.dtype))
+
+
 class _Bucket:
     """A flat ``grad_dtype`` buffer: gradients, then one flag per parameter.
 
@@ -87,11 +98,9 @@ class _Bucket:
             p.dtype == dtype and p is local for p, local in zip(params, locals_)
         ]
         self.used = [False] * len(params)  # slice holds gradient data
-        # For the other parameters: the `.grad` copy we last wrote and its
-        # version counter (Tensor._version: autograd's in-place counter, no
-        # public name), to tell whether the user changed it since.
+        # For the other parameters: the `.grad` we last wrote, to tell
+        # whether the user replaced or changed it since.
         self.written = [None] * len(params)
-        self.versions = [0] * len(params)
         self.num_pending = len(params)
         self.handle = None
 
@@ -209,9 +218,7 @@ class MMBucketDataParallel(PythonDataParallel):
                     if bucket.used[slot]:
                         view.zero_()
                         bucket.used[slot] = False
-                # Tensor._version (private): did the user change the grad?
-                elif not (grad is bucket.written[slot] and local_tensor(
-                        grad)._version == bucket.versions[slot]):
+                elif not _unchanged(grad, bucket.written[slot], view):
                     # In the parameter's layout (a tp gradient may come
                     # Partial or Replicate when backward ran unhooked).
                     view.copy_(local_grad(param))
@@ -300,8 +307,6 @@ class MMBucketDataParallel(PythonDataParallel):
                     grad = like_param(param, view.to(param.dtype))
                     param.grad = grad
                     bucket.written[slot] = grad
-                    # Tensor._version (private): no public write counter.
-                    bucket.versions[slot] = local_tensor(grad)._version
         self._absorbed = False
 
     def remove_grad_hooks(self) -> None:

@@ -291,6 +291,45 @@ def _grads_alone(dp):
     return torch.stack(grads).mean(0)
 
 
+def _gloo_threads_after_tp_topologies(rounds):
+    """This rank's gloo threads after each of ``rounds`` tensor-parallel
+    topologies was built, used by a DTensor redistribute (which fills
+    DTensor's caches with its mesh) and torn down."""
+    import gc
+    import os
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from mmpar.parallel import reset_parallelism, setup_parallelism
+
+    def gloo_threads():
+        names = [open(f'/proc/self/task/{task}/comm').read().strip()
+                 for task in os.listdir('/proc/self/task')]
+        return sum(name.startswith(('pt_gloo', 'gloo')) for name in names)
+
+    reset_parallelism()
+    gc.collect()
+    counts = [gloo_threads()]
+    for _ in range(rounds):
+        topology = setup_parallelism(dims=ParallelDims(tp=2, world_size=2))
+        mesh = topology.mesh['tp']
+        distribute_tensor(torch.arange(8.), mesh, [Shard(0)]).redistribute(
+            mesh, [Replicate()]).to_local()
+        del topology, mesh
+        reset_parallelism()
+        gc.collect()
+        counts.append(gloo_threads())
+    return counts
+
+
+def test_a_torn_down_topology_frees_its_groups(run_dist):
+    """What the layout search does once per trial: the groups of a torn-down
+    tensor-parallel topology end their threads (NCCL: free their
+    communicators), although DTensor's caches saw its mesh."""
+    for counts in run_dist(_gloo_threads_after_tp_topologies, 3):
+        assert counts[1:] == [counts[0]] * 3, counts
+
+
 # -- the `parallel` config section --------------------------------------------
 def test_parallel_config_defaults_and_values():
     from mmpar.parallel.config import ParallelConfig
