@@ -70,6 +70,12 @@ def _serve(rank: int, world_size: int, init_file: str, address: str):
         try:
             fn, args, kwargs = pickle.loads(task)
             reply = (True, fn(*args, **kwargs))
+            # Every rank has made the task's groups before any rank destroys
+            # them (_reset_topology): a task may make groups it never uses,
+            # and gloo fails a rank still connecting to a peer that already
+            # closed its end ("connectFullMesh failed ... Connection closed
+            # by peer", seen once in a clean-clone run on 2 loaded cores).
+            dist.barrier()
         except BaseException:  # noqa: B902 - report everything to the test
             reply = (False, traceback.format_exc())
         finally:
