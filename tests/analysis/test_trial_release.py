@@ -9,7 +9,7 @@ import os.path as osp
 import torch
 from mmengine.config import Config
 
-from mmpar.analysis.trial import run_trial, trial_config
+from mmpar.analysis.trial import run_trial, teardown, trial_config
 from mmpar.runner.instances import _managed_classes
 from tests.e2e import ROOT
 
@@ -36,6 +36,10 @@ def _two_trials(work_dir):
     cfg = Config.fromfile(TINY)
     cfg.parallel = dict(tp=2, tp_plan='llama')
     cfg.launcher = 'pytorch'
+    # As the job starts its first trial (after measure_baseline's teardown):
+    # the peak counts from here, not from what an earlier test in this pool
+    # worker reached (it did: 505 against the second trial's 448 MiB).
+    teardown()
     before = _leftovers()
     peaks, after = [], []
     for index in range(2):
