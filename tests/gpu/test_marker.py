@@ -19,6 +19,6 @@ def test_gpu_tests_are_collected_and_skipped_without_cuda():
         timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]
-    # 13 gpu tests, all skipped, none run; this file is deselected.
-    assert summary.startswith('13 skipped, 1 deselected'), proc.stdout
+    # 14 gpu tests, all skipped, none run; this file is deselected.
+    assert summary.startswith('14 skipped, 1 deselected'), proc.stdout
     assert 'needs CUDA' in proc.stdout
