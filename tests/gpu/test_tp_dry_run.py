@@ -24,6 +24,7 @@ class _Probe(torch.nn.Module):
 
 
 def test_the_dry_run_thread_runs_on_the_callers_device():
+    before = torch.accelerator.current_device_index()
     last = torch.cuda.device_count() - 1  # not the default where there are 2+
     torch.accelerator.set_device_index(last)
     try:
@@ -32,5 +33,4 @@ def test_the_dry_run_thread_runs_on_the_callers_device():
                               {}) is None
         assert probe.devices == [last]
     finally:
-        torch.accelerator.set_device_index(0)
-
+        torch.accelerator.set_device_index(before)
