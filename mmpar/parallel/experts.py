@@ -36,7 +36,7 @@ mmpar then sets that attribute to the ep group rather than hooking the
 forward.
 """
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -223,15 +223,6 @@ def expert_modules(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     (declare ``expert_parallel_params``), with their names."""
     return [(name, module) for name, module in model.named_modules()
             if getattr(module, 'expert_parallel_params', None)]
-
-
-def expert_parameter_names(model: torch.nn.Module) -> Optional[set]:
-    """The names of ``model``'s stacked expert parameters."""
-    names = set()
-    for prefix, module in expert_modules(model):
-        for param in module.expert_parallel_params:
-            names.add(f'{prefix}.{param}' if prefix else param)
-    return names
 
 
 def no_experts_error(ep: int, model_type: Any) -> ValueError:

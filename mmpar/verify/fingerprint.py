@@ -72,11 +72,3 @@ def scales(fp: torch.Tensor, num_elements: int,
     if fp.numel() > 2 + 2 * k:  # row-weighted projections (gradients)
         out[2 + 2 * k:] = (num_rows * squares).sqrt() * 3.0
     return out
-
-
-def relative_difference(got: torch.Tensor, want: torch.Tensor,
-                        num_elements: int, num_rows: int,
-                        atol: float) -> float:
-    """The largest ``|got - want| / (scale + atol)`` over the entries."""
-    size = scales(want, num_elements, num_rows) + atol
-    return float(((got - want).abs() / size.clamp_min(1e-300)).max())
