@@ -5,7 +5,8 @@ on the tools' PATH, with a first line naming the real interpreter (run
 with ``-S -E``: it starts in milliseconds). ``python tools/X.py ...``,
 ``python -u tools/X.py ...`` (how torchrun starts a rank) and ``python -m
 torch.distributed.run ...`` (how tools/dist_train.sh starts torchrun) and
-``python -m tests.dist_harness ...`` (a test pool's worker) are forked from
+``python -m tests.dist_harness ...`` (a test pool's worker) and ``python -m
+pytest ...`` (tests/gpu/test_marker.py's collection run) are forked from
 the fork server; anything else, or any run while
 ``MMPAR_TEST_FRESH_TOOLS=1``, is the real interpreter (``exec``).
 
@@ -28,7 +29,8 @@ def servable(args: list) -> bool:
     if os.environ.get('MMPAR_TEST_FRESH_TOOLS') == '1' or not SOCKET:
         return False
     if args[:2] in (['-m', 'torch.distributed.run'],
-                    ['-m', 'tests.dist_harness']):  # a test pool's worker
+                    ['-m', 'tests.dist_harness'],  # a test pool's worker
+                    ['-m', 'pytest']):  # a nested collection run
         return True
     if args[:1] == ['-u']:
         args = args[1:]

@@ -206,6 +206,27 @@ def _cheap_rendezvous_method_names() -> None:
         dynamic_rendezvous.get_method_name = _method_name
 
 
+def _no_first_round_jitter() -> None:
+    """torchrun's rendezvous sleeps a random 0-0.3 s before a node's first
+    join (``_delay(seconds=(0, 0.3))`` in ``next_rendezvous``), to skew the
+    joins of many nodes on one store; here every launch is one or two
+    loopback "nodes" and the sleep, 0.15 s on average, was a third of a
+    served ``dist_train.sh --help``, paid by every torchrun the suite starts
+    (~90). Only that random delay goes: a fixed one (the 1 s between polls
+    while a node waits for the others) is kept. Left alone if torch's
+    module changed."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    original = getattr(dynamic_rendezvous, '_delay', None)
+    if original is None or original.__code__.co_varnames[:1] != ('seconds',):
+        return
+
+    def _delay(seconds) -> None:
+        if not isinstance(seconds, tuple):
+            original(seconds)
+
+    dynamic_rendezvous._delay = _delay
+
+
 def main() -> None:
     path, shim = sys.argv[1:3]
     # What every tool imports before reading its config: paid once here.
@@ -231,6 +252,7 @@ def main() -> None:
     # process's first collect_env, 0.005 s with it imported here.
     import distutils.ccompiler  # noqa: F401
     _cheap_rendezvous_method_names()
+    _no_first_round_jitter()
     # And every Hugging Face model's run (mmpar.models.hf, hf_moe, llama_hf:
     # the fine-tuning, HF Llama and MoE configs) imports transformers'
     # modeling_utils and its model's modeling file: 0.9 s a process, on

@@ -3,10 +3,9 @@ import pytest
 
 from tests.e2e import DEFAULT_CONFIG, run_tool
 
+# (An unknown wrapper type: tests/test_bad_input_cli.py launches the same
+# command and asserts the same lines, and more.)
 CASES = {
-    'unknown wrapper': (['--cfg-options', 'model_wrapper_cfg.type=MMNope'],
-                        ["model_wrapper_cfg.type='MMNope'",
-                         'MMDistributedDataParallel']),
     'unknown sync strategy':
     (['--cfg-options', 'model_wrapper_cfg.sync_strategy=sometimes'],
      ["sync_strategy='sometimes'", 'single_auto_sync, multi_auto_sync, '

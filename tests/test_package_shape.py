@@ -145,8 +145,15 @@ def upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
                   if level[package_of(t)] > level[package_of(m)])
 
 
-def test_the_graph_sees_every_kind_of_import():
-    graph = import_graph()
+@pytest.fixture(scope='module')
+def repo_graph() -> Dict[str, Set[str]]:
+    """The repository's import graph, parsed once for the tests that read
+    it (none changes it)."""
+    return import_graph()
+
+
+def test_the_graph_sees_every_kind_of_import(repo_graph):
+    graph = repo_graph
     assert 'mmpar.checkpoint.sharded' in graph  # the walk found the package
     # A module-level import, a function-level one and a relative one.
     assert 'mmpar.parallel.dims' in graph['mmpar.parallel.config']
@@ -154,18 +161,18 @@ def test_the_graph_sees_every_kind_of_import():
     assert 'benchmarks._common' in graph['benchmarks.run']
 
 
-def test_no_import_cycle_between_modules():
-    cycle = find_cycle(import_graph())
+def test_no_import_cycle_between_modules(repo_graph):
+    cycle = find_cycle(repo_graph)
     assert cycle is None, 'import cycle: ' + ' -> '.join(cycle)
 
 
-def test_no_import_cycle_between_packages():
-    cycle = find_cycle(package_graph(import_graph()))
+def test_no_import_cycle_between_packages(repo_graph):
+    cycle = find_cycle(package_graph(repo_graph))
     assert cycle is None, 'package cycle: ' + ' -> '.join(cycle)
 
 
-def test_imports_only_go_down_the_layers():
-    assert upward_imports(import_graph()) == []
+def test_imports_only_go_down_the_layers(repo_graph):
+    assert upward_imports(repo_graph) == []
 
 
 @pytest.mark.parametrize('edges,kind', [

@@ -62,13 +62,19 @@ def brute_force_groups(dp_replicate: int, dp_shard: int, ep: int, pp: int,
 def layouts(world_size: int
             ) -> Iterator[Tuple[int, int, int, int, int, int]]:
     """Every ``(dp_replicate, dp_shard, ep, pp, cp, tp)`` whose product is
-    ``world_size``."""
-    sizes = range(1, world_size + 1)
-    for r in sizes:
-        for s in sizes:
-            for e in sizes:
-                for p in sizes:
-                    for c in sizes:
-                        for t in sizes:
-                            if r * s * e * p * c * t == world_size:
-                                yield r, s, e, p, c, t
+    ``world_size``, in increasing order.
+
+    Each size divides what the sizes before it leave (a product of
+    integers equal to ``world_size`` has no other factors), and tp is what
+    is left: the same tuples as trying every size from 1 to
+    ``world_size`` on each axis, without the 16**6 products at 16 ranks.
+    """
+    def divisors(n: int) -> List[int]:
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    for r in divisors(world_size):
+        for s in divisors(world_size // r):
+            for e in divisors(world_size // (r * s)):
+                for p in divisors(world_size // (r * s * e)):
+                    for c in divisors(world_size // (r * s * e * p)):
+                        yield r, s, e, p, c, world_size // (r * s * e * p * c)

@@ -55,12 +55,14 @@ def test_groups_and_named_meshes_match_the_layout(fake_world):
     assert mesh['dp']._get_root_mesh() is mesh.root
 
 
-def _check_rank_against_brute_force(sizes, world_size, rank):
+def _check_rank_against_brute_force(sizes, world_size, rank, expected,
+                                    coords):
     """Build the real topology as ``rank`` of a fake world; compare every
-    group it made, and every mesh view, with the brute force."""
+    group it made, and every mesh view, with the brute force
+    (``expected``: ``brute_force_groups(*sizes)``, ``coords``:
+    ``rank_coordinates(*sizes)``, made once for all the ranks checked)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    expected = brute_force_groups(*sizes)
-    mine = rank_coordinates(*sizes)[rank]
+    mine = coords[rank]
     dist.init_process_group('fake', store=FakeStore(), rank=rank,
                             world_size=world_size)
     try:
@@ -86,14 +88,14 @@ def _check_rank_against_brute_force(sizes, world_size, rank):
         # HSDP's 2-D mesh: replicas as rows, shards as columns.
         # (ep ranks are data ranks too, but not in this 2-D mesh.)
         hsdp = [[other for other in expected['dp'][rank]
-                 if rank_coordinates(*sizes)[other]['dp_replicate'] == r
-                 and rank_coordinates(*sizes)[other]['ep'] == mine['ep']]
+                 if coords[other]['dp_replicate'] == r
+                 and coords[other]['ep'] == mine['ep']]
                 for r in range(sizes[0])]
         assert topology.mesh['dp_replicate', 'dp_shard'].mesh.tolist() == \
             hsdp, where
         # FSDP's: replicas as rows, each sharding over dp_shard x cp.
         shard_rows = [[other for other in expected['dp_cp'][rank]
-                       if rank_coordinates(*sizes)[other]['dp_replicate'] == r]
+                       if coords[other]['dp_replicate'] == r]
                       for r in range(sizes[0])]
         assert topology.mesh['dp_replicate', 'dp_shard_cp'].mesh.tolist() \
             == shard_rows, where
@@ -112,8 +114,10 @@ def test_every_layout_builds_the_brute_force_groups(world_size, ranks):
     first, the last and two in the middle) would build it."""
     checked = 0
     for sizes in layouts(world_size):
+        expected, coords = brute_force_groups(*sizes), rank_coordinates(*sizes)
         for rank in range(world_size) if ranks == 'all' else ranks:
-            _check_rank_against_brute_force(sizes, world_size, rank)
+            _check_rank_against_brute_force(sizes, world_size, rank,
+                                            expected, coords)
         checked += sizes[0] > 1 and sizes[4] > 1
     assert checked >= 1  # replicated layouts with cp were among them
 

@@ -27,6 +27,12 @@ SHRINK = [f'model.config.{k}={v}' for k, v in dict(
     num_attention_heads=2, num_key_value_heads=2).items()]
 OPTIONS = SHRINK + [
     'train_dataloader.dataset.context_length=32',
+    # Validated at the last iteration, as every run is, on 8 short windows
+    # (tests/configs/test_llama_configs.py's SHRINK): the comparisons are
+    # of the training (validation changes no weight); the config's split
+    # cost each launch about a second, 14 batches of 64 x 128 tokens.
+    'val_dataloader.dataset.context_length=32',
+    'val_dataloader.dataset.num_windows=8', 'val_dataloader.batch_size=4',
     'default_hooks.logger.interval=1', 'train_cfg.max_iters=3',
     'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=3',
     # a clip that bites: the norm must be the global one to match
