@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mmpar.convert import main as convert_main
+from tests.configs.test_llama_configs import SHRINK as LLAMA_SHRINK
 from tests.e2e import load_ckpt, run_tool
 from tests.tools.ep_logs import (assert_matches_one_process,
                                  train_one_process)
@@ -27,16 +28,16 @@ SHRINK = [f'model.config.{k}={v}' for k, v in dict(
     num_attention_heads=2, num_key_value_heads=2).items()]
 OPTIONS = SHRINK + [
     'train_dataloader.dataset.context_length=32',
-    # Validated at the last iteration, as every run is, on 8 short windows
-    # (tests/configs/test_llama_configs.py's SHRINK): the comparisons are
-    # of the training (validation changes no weight); the config's split
-    # cost each launch about a second, 14 batches of 64 x 128 tokens.
-    'val_dataloader.dataset.context_length=32',
-    'val_dataloader.dataset.num_windows=8', 'val_dataloader.batch_size=4',
     'default_hooks.logger.interval=1', 'train_cfg.max_iters=3',
     'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=3',
     # a clip that bites: the norm must be the global one to match
-    'optim_wrapper.clip_grad.max_norm=0.5']
+    'optim_wrapper.clip_grad.max_norm=0.5'] + [
+    # Validated at the last iteration, as every run is, on the Llama
+    # configs' 8 short windows: the comparisons are of the training
+    # (validation changes no weight); the config's split cost each launch
+    # about a second, 14 batches of 64 x 128 tokens.
+    f'{k}={v}' for k, v in LLAMA_SHRINK.items()
+    if k.startswith('val_dataloader.')]
 BATCH = 4  # the global batch
 EXPERTS = 'hf_model.model.layers.0.mlp.experts.gate_up_proj'
 # The model switch (--cfg-options on the Mixtral configs): options for both
