@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 import traceback
+import weakref
 
 
 def _streams(unbuffered: bool) -> None:
@@ -262,6 +263,15 @@ def main() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.mixtral.modeling_mixtral  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+    # The finalizers those imports registered (~180, nearly all torch.library
+    # operator registrations) are not a child's: its exit (atexit handlers,
+    # as mmpar.failures.exit_process runs them) would unregister each
+    # operator in a process about to end, 0.03-0.1 CPU-s a process (8 % of a
+    # served rank's CPU in test_documented_options). What a child registers
+    # itself still runs at its exit.
+    for obj in gc.get_objects():
+        if isinstance(obj, weakref.finalize):
+            obj.atexit = False
     # Out of the collector's sight (Python's advice for a process that
     # forks: https://docs.python.org/3/library/gc.html#gc.freeze): a child's
     # collection then walks only its own objects, not the ~400,000 imported

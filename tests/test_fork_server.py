@@ -13,8 +13,10 @@ import pytest
 
 from tests.e2e import ROOT, fork_server, run_tool, tool_env
 
-TOOL = '''import os, sys
+TOOL = '''import os, sys, weakref
 served = 'torch' in sys.modules  # before this tool imports anything
+# A finalizer of the tool's own runs at its exit (the server's do not).
+weakref.finalize(sys, print, 'finalized', flush=True)
 with open(os.environ['MMPAR_PROBE_PID'] + os.environ.get('RANK', ''),
           'w') as f:
     f.write(f'{os.getpid()} {served}')
@@ -70,6 +72,7 @@ def test_served_run_is_what_a_shell_run_gives(tool, tmp_path, args):
     assert served.returncode == fresh.returncode
     assert served.stdout == fresh.stdout
     assert served.stdout.startswith(f"out {list(args)} {ROOT} seen None")
+    assert served.stdout.endswith('finalized\n')
     # The traceback's frames differ (runpy); its first and last lines not.
     served_err, fresh_err = served.stderr.splitlines(), \
         fresh.stderr.splitlines()
