@@ -105,13 +105,13 @@ def test_hanging_rank_ends_job_after_collective_timeout(tmp_path):
     config = write_config(
         tmp_path / 'cfg.py',
         "custom_hooks = [dict(type='HangInHook', rank=1, at_iter=3)]",
-        'env_cfg = dict(dist_cfg=dict(timeout=5))')
+        'env_cfg = dict(dist_cfg=dict(timeout=2))')
     proc = dist_train(config, tmp_path / 'work')
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert 'rank 0 failed (a collective timed out after ' \
         'env_cfg.dist_cfg.timeout' in output, output[-4000:]
-    assert 'Timed out waiting 5000ms' in output[output.index('Root Cause'):]
+    assert 'Timed out waiting 2000ms' in output[output.index('Root Cause'):]
 
 
 def _group_timeouts():
