@@ -30,9 +30,10 @@ def pytest_unconfigure(config):
     process five times to find every object whose finalizer raises; each
     full collection walks the ~450,000 objects the session holds (0.3 s
     after two test files; the whole suite's exit came 5.8 s after its
-    result line, 0.8 s with this). What this collection frees is still reported (a
-    ``__del__`` that raises in a cycle is); the frozen rest is what the
-    session keeps alive to its exit (imported modules, shared runs).
+    result line, 0.8 s with this). What this collection frees is still
+    reported (a ``__del__`` that raises in a cycle is); the frozen rest is
+    what the session keeps alive to its exit (imported modules, shared
+    runs).
     """
     gc.collect()
     gc.freeze()
