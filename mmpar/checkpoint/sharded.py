@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from mmengine.dist import barrier, is_main_process
+from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.optim import OptimWrapper
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -114,14 +114,11 @@ def merge(tensors: Any, rest: Any) -> Any:
     return merged
 
 
-def _distributed() -> bool:
-    # DCP warns and goes single-process without a process group; say so.
-    return dist.is_available() and dist.is_initialized()
-
-
 def _quiet(dcp_call, *args, **kwargs):
-    # With no_dist, DCP warns "torch.distributed is disabled ... assuming
-    # the intent is to save/load in a single process" on every call.
+    # Single-process without a process group (no_dist), where DCP warns
+    # "torch.distributed is disabled ... assuming the intent is to
+    # save/load in a single process" on every call.
+    kwargs.setdefault('no_dist', not is_distributed())
     with warnings.catch_warnings():
         warnings.filterwarnings(
             'ignore', message='torch.distributed is disabled')
@@ -137,12 +134,8 @@ def _load_tensors(state: dict, path: str, partial: bool) -> None:
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
     try:
-        _quiet(
-            dcp.load,
-            state,
-            checkpoint_id=path,
-            planner=DefaultLoadPlanner(allow_partial_load=partial),
-            no_dist=not _distributed())
+        _quiet(dcp.load, state, checkpoint_id=path,
+               planner=DefaultLoadPlanner(allow_partial_load=partial))
     # DCP's CheckpointException (failures of any rank) is a BaseException.
     except (Exception, CheckpointException) as err:
         lines = str(err).strip().splitlines()
@@ -191,7 +184,7 @@ def _set_distributed_state(model: nn.Module,
 def _all_keys(keys: list) -> list:
     # Every rank's model keys, in order of first appearance by rank: a
     # pipelined rank holds only its stages' keys.
-    if not _distributed():
+    if not is_distributed():
         return keys
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, keys)
@@ -284,17 +277,15 @@ def save_sharded(model: nn.Module,
     if background is None:
         # Collective: each rank writes its shards; returns once DCP's
         # coordinator has written .metadata.
-        _quiet(dcp.save, tensors, checkpoint_id=tmp,
-               no_dist=not _distributed())
+        _quiet(dcp.save, tensors, checkpoint_id=tmp)
         if is_main_process():
             _finish(plain, tmp, path)
         barrier()
         return
     # Collective (DCP stages every tensor before it returns); the write
     # and DCP's plan exchange go on on the writer group.
-    written = _quiet(
-        dcp.async_save, tensors, checkpoint_id=tmp,
-        process_group=background.group(), no_dist=not _distributed())
+    written = _quiet(dcp.async_save, tensors, checkpoint_id=tmp,
+                     process_group=background.group())
     plain = copy.deepcopy(plain) if is_main_process() else None
 
     def finish() -> None:
@@ -322,8 +313,7 @@ def _save_shadow(model: nn.Module, shadow: nn.Module, directory: str) -> None:
         # Its buffers, as the model's, equal over the data axis first.
         describe(model).sync_buffers()
         state, _ = distributed_state(model, None)
-        _quiet(dcp.save, {'model': state}, checkpoint_id=directory,
-               no_dist=not _distributed())
+        _quiet(dcp.save, {'model': state}, checkpoint_id=directory)
 
 
 def load_into_shadow(model: nn.Module, shadow: nn.Module, path: str,
@@ -332,9 +322,16 @@ def load_into_shadow(model: nn.Module, shadow: nn.Module, path: str,
     through the model (every rank calls it). Keys the part lacks keep their
     values."""
     with swapped_in(model, shadow):
-        state, _ = distributed_state(model, None)
-        _load_tensors({'model': state}, _part_dir(path, part), partial=True)
-        _set_distributed_state(model, None, state, None, strict=False)
+        _load_model(model, _part_dir(path, part), strict=False)
+
+
+def _load_model(model: nn.Module, directory: str, strict: bool) -> None:
+    # The model's tensors only. Not strict (load_from's default): keys the
+    # checkpoint lacks keep their current values, as
+    # nn.Module.load_state_dict(strict=False).
+    state, _ = distributed_state(model, None)
+    _load_tensors({'model': state}, directory, partial=not strict)
+    _set_distributed_state(model, None, state, None, strict)
 
 
 def _part_dir(path: str, part: Optional[str]) -> str:
@@ -385,11 +382,7 @@ def load_sharded(model: nn.Module,
     optimizer = _optimizer(optim_wrapper)
     saved_optim = checkpoint.get('optimizer')
     if optimizer is None or saved_optim is None:
-        model_state, _ = distributed_state(model, None)
-        # Not strict (load_from's default): keys the checkpoint lacks keep
-        # their current values, as nn.Module.load_state_dict(strict=False).
-        _load_tensors({'model': model_state}, model_dir, partial=not strict)
-        _set_distributed_state(model, None, model_state, None, strict)
+        _load_model(model, model_dir, strict)
         checkpoint.pop('optimizer', None)
         return checkpoint
     before = copy.deepcopy(optimizer.state_dict())

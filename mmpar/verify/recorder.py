@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from mmengine.dist import is_distributed
 from mmengine.hooks import Hook
 from mmengine.logging import MessageHub
 from torch import nn
@@ -60,10 +61,6 @@ def tp_split_dim(local: Tuple[int, ...], full: Tuple[int, ...],
         if local[dim] != full[dim] and local[dim] * tp == full[dim]:
             return dim
     return None
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 class FingerprintHook(Hook):
@@ -228,10 +225,8 @@ class FingerprintHook(Hook):
             if tensor.dim() == 0:  # a scalar (a loss): compared as the loss
                 continue
             self.shapes.setdefault((name, index), tuple(tensor.shape))
-            rows = (tensor.numel() // max(tensor.shape[-1], 1)
-                    if tensor.dim() > 1 else tensor.numel())
             _add(store, name, len(leaves), index,
-                 (row_fingerprint(tensor), float(rows), tensor.numel()))
+                 (row_fingerprint(tensor), _rows(tensor), tensor.numel()))
 
     def _record_grads(self) -> None:
         root = describe(self._model).state_module
@@ -253,9 +248,7 @@ class FingerprintHook(Hook):
                 continue
             if isinstance(grad, DTensor):
                 grad = grad.full_tensor()
-            rows = grad.numel() // grad.shape[-1] if grad.dim() > 1 else \
-                grad.numel()
-            self._grads[name] = (tensor_fingerprint(grad), float(rows),
+            self._grads[name] = (tensor_fingerprint(grad), _rows(grad),
                                  grad.numel())
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None,
@@ -269,11 +262,7 @@ class FingerprintHook(Hook):
             return
         if probing:
             if not self._probe.was_probe():  # real micro-batches: count them
-                for name, slots in self._held.items():
-                    for index, entry in enumerate(slots):
-                        if entry is not None:
-                            _add(self._outputs, name, len(slots), index,
-                                 entry)
+                _add_all(self._outputs, self._held)
             self._held = {}
         step = dict(outputs=self._outputs, order=self._order,
                     grads=self._grads, grad_order=self._grad_order,
@@ -299,6 +288,12 @@ class FingerprintHook(Hook):
                         set(self.touches[name]) | set(found))
 
 
+def _rows(tensor: torch.Tensor) -> float:
+    # Rows of the last dimension (a 1-D tensor: one value a row).
+    return float(tensor.numel() // max(tensor.shape[-1], 1)
+                 if tensor.dim() > 1 else tensor.numel())
+
+
 def _add(store: Dict[str, list], name: str, num_outputs: int, index: int,
          entry: tuple) -> None:
     """Add one call's ``(fingerprint, rows, elements)`` of output
@@ -309,6 +304,15 @@ def _add(store: Dict[str, list], name: str, num_outputs: int, index: int,
     old = slots[index]
     slots[index] = entry if old is None else tuple(
         a + b for a, b in zip(old, entry))
+
+
+def _add_all(store: Dict[str, list], calls: Dict[str, list]) -> None:
+    """:func:`_add` every output of ``calls`` (``{module: slots}``)."""
+    for name, slots in calls.items():
+        store.setdefault(name, [None] * len(slots))
+        for index, entry in enumerate(slots):
+            if entry is not None:
+                _add(store, name, len(slots), index, entry)
 
 
 def _logged_grad_norm() -> Optional[float]:
@@ -323,7 +327,7 @@ def _logged_grad_norm() -> Optional[float]:
 
 def gather_to_rank0(obj: Any) -> Optional[list]:
     """Every rank's ``obj`` on rank 0 (a list), None on the others."""
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, parts, dst=0)
@@ -343,18 +347,9 @@ def merge_ranks(parts: Optional[list]) -> Optional[dict]:
     grads: Dict[str, tuple] = {}
     losses = []
     for part in parts:
-        for name in part['order']:
-            if name not in outputs:
-                order.append(name)
-                outputs[name] = list(part['outputs'][name])
-                continue
-            mine = outputs[name]
-            for i, entry in enumerate(part['outputs'][name][:len(mine)]):
-                if entry is None:
-                    continue
-                old = mine[i]
-                mine[i] = entry if old is None else tuple(
-                    a + b for a, b in zip(old, entry))
+        order += [name for name in part['order'] if name not in outputs]
+        _add_all(outputs, {name: part['outputs'][name]
+                           for name in part['order']})
         for name, entry in part['grads'].items():
             grads.setdefault(name, entry)
         if part['losses']:
