@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mmpar import device
+from mmpar.device import default_backend
 
 LAUNCHERS = ('none', 'pytorch', 'slurm', 'mpi')
 BACKENDS = ('gloo', 'nccl', 'xccl')
@@ -46,12 +47,6 @@ def check_launcher(launcher: str) -> str:
     return launcher
 
 
-def default_backend() -> str:
-    """The accelerator's backend (``'nccl'`` on CUDA), ``'gloo'`` without
-    one."""
-    return device.default_backend()
-
-
 def usable_backend(backend: Optional[str]) -> str:
     """The backend to start with, given what ``env_cfg.dist_cfg`` says.
 
@@ -63,7 +58,7 @@ def usable_backend(backend: Optional[str]) -> str:
     if backend is None:
         return default_backend()
     if device.backend_needs_accelerator(backend) and \
-            device.default_backend() != backend:
+            default_backend() != backend:
         import logging
 
         from mmengine.logging import print_log

@@ -5,6 +5,8 @@ MMEngine's after (a child registry falls back to its parent). Because
 ``MODEL_WRAPPERS`` is a child of MMEngine's, ``mmengine.model.is_model_wrapper``
 and MMEngine's hooks recognise every wrapper registered here.
 """
+from typing import Optional
+
 from mmengine.registry import DATA_SAMPLERS as MMENGINE_DATA_SAMPLERS
 from mmengine.registry import DATASETS as MMENGINE_DATASETS
 from mmengine.registry import EVALUATOR as MMENGINE_EVALUATOR
@@ -31,10 +33,13 @@ from mmengine.registry import Registry
 SCOPE = 'mmpar'
 
 
-def _child(name: str, parent: Registry, location: str) -> Registry:
-    """mmpar's child of an MMEngine registry; ``location`` is imported on
-    first lookup, so its modules register without an explicit import."""
-    return Registry(name, parent=parent, scope=SCOPE, locations=[location])
+def _child(name: str, parent: Optional[Registry],
+           *locations: str) -> Registry:
+    """mmpar's child of an MMEngine registry (or, without ``parent``, a
+    registry of its own); ``locations`` are imported on first lookup, so
+    their modules register without an explicit import."""
+    return Registry(name, parent=parent, scope=SCOPE,
+                    locations=list(locations))
 
 
 MODELS = _child('model', MMENGINE_MODELS, 'mmpar.models')
@@ -51,46 +56,38 @@ RUNNERS = _child('runner', MMENGINE_RUNNERS, 'mmpar.runner')
 # Children with nothing of mmpar's in them yet: they let a config with
 # default_scope='mmpar' build MMEngine's samplers, schedulers and
 # visualisers without a "failed to search registry with scope" warning.
-DATA_SAMPLERS = Registry(
-    'data sampler', parent=MMENGINE_DATA_SAMPLERS, scope=SCOPE)
-TRANSFORMS = Registry('transform', parent=MMENGINE_TRANSFORMS, scope=SCOPE)
+DATA_SAMPLERS = _child('data sampler', MMENGINE_DATA_SAMPLERS)
+TRANSFORMS = _child('transform', MMENGINE_TRANSFORMS)
 # mmpar's whole-matrix optimizers (Muon) and their constructor.
 OPTIMIZERS = _child('optimizer', MMENGINE_OPTIMIZERS, 'mmpar.optim')
 OPTIM_WRAPPER_CONSTRUCTORS = _child('optimizer wrapper constructor',
                                     MMENGINE_OPTIM_WRAPPER_CONSTRUCTORS,
                                     'mmpar.optim')
-PARAM_SCHEDULERS = Registry(
-    'parameter scheduler', parent=MMENGINE_PARAM_SCHEDULERS, scope=SCOPE)
-EVALUATOR = Registry('evaluator', parent=MMENGINE_EVALUATOR, scope=SCOPE)
-VISUALIZERS = Registry('visualizer', parent=MMENGINE_VISUALIZERS, scope=SCOPE)
-VISBACKENDS = Registry('vis_backend', parent=MMENGINE_VISBACKENDS, scope=SCOPE)
-LOG_PROCESSORS = Registry(
-    'log_processor', parent=MMENGINE_LOG_PROCESSORS, scope=SCOPE)
-WEIGHT_INITIALIZERS = Registry(
-    'weight initializer', parent=MMENGINE_WEIGHT_INITIALIZERS, scope=SCOPE)
-FUNCTIONS = Registry('function', parent=MMENGINE_FUNCTIONS, scope=SCOPE)
+PARAM_SCHEDULERS = _child('parameter scheduler', MMENGINE_PARAM_SCHEDULERS)
+EVALUATOR = _child('evaluator', MMENGINE_EVALUATOR)
+VISUALIZERS = _child('visualizer', MMENGINE_VISUALIZERS)
+VISBACKENDS = _child('vis_backend', MMENGINE_VISBACKENDS)
+LOG_PROCESSORS = _child('log_processor', MMENGINE_LOG_PROCESSORS)
+WEIGHT_INITIALIZERS = _child('weight initializer',
+                             MMENGINE_WEIGHT_INITIALIZERS)
+FUNCTIONS = _child('function', MMENGINE_FUNCTIONS)
 
 # Named FSDP auto-wrap policies: callables with torch's policy signature
 # ``(module, recurse, nonwrapped_numel, **kwargs) -> bool``. Registering them by
 # name keeps configs plain data (no ``functools.partial`` in a config file).
-FSDP_WRAP_POLICIES = Registry(
-    'fsdp wrap policy', scope=SCOPE, locations=['mmpar.wrappers.policies'])
+FSDP_WRAP_POLICIES = _child('fsdp wrap policy', None,
+                            'mmpar.wrappers.policies')
 
 # Named tensor-parallel plans: callables ``plan(model, tp_mesh, **kwargs)``
 # that split ``model`` in place (mmpar/parallelize/tensor.py). Model presets
 # register next to their model.
-TP_PLANS = Registry(
-    'tensor-parallel plan',
-    scope=SCOPE,
-    locations=[
-        'mmpar.parallelize.module_plan', 'mmpar.parallelize.hf_plan',
-        'mmpar.models'
-    ])
+TP_PLANS = _child('tensor-parallel plan', None,
+                  'mmpar.parallelize.module_plan', 'mmpar.parallelize.hf_plan',
+                  'mmpar.models')
 
 # Text tokenizers by name (mmpar/datasets/tokenizer.py): ByteTokenizer,
 # HFTokenizer(path) and the shipped ShakespeareBPE.
-TOKENIZERS = Registry(
-    'tokenizer', scope=SCOPE, locations=['mmpar.datasets.tokenizer'])
+TOKENIZERS = _child('tokenizer', None, 'mmpar.datasets.tokenizer')
 
 
 def registered_names(registry: Registry) -> list:
@@ -125,7 +122,5 @@ def lookup_callable(registry: Registry, name: str, key: str):
 
 # torch's pipeline schedules by name (``parallel.pipeline.schedule``):
 # classes from torch.distributed.pipelining (mmpar/parallelize/pipeline/).
-PIPELINE_SCHEDULES = Registry(
-    'pipeline schedule',
-    scope=SCOPE,
-    locations=['mmpar.parallelize.pipeline.schedules'])
+PIPELINE_SCHEDULES = _child('pipeline schedule', None,
+                            'mmpar.parallelize.pipeline.schedules')

@@ -1,12 +1,12 @@
 """Tiny Shakespeare as (input, target) token windows, shipped with mmpar."""
 import functools
-import lzma
 from pathlib import Path
 from typing import Dict, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
 
+from mmpar.datasets.text_files import read_text
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
 from mmpar.registry import DATASETS
@@ -19,10 +19,7 @@ TRAIN_FRACTION = 0.9
 @functools.lru_cache(maxsize=2)
 def load_text(data_file: str = str(DATA_FILE)) -> str:
     """The whole corpus as text (``.xz`` or plain), read once per process."""
-    path = Path(data_file)
-    raw = lzma.decompress(path.read_bytes()) if path.suffix == '.xz' \
-        else path.read_bytes()
-    return raw.decode('utf-8')
+    return read_text(Path(data_file))
 
 
 _TOKEN_CACHE: Dict[tuple, torch.Tensor] = {}

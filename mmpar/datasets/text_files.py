@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Union
 
-from mmpar.datasets.token_shards import (VERSION, TokenShardWriter,
-                                         read_header)
+from mmpar.datasets.token_shards import (VERSION, read_header,
+                                         write_token_shard)
 from mmpar.datasets.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = ('.txt', '.md', '.text')
@@ -68,13 +68,13 @@ def expand_files(files: Union[str, Sequence[str]]) -> List[Path]:
 
 def _supported(path: Path) -> bool:
     try:
-        _kind(path)
-        return True
+        return bool(_kind(path))
     except ValueError:
         return False
 
 
-def _read_text(path: Path) -> str:
+def read_text(path: Path) -> str:
+    """A UTF-8 text file, ``.xz``-compressed or plain."""
     raw = path.read_bytes()
     if path.suffix == '.xz':
         raw = lzma.decompress(raw)
@@ -99,11 +99,11 @@ def iter_documents(files: Sequence[Path], text_key: str = 'text',
     for path in files:
         kind = _kind(path)
         if kind == 'text':
-            text = _read_text(path)
+            text = read_text(path)
             parts = [text] if separator is None else text.split(separator)
             yield from (p for p in parts if p.strip())
         elif kind == 'jsonl':
-            for number, line in enumerate(_read_text(path).splitlines(), 1):
+            for number, line in enumerate(read_text(path).splitlines(), 1):
                 if line.strip():
                     yield _field(json.loads(line), text_key,
                                  f'{path}:{number}')
@@ -157,17 +157,17 @@ def write_documents(prefix: Union[str, Path], files: Sequence[Path],
                     tokenizer: Tokenizer, text_key: str = 'text',
                     separator: Optional[str] = None) -> dict:
     """Tokenize the documents of ``files`` into the shard ``prefix``
-    (:class:`TokenShardWriter` renames it into place whole: ranks writing
+    (:class:`~mmpar.datasets.token_shards.TokenShardWriter` renames it into
+    place whole: ranks writing
     the same shard at once write the same bytes).
 
     Returns:
         The shard's header.
     """
-    with TokenShardWriter(prefix, tokenizer.vocab_size, tokenizer.name,
-                          [str(p) for p in files]) as writer:
-        for text in iter_documents(files, text_key, separator):
-            writer.add(tokenizer.encode(text))
-    return read_header(prefix)
+    return write_token_shard(
+        prefix, map(tokenizer.encode,
+                    iter_documents(files, text_key, separator)),
+        tokenizer.vocab_size, tokenizer.name, [str(p) for p in files])
 
 
 def tokenize_files(files: Union[str, Sequence[str]], tokenizer: Tokenizer,
