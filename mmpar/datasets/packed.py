@@ -101,6 +101,15 @@ class TokenStream:
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 
+def check_count(key: str, value, optional: bool = False) -> None:
+    """Raises ValueError unless ``value`` is an int >= 1 (or None when
+    ``optional``), naming ``key``."""
+    if not (value is None and optional or
+            isinstance(value, int) and value >= 1):
+        raise ValueError(f'{key}={value!r} must be an int >= 1' +
+                         (' or None' if optional else ''))
+
+
 def blend_counts(weights: Sequence[float], block: int) -> List[int]:
     """Samples per source in each block of ``block``: proportional to
     ``weights`` (largest remainder; ties to the earlier source).
@@ -192,9 +201,7 @@ class PackedTokenDataset(Dataset):
         if split not in SPLITS:
             raise ValueError(f'split={split!r} is not supported; allowed: '
                              f'{", ".join(SPLITS)}')
-        if not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f'context_length={context_length!r} must be an '
-                             'int >= 1')
+        check_count('context_length', context_length)
         if isinstance(sources, (str, dict)) or not sources:
             raise ValueError(f'sources={sources!r} must be a non-empty list '
                              'of shard prefixes or source dicts')
@@ -221,10 +228,7 @@ class PackedTokenDataset(Dataset):
         self.block = BLEND_BLOCK if len(self.streams) > 1 else 1
         self.counts = blend_counts(weights, self.block)
         self.cum_counts = np.cumsum([0] + self.counts)
-        if num_windows is not None and (not isinstance(num_windows, int)
-                                        or num_windows < 1):
-            raise ValueError(f'num_windows={num_windows!r} must be an int '
-                             '>= 1 or None')
+        check_count('num_windows', num_windows, optional=True)
         self.num_windows = num_windows or sum(self.source_windows)
 
     def _open(self, index: int, source: dict,

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
                                           render_chat)
+from mmpar.datasets.packed import check_count
 from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
                                         packed_window, record_sample)
 from mmpar.datasets.text_files import expand_files
@@ -153,13 +154,8 @@ class SFTDataset(Dataset):
                  document_attention: bool = False,
                  num_windows: Optional[int] = None,
                  truncate: str = 'right'):
-        if not isinstance(context_length, int) or context_length < 1:
-            raise ValueError(f'SFTDataset context_length={context_length!r} '
-                             'must be an int >= 1')
-        if num_windows is not None and (not isinstance(num_windows, int)
-                                        or num_windows < 1):
-            raise ValueError(f'SFTDataset num_windows={num_windows!r} must '
-                             'be an int >= 1 or None')
+        check_count('SFTDataset context_length', context_length)
+        check_count('SFTDataset num_windows', num_windows, optional=True)
         if truncate not in TRUNCATIONS:
             raise ValueError(f'SFTDataset truncate={truncate!r} is not '
                              f'supported; allowed: {", ".join(TRUNCATIONS)}')

@@ -37,6 +37,7 @@ import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
+from mmpar.checks import check_int
 from mmpar.parallel.experts import SharedGroup, local_experts
 from mmpar.parallel.sequence import ContextParallel
 
@@ -86,11 +87,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for key in ('num_experts', 'top_k'):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or \
-                    value < 1:
-                raise ValueError(f'model.moe.{key}={value!r} is not allowed;'
-                                 ' allowed: an int >= 1')
+            check_int(f'model.moe.{key}', getattr(self, key))
         if self.top_k > self.num_experts:
             raise ValueError(
                 f'model.moe.top_k={self.top_k} is not allowed; allowed: at '

@@ -10,7 +10,6 @@ import inspect
 import os.path as osp
 from typing import Callable, Optional, Union
 
-import torch
 from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.model import is_model_wrapper, revert_sync_batchnorm
 from mmengine.model.utils import convert_sync_batchnorm
@@ -135,8 +134,8 @@ class Runner(MMEngineRunner):
                 # Built whole: a copy of the plain model to initialise in
                 # train() (mmpar.runner.init_weights).
                 self._deferred_init = DeferredInit.of_whole(
-                    model, self._device())
-            model = model.to(self._device())
+                    model, local_device())
+            model = model.to(local_device())
         if names_rules(self.optim_wrapper):
             self._plain_view = plain_view(model)
         if self.world_size == 1:
@@ -149,7 +148,7 @@ class Runner(MMEngineRunner):
         # TP, PP, activation checkpointing, compile, the data-parallel
         # wrapper, then (meta-built) this rank's parameters, in that order.
         return parallelize(model, self.topology, plan=self.plan,
-                           meta_init=self.meta_init, device=self._device())
+                           meta_init=self.meta_init, device=local_device())
 
     def train(self) -> nn.Module:
         # MMEngine 0.10's train() reads the same top-level key
@@ -192,10 +191,6 @@ class Runner(MMEngineRunner):
             # broadcast would abort on sharded parameters.
             return
         super()._init_model_weights()
-
-    @staticmethod
-    def _device() -> torch.device:
-        return local_device()
 
     def build_dataloader(self, dataloader, seed=None, diff_rank_seed=False):
         """MMEngine's, with the sampler sharding by the data-parallel rank

@@ -73,13 +73,6 @@ def _dims(cfg: Config, world_size: int):
     return check_config(cfg, world_size=world_size).dims
 
 
-def data_size(cfg: Config, world_size: int) -> int:
-    """How many ranks read different samples at this world size: the data
-    axes and the expert axis (the reference's batch is that many per-rank
-    batches)."""
-    return _dims(cfg, world_size).size_of(SAMPLE_AXES)
-
-
 def reference_config(cfg: Config, world_size: int,
                      against: str = ONE_PROCESS) -> Config:
     """The reference for the layout at ``world_size``, reading the same
@@ -93,7 +86,9 @@ def reference_config(cfg: Config, world_size: int,
         ConfigError: a bad ``against``, or one the Runner's config check
             refuses (the message names ``--against``).
     """
-    size = data_size(cfg, world_size)
+    # The ranks that read different samples (the data axes and the expert
+    # axis): the reference's batch is that many per-rank batches.
+    size = _dims(cfg, world_size).size_of(SAMPLE_AXES)
     reference = parse_against(against)
     if reference.sizes:
         ref = against_config(cfg, reference,
