@@ -238,6 +238,16 @@ def uses_cuda() -> bool:
     return device.uses_accelerator()
 
 
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` of ``group`` (default: the world), in rank
+    order; ``[obj]`` without a process group. A collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def local_rank() -> int:
     """``LOCAL_RANK`` from the environment (0 when unset)."""
     return int(os.environ.get('LOCAL_RANK', 0))

@@ -21,25 +21,19 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mmpar.checkpoint.files import to_cpu
 from mmpar.checkpoint.named_optim import (localize_named_optim_state,
                                           merge_named_optim_states,
                                           named_optim_state)
+from mmpar.dist import all_gather_objects
 from mmpar.parallel.dtensor import distribute_like
 from mmpar.wrappers.description import PipelineParts
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _gather_pp(parts: PipelineParts, obj) -> list:
-    out = [None] * dist.get_world_size(parts.pp_group)
-    dist.all_gather_object(out, obj, group=parts.pp_group)
-    return out
 
 
 def _stage_states(parts: PipelineParts) -> List[Dict[str, torch.Tensor]]:
@@ -67,7 +61,7 @@ def full_state_dict(parts: PipelineParts) -> Dict[str, torch.Tensor]:
         (k, _whole(v).detach().cpu())
         for part in _stage_states(parts) for k, v in part.items())
     merged = OrderedDict()
-    for part in _gather_pp(parts, local):
+    for part in all_gather_objects(local, parts.pp_group):
         merged.update(part)
     return merged
 
@@ -99,7 +93,7 @@ def full_optim_state_dict(parts: PipelineParts, optim_wrapper) -> dict:
     local = named_optim_state(optim_wrapper.optimizer,
                               plain_param_names(parts), full=True)
     local['state'] = to_cpu(local['state'])  # before pickling
-    state.update(merge_named_optim_states(_gather_pp(parts, local)))
+    state.update(merge_named_optim_states(all_gather_objects(local, parts.pp_group)))
     return state
 
 
@@ -155,8 +149,8 @@ def distributed_state_dict(
         return model_state, None
     _init_optimizer_state(optimizer)
     local = named_optim_state(optimizer, plain_param_names(parts), full=False)
-    others = _gather_pp(parts, dict(state={},
-                                    param_groups=local['param_groups']))
+    others = all_gather_objects(
+        dict(state={}, param_groups=local['param_groups']), parts.pp_group)
     local['param_groups'] = merge_named_optim_states(others)['param_groups']
     return model_state, local
 

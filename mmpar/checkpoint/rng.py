@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from mmpar import device
+from mmpar.dist import all_gather_objects
 
 
 def rng_state() -> dict:
@@ -35,13 +36,7 @@ def set_rng_state(state: dict) -> None:
 def all_rng_states() -> list:
     """Every rank's :func:`rng_state`, in rank order (a collective when
     distributed: every rank must call it)."""
-    import torch.distributed as dist
-    local = rng_state()
-    if not (dist.is_available() and dist.is_initialized()):
-        return [local]
-    states = [None] * dist.get_world_size()
-    dist.all_gather_object(states, local)
-    return states
+    return all_gather_objects(rng_state())
 
 
 def restore_rng_states(states: Optional[list], rank: int, world_size: int,

@@ -40,7 +40,6 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from mmengine.dist import barrier, is_distributed, is_main_process
 from mmengine.optim import OptimWrapper
@@ -58,6 +57,7 @@ from mmpar.checkpoint.files import (CheckpointLoadError, atomic_save,
 from mmpar.checkpoint.refs import (MODEL_PART, StoredTensor, pack_refs,
                                    stand_ins, stored_part, unpack_refs)
 from mmpar.checkpoint.shadow import swapped_in
+from mmpar.dist import all_gather_objects
 from mmpar.failures import ConfigError
 from mmpar.parallel.dtensor import packed_parameters
 from mmpar.wrappers.base import describe
@@ -184,11 +184,8 @@ def _set_distributed_state(model: nn.Module,
 def _all_keys(keys: list) -> list:
     # Every rank's model keys, in order of first appearance by rank: a
     # pipelined rank holds only its stages' keys.
-    if not is_distributed():
-        return keys
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, keys)
-    return list(OrderedDict.fromkeys(k for part in parts for k in part))
+    return list(OrderedDict.fromkeys(
+        k for part in all_gather_objects(keys) for k in part))
 
 
 def save_sharded(model: nn.Module,

@@ -23,6 +23,7 @@ from mmengine.evaluator import BaseMetric, Evaluator
 from mmengine.structures import BaseDataElement
 from torch.utils.data import DataLoader
 
+from mmpar.dist import all_gather_objects
 from mmpar.failures import ConfigError
 from mmpar.parallel.axes import BY_NAME, PEER_AXES
 from mmpar.parallel.topology import ParallelTopology
@@ -118,9 +119,7 @@ def evaluate_on_data_axis(metric: BaseMetric, size: int,
     source = dims.rank_at(**reporter)
     metrics = [None]
     if contributes:
-        parts = [None] * topology.dp_size
-        dist.all_gather_object(parts, metric.results,
-                               group=topology.dp.group)
+        parts = all_gather_objects(metric.results, topology.dp.group)
         if topology.dp_rank == 0:
             ordered = [r for group in zip(*parts) for r in group][:size]
             computed = metric.compute_metrics(_to_cpu(ordered))
