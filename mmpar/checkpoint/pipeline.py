@@ -93,7 +93,8 @@ def full_optim_state_dict(parts: PipelineParts, optim_wrapper) -> dict:
     local = named_optim_state(optim_wrapper.optimizer,
                               plain_param_names(parts), full=True)
     local['state'] = to_cpu(local['state'])  # before pickling
-    state.update(merge_named_optim_states(all_gather_objects(local, parts.pp_group)))
+    state.update(merge_named_optim_states(
+        all_gather_objects(local, parts.pp_group)))
     return state
 
 
