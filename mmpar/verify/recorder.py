@@ -283,9 +283,8 @@ class FingerprintHook(Hook):
                 self.shapes.setdefault(key, shape)
             for name, found in part['touches'].items():
                 if found:
-                    self.touches.setdefault(name, [])
                     self.touches[name] = sorted(
-                        set(self.touches[name]) | set(found))
+                        set(self.touches.get(name, ())) | set(found))
 
 
 def _rows(tensor: torch.Tensor) -> float:
