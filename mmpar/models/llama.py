@@ -263,9 +263,8 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         # -1, not a stored head count: under tensor parallelism each rank's
         # wq/wk/wv produce only its own heads (a column shard of the weight).
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim)
+                   for proj in (self.wq, self.wk, self.wv))
         if doc_ids is not None:  # positions restart at each document
             cos, sin = document_rotary(cos, sin, doc_ids, seq,
                                        self.context_parallel)
