@@ -21,7 +21,7 @@ The search that measures the rest runs inside the launched job
 ``tools/plan.py --search``), its rounds in :mod:`.search_rounds`, its table
 and written config in :mod:`.search_report`.
 """
-import sys
+import math
 from typing import List, Optional, Sequence, Tuple
 
 from mmengine.config import Config
@@ -29,8 +29,7 @@ from mmengine.config import Config
 from mmpar.analysis.layouts import (CHECKPOINTING_MODES, DEFAULT_SCHEDULES,
                                     Candidate, block_classes,
                                     candidate_config, enumerate_candidates,
-                                    global_batch, wrapper_replicates,
-                                    written_candidate)
+                                    wrapper_replicates, written_candidate)
 from mmpar.analysis.memory import GiB, within_budget
 from mmpar.analysis.plan import PlanError, build_model, make_plan
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
@@ -44,25 +43,11 @@ __all__ = ['FAILED', 'MEASURED', 'OVER_BUDGET', 'REFUSED', 'SKIPPED',
            'plan_candidates']
 
 
-def stderr_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def stage_ranks(candidate: Candidate) -> List[int]:
     """One rank per pipeline stage (the others hold the same share)."""
     axes = candidate.axes
-    stride = 1
-    for axis in reversed(AXES):
-        if axis == 'pp':
-            break
-        stride *= axes[axis]
+    stride = math.prod(axes[axis] for axis in AXES[AXES.index('pp') + 1:])
     return [stage * stride for stage in range(axes['pp'])]
-
-
-def _default_tp_plan(cfg: Config, model) -> Optional[object]:
-    plan = (cfg.get('parallel') or {}).get('tp_plan')
-    return plan if plan is not None else getattr(model, 'default_tp_plan',
-                                                 None)
 
 
 def plan_candidates(cfg: Config, world_size: int, *,
@@ -81,13 +66,15 @@ def plan_candidates(cfg: Config, world_size: int, *,
     """
     model = build_model(cfg)
     blocks = block_classes(model)
-    tp_plan = _default_tp_plan(cfg, model)
+    tp_plan = (cfg.get('parallel') or {}).get('tp_plan')
+    if tp_plan is None:
+        tp_plan = getattr(model, 'default_tp_plan', None)
     try:
         written = written_candidate(cfg, world_size)
-        batch = global_batch(cfg, world_size)
     except (ConfigError, ParallelismError, ValueError):
         written = None
-        batch = cfg.train_dataloader.batch_size * world_size
+    batch = cfg.train_dataloader.batch_size * (
+        world_size if written is None else written.data_ranks)
     candidates = enumerate_candidates(
         cfg, world_size, replicating=wrapper_replicates(cfg),
         schedules=schedules, microbatches=microbatches,

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
-                                         SearchResult, ratio)
+                                         SearchResult)
 from mmpar.parallel.dims import AXES
 
 MiB = 2**20
@@ -25,38 +25,29 @@ def _times(value: Optional[float]) -> str:
 
 def format_search(result: SearchResult) -> str:
     """The ranked table, then what was not run and why."""
-    header = ('layout', 'predicted peak/rank', 'measured peak/rank',
-              's/step', 'trials', result.unit, 'vs best', 'vs as written')
-    lines = []
-    ran = [r for r in result.rows if r.status in (MEASURED, STOPPED)]
-    best, written = (result.throughput(r) if r else None
-                     for r in (result.best, result.as_written))
-    body = []
-    for row in ran:
-        speed = result.throughput(row)
+    table = [('layout', 'predicted peak/rank', 'measured peak/rank',
+              's/step', 'trials', result.unit, 'vs best', 'vs as written')]
+    for row in result.rows:
+        if row.status not in (MEASURED, STOPPED):
+            continue
         label = row.candidate.label + (' (as written)' if row.as_written
                                        else '')
         if row.status == STOPPED:
             label += ' (stopped early)'
-        body.append((label, _mib(row.predicted_peak),
-                     _mib(row.measured_peak), f'{row.step_time:.3f}',
-                     str(len(row.passes) or 1), f'{speed:,.0f}',
-                     _times(ratio(speed, best)),
-                     _times(ratio(speed, written))))
-    if body:
-        widths = [max(len(r[i]) for r in body + [header])
-                  for i in range(len(header))]
-        lines.append('  '.join(h.ljust(w) if i == 0 else h.rjust(w)
-                               for i, (h, w) in enumerate(zip(header,
-                                                              widths))))
-        for cells in body:
-            lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(cells,
-                                                                  widths))))
+        table.append((label, _mib(row.predicted_peak),
+                      _mib(row.measured_peak), f'{row.step_time:.3f}',
+                      str(len(row.passes) or 1),
+                      f'{result.throughput(row):,.0f}',
+                      *map(_times, result.versus(row))))
+    lines = []
+    if len(table) > 1:
+        widths = [max(map(len, column)) for column in zip(*table)]
+        lines = ['  '.join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(cells, widths)))
+                 for cells in table]
         lines.append('s/step: the median step of the candidate\'s least '
                      'disturbed trial (load only slows a trial down)')
-    lines += _not_run_lines(result)
-    return '\n'.join(lines)
+    return '\n'.join(lines + _not_run_lines(result))
 
 
 def _not_run_lines(result: SearchResult) -> List[str]:
@@ -194,9 +185,9 @@ def best_config_text(result: SearchResult, config_path: str,
     relative = osp.relpath(osp.abspath(config_path),
                            osp.dirname(osp.abspath(out_path)))
     speed = result.throughput(best)
-    written = result.as_written
-    versus = '' if written is None or not result.throughput(written) else (
-        f'; {speed / result.throughput(written):.2f}x the config as written')
+    vs_written = result.versus(best)[1]
+    versus = '' if vs_written is None else \
+        f'; {vs_written:.2f}x the config as written'
     lines = [
         f'# The fastest layout of {result.world_size} ranks that the '
         'layout search (--search) measured',
@@ -259,17 +250,14 @@ def search_main(args, cfg) -> int:
     import subprocess
     import sys
 
-    from mmpar.analysis.search_args import search_argument_error, \
-        search_flags
+    from mmpar.analysis.search_args import (default_out,
+                                            search_argument_error,
+                                            search_flags)
     error = search_argument_error(args)
-    if error is None and args.world_size < 1:
-        error = f'--world-size={args.world_size} is not allowed; ' \
-            'allowed: an int >= 1'
     if error is not None:
         print(f'error: {error}', file=sys.stderr)
         return 2
-    stem = osp.splitext(osp.basename(args.config))[0]
-    args.out = args.out or osp.join('work_dirs', f'{stem}_search')
+    args.out = args.out or default_out(args.config)
     root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
     command = ['bash', osp.join(root, 'tools', 'dist_train.sh'), args.config,
                str(args.world_size), '--search', '--search-only',
