@@ -47,7 +47,7 @@ from mmpar.analysis.search_report import (format_search, nothing_fits,
 from mmpar.analysis.search_rounds import TrialRunner, measure_rows, prior, \
     ranked
 from mmpar.analysis.search_table import (OVER_BUDGET, REFUSED, SKIPPED, Row,
-                                         SearchResult)
+                                         SearchResult, mib)
 from mmpar.analysis.trial import (TrialResult, measure_baseline, run_trial,
                                   trial_config)
 from mmpar.dist import init_dist, launch_env, usable_backend
@@ -122,7 +122,7 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
     log_dir = osp.join(out_dir, 'trials')
     device.release_memory()
     baseline = measure_baseline(cfg, osp.join(log_dir, 'baseline'))
-    say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
+    say(f'a rank holds {mib(baseline)} besides its model '
         f'(measured in this job, {_where()})')
     add_baseline(rows, baseline)
     result = measure_candidates(rows, batch, world_size, args,

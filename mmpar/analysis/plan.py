@@ -119,11 +119,8 @@ def resolved_wrapper_args(wrapper_cls: type, kwargs: dict) -> dict:
         if '__init__' not in vars(klass) or klass is object:
             continue
         params = inspect.signature(klass.__init__).parameters.values()
-        for param in params:
-            if param.name in ('self', 'module') or param.kind in (
-                    param.VAR_KEYWORD, param.VAR_POSITIONAL):
-                continue
-            if param.default is not param.empty:
+        for param in params:  # self, *args and **kwargs have no default
+            if param.name != 'module' and param.default is not param.empty:
                 resolved.setdefault(param.name, param.default)
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
@@ -428,12 +425,12 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
                             'params)', state, state * elem))
     pipe = resolved.pipeline if topology.dims.pp_enabled else None
-    if pipe is not None:
-        if plan.units and pipe.reshards_per_microbatch:
+    if pipe is not None and plan.units:
+        if pipe.reshards_per_microbatch:
             plan.notes.append(
                 'FSDP stages reshard and reduce-scatter after every '
                 'micro-batch (parallel.pipeline.reshard_per_microbatch)')
-        elif plan.units:
+        else:
             plan.notes.append(
                 'FSDP stages stay gathered, gradients unsharded, from the '
                 'first micro-batch\'s backward to the step\'s end (torch\'s '
@@ -458,11 +455,8 @@ def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
                                             estimate_from_profile)
     dims = topology.dims
     batch = (cfg.get('train_dataloader') or {}).get('batch_size') or 1
-    schedule, microbatches, per_rank = None, 1, 1
-    if dims.pp_enabled:
-        pipe = resolved.pipeline
-        schedule, microbatches = pipe.schedule, pipe.num_microbatches
-        per_rank = pipe.stages_per_rank
+    pipe = resolved.pipeline if dims.pp_enabled else None
+    microbatches = pipe.num_microbatches if pipe is not None else 1
     data = sample_batch(cfg, model, max(1, batch // microbatches))
     if data is None:
         return None
@@ -486,10 +480,10 @@ def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
     except Exception:  # noqa: B902 - a forward that needs real values
         return None
     one = estimate_from_profile(profile, ac_cfg)
-    if dims.pp_enabled:
+    if pipe is not None:
         # This rank's share of the blocks, for each micro-batch it holds.
-        one = one * per_rank // (dims.pp * per_rank)
-        one *= in_flight(schedule, dims.pp, microbatches, per_rank)
+        one = one // dims.pp * in_flight(pipe.schedule, dims.pp,
+                                         microbatches, pipe.stages_per_rank)
     # cp splits each sequence; tp (on the plain model) each layer's.
     return one // (dims.cp * (1 if tp_split else dims.tp))
 

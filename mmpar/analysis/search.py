@@ -81,12 +81,9 @@ def plan_candidates(cfg: Config, world_size: int, *,
         checkpointing=checkpointing)
     if written is not None:
         candidates = [written] + [c for c in candidates if c != written]
-    rows = []
-    for candidate in candidates:
-        row = Row(candidate, as_written=candidate == written)
-        _check(row, cfg, world_size, batch, tp_plan, blocks)
-        rows.append(row)
-    return rows, batch
+    return [_check(Row(candidate, as_written=candidate == written), cfg,
+                   world_size, batch, tp_plan, blocks)
+            for candidate in candidates], batch
 
 
 def add_baseline(rows: List[Row], baseline: int) -> None:
@@ -115,7 +112,8 @@ def apply_budget(rows: List[Row], memory_budget: Optional[float],
 
 
 def _check(row: Row, cfg: Config, world_size: int, batch: int, tp_plan,
-           blocks) -> None:
+           blocks) -> Row:
+    """``row`` refused with the validator's message, or predicted."""
     from mmpar.config_check import check_config
     try:
         row.config, row.changes = candidate_config(
@@ -126,24 +124,19 @@ def _check(row: Row, cfg: Config, world_size: int, batch: int, tp_plan,
     except (ConfigError, PlanError, ParallelismError, ValueError,
             TypeError) as err:
         row.status, row.message = REFUSED, str(err)
-        return
+        return row
     row.predicted = [(p.rank, p.estimate.peak) for p in plans]
     row.estimate = max(plans, key=lambda p: p.estimate.peak).estimate
+    return row
 
 
 def _prune_checkpointing(rows: List[Row]) -> None:
     """Of the fitting candidates of one layout, keep the one with the least
     recomputation (and the config's own)."""
-    order = {mode: i for i, mode in enumerate(CHECKPOINTING_MODES)}
-    lightest = {}
-    for row in rows:
-        if row.status:
-            continue
-        layout = row.candidate.layout
-        kept = lightest.get(layout)
-        if kept is None or order[row.candidate.checkpointing] < \
-                order[kept.candidate.checkpointing]:
-            lightest[layout] = row
+    # Heaviest first: the lightest of a layout is the last one kept.
+    lightest = {row.candidate.layout: row for row in sorted(
+        (r for r in rows if not r.status), reverse=True,
+        key=lambda r: CHECKPOINTING_MODES.index(r.candidate.checkpointing))}
     for row in rows:
         kept = lightest.get(row.candidate.layout)
         if row.status or row is kept or row.as_written:

@@ -9,15 +9,8 @@ from typing import List, Optional
 
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
-                                         SearchResult)
+                                         SearchResult, mib)
 from mmpar.parallel.dims import AXES
-
-MiB = 2**20
-
-
-def _mib(value: Optional[int]) -> str:
-    return '-' if value is None else f'{value / MiB:,.0f} MiB'
-
 
 def _times(value: Optional[float]) -> str:
     return '-' if value is None else f'{value:.2f}x'
@@ -34,8 +27,8 @@ def format_search(result: SearchResult) -> str:
                                        else '')
         if row.status == STOPPED:
             label += ' (stopped early)'
-        table.append((label, _mib(row.predicted_peak),
-                      _mib(row.measured_peak), f'{row.step_time:.3f}',
+        table.append((label, mib(row.predicted_peak),
+                      mib(row.measured_peak), f'{row.step_time:.3f}',
                       str(len(row.passes) or 1),
                       f'{result.throughput(row):,.0f}',
                       *map(_times, result.versus(row))))
@@ -86,12 +79,12 @@ def nothing_fits(result: SearchResult) -> Optional[str]:
     budget = result.memory_budget * 2**30
     text = (f'no layout of {result.world_size} ranks fits --memory-budget '
             f'{result.memory_budget:g} GiB per rank: the smallest predicted '
-            f'peak is {_mib(smallest.predicted_peak)} '
+            f'peak is {mib(smallest.predicted_peak)} '
             f'({smallest.candidate.label}: a rank besides its model '
-            f'{_mib(est.baseline)}, parameters + gradients + optimizer state '
-            f'{_mib(est.steady)}, FSDP gathered unit '
-            f'{_mib(est.gathered_unit)}, activations '
-            f'{_mib(est.activations)}; build {_mib(est.build)}). ')
+            f'{mib(est.baseline)}, parameters + gradients + optimizer state '
+            f'{mib(est.steady)}, FSDP gathered unit '
+            f'{mib(est.gathered_unit)}, activations '
+            f'{mib(est.activations)}; build {mib(est.build)}). ')
     return text + _what_would_help(result, smallest, budget)
 
 
@@ -103,7 +96,7 @@ def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
     if est.baseline >= budget:
         return ('No layout can help: a rank holds that much before its '
                 'model (imports, process group, data set, logging); the '
-                f'budget must exceed {_mib(est.baseline)}.')
+                f'budget must exceed {mib(est.baseline)}.')
     terms = dict(activations=est.activations or 0, steady=est.steady,
                  gathered=est.gathered_unit)
     largest = max(terms, key=terms.get)
@@ -115,9 +108,8 @@ def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
             hints.append("activation checkpointing mode 'full'")
         hints.append('a larger tp' + (' (refused here: see why above)'
                                       if 'tp' in refused else ''))
-        if 'cp' in AXES:
-            hints.append('context parallelism (cp)')
-        hints.append('a smaller global batch (train_dataloader.batch_size)')
+        hints += ['context parallelism (cp)',
+                  'a smaller global batch (train_dataloader.batch_size)']
         return ('Of what a layout changes, activations are the largest '
                 'part; what lowers them: ' +
                 ', '.join(hints) + '.')
@@ -195,7 +187,7 @@ def best_config_text(result: SearchResult, config_path: str,
         f'({result.warmup_steps} + {result.trial_steps} steps each, '
         f'global batch {result.global_batch}):',
         f'#   {best.candidate.label}: {speed:,.0f} {result.unit}, peak '
-        f'{_mib(best.measured_peak)} per rank{versus}.',
+        f'{mib(best.measured_peak)} per rank{versus}.',
         f'#   bash tools/dist_train.sh {out_path} {result.world_size}',
         f'_base_ = [{relative!r}]']
     if options:

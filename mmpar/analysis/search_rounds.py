@@ -36,7 +36,7 @@ from typing import Callable, List, Optional
 
 from mmpar.analysis.search_table import (FAILED, MEASURED, STATUSES,
                                          STOPPED, Row, SearchResult,
-                                         TrialResult)
+                                         TrialResult, mib)
 from mmpar.parallel.dims import AXES
 
 # (row, timed steps, stop once the steps are all slower than this many
@@ -167,11 +167,9 @@ def outcome(row: Row, result: SearchResult) -> str:
     """One progress line's end: what the row's trial measured."""
     if row.status == FAILED:
         return f'failed: {row.message}'
-    peak = row.measured_peak / 2**20
-    predicted = row.predicted_peak / 2**20
     text = (f'{row.step_time:.3f} s/step, {result.throughput(row):,.0f} '
-            f'{result.unit}, peak {peak:,.0f} MiB per rank (predicted '
-            f'{predicted:,.0f} MiB)')
+            f'{result.unit}, peak {mib(row.measured_peak)} per rank '
+            f'(predicted {mib(row.predicted_peak)})')
     return text + (f'; {row.message}' if row.status == STOPPED else '')
 
 

@@ -16,6 +16,11 @@ STATUSES = MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
     'refused')
 
 
+def mib(value: Optional[int]) -> str:
+    """Bytes as the search reports them (``-``: unknown)."""
+    return '-' if value is None else f'{value / 2**20:,.0f} MiB'
+
+
 @dataclass
 class TrialResult:
     """What one trial measured (:func:`mmpar.analysis.trial.run_trial`).

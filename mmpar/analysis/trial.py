@@ -160,21 +160,20 @@ def run_trial(cfg: Config, warmup: int, steps: int, data_ranks: int,
         The same result on every rank: rank 0's step times, every rank's
         peak memory, the first failing rank's traceback as ``error``.
     """
-    error, clock, name = None, None, None
+    error, name = None, None
+    clock = TrialClock(warmup, stop_above, data_ranks)
     try:
         runner = Runner.from_cfg(cfg)
         name = runner.experiment_name
-        clock = TrialClock(warmup, stop_above, data_ranks)
         runner.register_hook(clock)
         runner.train()
     except Exception:  # noqa: B902 - reported in the table
         error = traceback.format_exc()
     runner = None
     forget_experiment(name)
-    peak = device.peak_memory()['peak']
-    mine = dict(error=error, peak=peak, times=clock.times if clock else [],
-                tokens=clock.tokens if clock else None,
-                stopped=bool(clock and clock.stopped_early))
+    mine = dict(error=error, peak=device.peak_memory()['peak'],
+                times=clock.times, tokens=clock.tokens,
+                stopped=clock.stopped_early)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     teardown()
