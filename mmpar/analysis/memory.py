@@ -100,18 +100,6 @@ def within_budget(peak: Optional[int], memory_budget: Optional[float]
     return peak is not None and peak <= memory_budget * GiB
 
 
-def current_rss() -> int:
-    """This process's resident memory in bytes (0 where unknown)."""
-    try:
-        with open('/proc/self/status') as status:
-            for line in status:
-                if line.startswith('VmRSS:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def sample_batch(cfg, model: nn.Module, batch_size: int) -> Optional[Any]:
     """One training micro-batch of ``batch_size`` samples as the model's
     forward takes it (the first sample repeated, through the loader's

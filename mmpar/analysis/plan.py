@@ -23,8 +23,8 @@ from torch import nn
 
 from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
                                        fsdp_units, resolve_policy)
-from mmpar.analysis.memory import (MemoryEstimate, current_rss, in_flight,
-                                   sample_batch)
+from mmpar.analysis.memory import MemoryEstimate, in_flight, sample_batch
+from mmpar.device import current_rss
 from mmpar.failures import ConfigError
 from mmpar.parallel.axes import AXES, DATA_AXES, FLATTENED
 from mmpar.parallel.config import ParallelConfig
@@ -541,7 +541,6 @@ def _plan_fsdp(plan: Plan, stages: List[nn.Module], policy, key: str,
     shard size the real wrapper uses."""
     plan.shard_size = len(plan.axes['shard'][1]) if 'shard' in plan.axes \
         else 1
-    plan.units = []
     for index, stage in zip(plan.pp_stages or [None], stages):
         units = fsdp_units(stage, policy, plan.shard_size,
                            per_param=plan.per_param_shards)

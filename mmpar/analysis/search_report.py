@@ -10,7 +10,6 @@ from typing import List, Optional
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
                                          SearchResult, mib)
-from mmpar.parallel.dims import AXES
 
 def _times(value: Optional[float]) -> str:
     return '-' if value is None else f'{value:.2f}x'
@@ -91,8 +90,8 @@ def nothing_fits(result: SearchResult) -> Optional[str]:
 def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
     est = row.estimate
     axes = row.candidate.axes
-    refused = {axis for axis in AXES for r in result.rows
-               if r.status == REFUSED and r.candidate.axes[axis] > 1}
+    tp_refused = any(r.status == REFUSED and r.candidate.axes['tp'] > 1
+                     for r in result.rows)
     if est.baseline >= budget:
         return ('No layout can help: a rank holds that much before its '
                 'model (imports, process group, data set, logging); the '
@@ -107,7 +106,7 @@ def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
         if row.candidate.checkpointing != 'full':
             hints.append("activation checkpointing mode 'full'")
         hints.append('a larger tp' + (' (refused here: see why above)'
-                                      if 'tp' in refused else ''))
+                                      if tp_refused else ''))
         hints += ['context parallelism (cp)',
                   'a smaller global batch (train_dataloader.batch_size)']
         return ('Of what a layout changes, activations are the largest '
@@ -152,16 +151,6 @@ def _nested(options: Optional[dict]) -> dict:
     return nested
 
 
-def _merged(options: dict, changes: dict) -> dict:
-    out = dict(options)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def best_config_text(result: SearchResult, config_path: str,
                      out_path: str, cfg_options: Optional[dict] = None
                      ) -> str:
@@ -202,7 +191,7 @@ def best_config_text(result: SearchResult, config_path: str,
         if key == 'train_dataloader':
             lines.append('# The global batch stays '
                          f'{result.global_batch} samples per step.')
-            value = _merged(options.get(key, {}), value)
+            value = dict(options.get(key, {}), **value)  # batch_size
         elif isinstance(value, dict) and isinstance(base.get(key), dict):
             value = dict(_delete_=True, **value)
         lines.append(f'{key} = {_py(value)}')
