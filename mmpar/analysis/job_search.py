@@ -108,14 +108,13 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
     say = (lambda message: print(message, file=sys.stderr, flush=True)
            ) if lead else (lambda message: None)
     modes = [None if m == 'none' else m for m in args.checkpointing]
-    planned = None
+    box = [None]
     if lead:
         say(f'planning the layouts of {world_size} ranks ...')
-        planned = plan_candidates(
+        box[0] = plan_candidates(
             cfg, world_size, schedules=args.schedules or DEFAULT_SCHEDULES,
             microbatches=args.microbatches, checkpointing=modes)
     start_job(cfg)
-    box = [planned]
     dist.broadcast_object_list(box, src=0)  # rank 0's plan to every rank
     rows, batch = box[0]
     out_dir = args.out or default_out(config_path)

@@ -185,16 +185,17 @@ def written_candidate(cfg: Config, world_size: int) -> Candidate:
     """
     from mmpar.config_check import check_layout
     plan = check_layout(cfg, world_size)
-    dims = plan.dims
+    dims, pipe, ac_cfg = plan.dims, plan.pipeline, \
+        plan.activation_checkpointing  # checked by check_layout
+    mode = ac_cfg['mode'] if ac_cfg else None
     sizes = tuple((axis, getattr(dims, axis)) for axis in AXES)
     if wrapper_replicates(cfg) and dims.dp_replicate > 1:
         sizes = tuple((a, 1 if a == 'dp_replicate' else
                        dims.dp if a == 'dp_shard' else s) for a, s in sizes)
     if not dims.pp_enabled:
-        return Candidate(sizes, checkpointing=_own_checkpointing(cfg))
-    pipe = plan.pipeline
+        return Candidate(sizes, checkpointing=mode)
     return Candidate(sizes, pipe.schedule, pipe.num_microbatches,
-                     pipe.stages_per_rank, _own_checkpointing(cfg))
+                     pipe.stages_per_rank, mode)
 
 
 def candidate_config(cfg: Config, candidate: Candidate, batch: int,

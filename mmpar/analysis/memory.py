@@ -66,12 +66,9 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
     @property
-    def training(self) -> int:
-        return self.steady + self.gathered_unit + (self.activations or 0)
-
-    @property
     def peak(self) -> int:
-        return self.baseline + max(self.build, self.training)
+        return self.baseline + max(self.build, self.steady + self.gathered_unit
+                                   + (self.activations or 0))
 
     def rows(self) -> list:
         """``(name, bytes)`` rows for the report."""

@@ -228,8 +228,7 @@ def plan_context_parallel(plan: Plan, model: nn.Module,
         chunk = check_seq_len(length, dims.cp)
         work = [attention_work(length, r, dims.cp)[0]
                 for r in range(dims.cp)]
-        first = chunks[0] * chunk
-        last = chunks[1] * chunk
+        first, last = (c * chunk for c in chunks)
         plan.notes.append(
             f'cp at sequence length {length} ({", ".join(named)}): this '
             f'rank holds positions {first}..{first + chunk - 1} and '

@@ -126,9 +126,7 @@ def still_close(rows: List[Row]) -> List[Row]:
     """The rows (in their order) measured within :data:`CONFIRM_MARGIN` of
     the fastest: the others sit out the next confirm round."""
     measured = [r for r in rows if r.status == MEASURED]
-    if not measured:
-        return []
-    bar = min(r.step_time for r in measured) * CONFIRM_MARGIN
+    bar = min((r.step_time for r in measured), default=0) * CONFIRM_MARGIN
     return [r for r in measured if r.step_time <= bar]
 
 

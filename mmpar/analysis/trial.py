@@ -83,11 +83,10 @@ class TrialClock(Hook):
         if isinstance(inputs, torch.Tensor) and \
                 inputs.dtype in (torch.long, torch.int):
             self.tokens = inputs.numel() * self.data_ranks
-        stop = torch.tensor([0])
-        if dist.get_rank() == 0 and self.stop_above is not None and \
-                len(self.times) >= MIN_STEPS and \
-                min(self.times) > self.stop_above:
-            stop[0] = 1
+        stop = torch.tensor([int(
+            dist.get_rank() == 0 and self.stop_above is not None and
+            len(self.times) >= MIN_STEPS and
+            min(self.times) > self.stop_above)])
         dist.broadcast(stop, 0)  # the ranks agree on stopping
         if stop.item():
             self.stopped_early = True
