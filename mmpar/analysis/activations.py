@@ -51,14 +51,6 @@ class _SaveOpOutputs(TorchDispatchMode):
         return out
 
 
-def _blocks(model: nn.Module, ac_cfg: Optional[dict]) -> List[nn.Module]:
-    if ac_cfg is None:
-        return []
-    classes = resolve_module_classes(model, ac_cfg['module_classes'],
-                                     key='activation_checkpointing')
-    return [m for m in model.modules() if isinstance(m, classes)]
-
-
 def activation_profile(model: nn.Module, data: Any,
                        ac_cfg: Any = None) -> Dict[str, Any]:
     """Saved bytes of one forward of ``data`` through ``model`` (on the meta
@@ -71,17 +63,18 @@ def activation_profile(model: nn.Module, data: Any,
         of the ops selective checkpointing keeps).
     """
     ac_cfg = check_activation_checkpointing(ac_cfg)
-    blocks = _blocks(model, ac_cfg or dict(module_classes=[]))  \
-        if ac_cfg else []
+    blocks = []
+    if ac_cfg is not None:
+        classes = resolve_module_classes(model, ac_cfg['module_classes'],
+                                         key='activation_checkpointing')
+        blocks = [m for m in model.modules() if isinstance(m, classes)]
     current: List[Optional[int]] = [None]
     saved: Dict[Optional[int], int] = {}
     inputs: Dict[int, int] = {}
     # Parameters (and views of them, such as a transposed weight) are saved
     # too, but are no activations.
-    seen = {storage_key(local_tensor(p))
-            for p in model.parameters()}
-    seen |= {storage_key(local_tensor(b))
-             for b in model.buffers()}
+    seen = {storage_key(local_tensor(t))
+            for t in [*model.parameters(), *model.buffers()]}
     handles = []
     for index, block in enumerate(blocks):
 
@@ -158,9 +151,8 @@ def activation_bytes(model_cfg: dict, batch: int, seq: int,
     tokens = torch.zeros(batch, seq, dtype=torch.long, device='meta')
     data = dict(inputs=tokens, data_samples=tokens)
     ac = check_activation_checkpointing(ac_cfg)
-    profile_cfg = ac or dict(module_classes=_block_class(model))
-    return estimate_from_profile(
-        activation_profile(model, data, profile_cfg), ac)
+    return estimate_from_profile(activation_profile(
+        model, data, ac or dict(module_classes=_block_class(model))), ac)
 
 
 def _block_class(model: nn.Module) -> List[str]:

@@ -31,6 +31,7 @@ candidates out.
 """
 import itertools
 import os.path as osp
+import sys
 import time
 from typing import List, Optional
 
@@ -39,14 +40,14 @@ from mmengine.config import Config
 
 from mmpar import device
 from mmpar.analysis.layouts import DEFAULT_SCHEDULES
-from mmpar.analysis.search import (add_baseline, apply_budget,
-                                   plan_candidates, stderr_progress)
+from mmpar.analysis.search import add_baseline, apply_budget, plan_candidates
+from mmpar.analysis.search_args import default_out, search_argument_error
 from mmpar.analysis.search_report import (format_search, nothing_fits,
                                           write_search)
 from mmpar.analysis.search_rounds import TrialRunner, measure_rows, prior, \
     ranked
 from mmpar.analysis.search_table import (OVER_BUDGET, REFUSED, SKIPPED, Row,
-                                         SearchResult)
+                                         SearchResult, mib)
 from mmpar.analysis.trial import (TrialResult, measure_baseline, run_trial,
                                   trial_config)
 from mmpar.dist import init_dist, launch_env, usable_backend
@@ -104,24 +105,23 @@ def search_in_job(cfg: Config, args, config_path: str) -> SearchResult:
     start = time.time()
     world_size = launch_env(cfg.launcher).world_size
     lead = launch_env(cfg.launcher).rank == 0
-    say = stderr_progress if lead else (lambda message: None)
+    say = (lambda message: print(message, file=sys.stderr, flush=True)
+           ) if lead else (lambda message: None)
     modes = [None if m == 'none' else m for m in args.checkpointing]
-    planned = None
+    box = [None]
     if lead:
         say(f'planning the layouts of {world_size} ranks ...')
-        planned = plan_candidates(
+        box[0] = plan_candidates(
             cfg, world_size, schedules=args.schedules or DEFAULT_SCHEDULES,
             microbatches=args.microbatches, checkpointing=modes)
     start_job(cfg)
-    box = [planned]
     dist.broadcast_object_list(box, src=0)  # rank 0's plan to every rank
     rows, batch = box[0]
-    stem = osp.splitext(osp.basename(config_path))[0]
-    out_dir = args.out or osp.join('work_dirs', f'{stem}_search')
+    out_dir = args.out or default_out(config_path)
     log_dir = osp.join(out_dir, 'trials')
     device.release_memory()
     baseline = measure_baseline(cfg, osp.join(log_dir, 'baseline'))
-    say(f'a rank holds {baseline / 2**20:,.0f} MiB besides its model '
+    say(f'a rank holds {mib(baseline)} besides its model '
         f'(measured in this job, {_where()})')
     add_baseline(rows, baseline)
     result = measure_candidates(rows, batch, world_size, args,
@@ -144,7 +144,14 @@ def measure_candidates(rows: List[Row], batch: int, world_size: int, args,
     result = SearchResult(world_size, batch, rows, args.memory_budget,
                           args.trial_steps, args.warmup_steps)
     todo = sorted((r for r in rows if not r.status), key=prior)
-    _say_counts(say, rows, todo, args, batch)
+    counts = {s: sum(r.status == s for r in rows)
+              for s in (REFUSED, OVER_BUDGET, SKIPPED)}
+    times = f' x {args.sweep} (sweep)' if args.sweep else ''
+    say(f'{len(rows)} candidates: {counts[REFUSED]} refused, '
+        f'{counts[OVER_BUDGET]} over the budget, {counts[SKIPPED]} skipped '
+        f'(checkpointing more than needed), {len(todo)} to run{times} for '
+        f'{args.warmup_steps} + {args.trial_steps} steps (global batch '
+        f'{batch})')
     measure_rows(todo, result, runner(result, log_dir),
                  early_stop=args.early_stop or None, confirm=args.confirm,
                  confirm_rounds=args.confirm_rounds, sweep=args.sweep,
@@ -159,18 +166,6 @@ def _where() -> str:
     name = device.device_name() if kind != device.CPU else None
     return f'{kind}{f" ({name})" if name else ""}, backend ' \
         f'{dist.get_backend()}, {dist.get_world_size()} ranks'
-
-
-def _say_counts(say, rows: List[Row], todo: List[Row], args,
-                batch: int) -> None:
-    counts = {s: sum(r.status == s for r in rows)
-              for s in (REFUSED, OVER_BUDGET, SKIPPED)}
-    times = f' x {args.sweep} (sweep)' if args.sweep else ''
-    say(f'{len(rows)} candidates: {counts[REFUSED]} refused, '
-        f'{counts[OVER_BUDGET]} over the budget, {counts[SKIPPED]} skipped '
-        f'(checkpointing more than needed), {len(todo)} to run{times} for '
-        f'{args.warmup_steps} + {args.trial_steps} steps (global batch '
-        f'{batch})')
 
 
 def _report(result: SearchResult, config_path: str, out_dir: str, args,
@@ -221,7 +216,6 @@ def search_then_config(cfg: Config, args) -> Optional[Config]:
     Raises:
         ValueError: a search flag's bad value, named.
     """
-    from mmpar.analysis.search_args import search_argument_error
     error = search_argument_error(args)
     if error is not None:
         raise ValueError(error)

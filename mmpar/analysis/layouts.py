@@ -11,6 +11,7 @@ batch kept.
 """
 import copy
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -82,14 +83,7 @@ def factorizations(world_size: int, num_axes: int) -> List[Tuple[int, ...]]:
     ``world_size``, in lexicographic order."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     return [sizes for sizes in itertools.product(divisors, repeat=num_axes)
-            if _product(sizes) == world_size]
-
-
-def _product(values) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result
+            if math.prod(sizes) == world_size]
 
 
 def block_classes(model: nn.Module) -> List[str]:
@@ -191,23 +185,17 @@ def written_candidate(cfg: Config, world_size: int) -> Candidate:
     """
     from mmpar.config_check import check_layout
     plan = check_layout(cfg, world_size)
-    dims = plan.dims
+    dims, pipe, ac_cfg = plan.dims, plan.pipeline, \
+        plan.activation_checkpointing  # checked by check_layout
+    mode = ac_cfg['mode'] if ac_cfg else None
     sizes = tuple((axis, getattr(dims, axis)) for axis in AXES)
     if wrapper_replicates(cfg) and dims.dp_replicate > 1:
         sizes = tuple((a, 1 if a == 'dp_replicate' else
                        dims.dp if a == 'dp_shard' else s) for a, s in sizes)
     if not dims.pp_enabled:
-        return Candidate(sizes, checkpointing=_own_checkpointing(cfg))
-    pipe = plan.pipeline
+        return Candidate(sizes, checkpointing=mode)
     return Candidate(sizes, pipe.schedule, pipe.num_microbatches,
-                     pipe.stages_per_rank, _own_checkpointing(cfg))
-
-
-def global_batch(cfg: Config, world_size: int) -> int:
-    """Samples per step of the config as written at ``world_size`` ranks:
-    the per-rank ``train_dataloader.batch_size`` times the data ranks."""
-    batch = cfg.train_dataloader.batch_size
-    return batch * written_candidate(cfg, world_size).data_ranks
+                     pipe.stages_per_rank, mode)
 
 
 def candidate_config(cfg: Config, candidate: Candidate, batch: int,
@@ -284,7 +272,7 @@ def _own_layout(cfg: Config, candidate: Candidate) -> Optional[Candidate]:
     from mmpar.failures import ConfigError
     from mmpar.parallel.dims import ParallelismError
     try:
-        return written_candidate(cfg, _product(candidate.axes.values())
+        return written_candidate(cfg, math.prod(candidate.axes.values())
                                  ).layout
     except (ConfigError, ParallelismError, ValueError):
         return None

@@ -66,12 +66,9 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
     @property
-    def training(self) -> int:
-        return self.steady + self.gathered_unit + (self.activations or 0)
-
-    @property
     def peak(self) -> int:
-        return self.baseline + max(self.build, self.training)
+        return self.baseline + max(self.build, self.steady + self.gathered_unit
+                                   + (self.activations or 0))
 
     def rows(self) -> list:
         """``(name, bytes)`` rows for the report."""
@@ -98,18 +95,6 @@ def within_budget(peak: Optional[int], memory_budget: Optional[float]
     if memory_budget is None:
         return True
     return peak is not None and peak <= memory_budget * GiB
-
-
-def current_rss() -> int:
-    """This process's resident memory in bytes (0 where unknown)."""
-    try:
-        with open('/proc/self/status') as status:
-            for line in status:
-                if line.startswith('VmRSS:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def sample_batch(cfg, model: nn.Module, batch_size: int) -> Optional[Any]:

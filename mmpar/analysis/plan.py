@@ -23,8 +23,8 @@ from torch import nn
 
 from mmpar.analysis.fsdp_units import (POLICY_KEYS, FsdpUnit, PlanError,
                                        fsdp_units, resolve_policy)
-from mmpar.analysis.memory import (MemoryEstimate, current_rss, in_flight,
-                                   sample_batch)
+from mmpar.analysis.memory import MemoryEstimate, in_flight, sample_batch
+from mmpar.device import current_rss
 from mmpar.failures import ConfigError
 from mmpar.parallel.axes import AXES, DATA_AXES, FLATTENED
 from mmpar.parallel.config import ParallelConfig
@@ -78,15 +78,6 @@ class Plan:
     estimate: Optional[MemoryEstimate] = None
 
 
-def _fake_world(world_size: int, rank: int):
-    if dist.is_initialized():
-        raise PlanError('a process group already exists in this process; '
-                        'the plan needs a fresh one')
-    # torch's fake backend sends nothing; an in-memory store serves it.
-    dist.init_process_group(
-        'fake', store=dist.HashStore(), rank=rank, world_size=world_size)
-
-
 def build_model(cfg: Config) -> nn.Module:
     """The config's model on the meta device: shapes only, no memory (a
     model of any size plans in seconds)."""
@@ -128,11 +119,8 @@ def resolved_wrapper_args(wrapper_cls: type, kwargs: dict) -> dict:
         if '__init__' not in vars(klass) or klass is object:
             continue
         params = inspect.signature(klass.__init__).parameters.values()
-        for param in params:
-            if param.name in ('self', 'module') or param.kind in (
-                    param.VAR_KEYWORD, param.VAR_POSITIONAL):
-                continue
-            if param.default is not param.empty:
+        for param in params:  # self, *args and **kwargs have no default
+            if param.name != 'module' and param.default is not param.empty:
                 resolved.setdefault(param.name, param.default)
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
@@ -164,7 +152,12 @@ def make_plan(cfg: Config, world_size: int, rank: int = 0,
     if baseline is None:
         baseline = current_rss()  # a rank's before its model: imports
     model = build_model(cfg)
-    _fake_world(world_size, rank)
+    if dist.is_initialized():
+        raise PlanError('a process group already exists in this process; '
+                        'the plan needs a fresh one')
+    # torch's fake backend sends nothing; an in-memory store serves it.
+    dist.init_process_group(
+        'fake', store=dist.HashStore(), rank=rank, world_size=world_size)
     topology = None
     try:
         topology = build_topology(dims)
@@ -235,8 +228,7 @@ def plan_context_parallel(plan: Plan, model: nn.Module,
         chunk = check_seq_len(length, dims.cp)
         work = [attention_work(length, r, dims.cp)[0]
                 for r in range(dims.cp)]
-        first = chunks[0] * chunk
-        last = chunks[1] * chunk
+        first, last = (c * chunk for c in chunks)
         plan.notes.append(
             f'cp at sequence length {length} ({", ".join(named)}): this '
             f'rank holds positions {first}..{first + chunk - 1} and '
@@ -296,10 +288,6 @@ def plan_pipeline(plan: Plan, model: nn.Module, topology: ParallelTopology,
     return mine
 
 
-def _ranks(group) -> List[int]:
-    return dist.get_process_group_ranks(group or dist.group.WORLD)
-
-
 # What a wrapper's group is called, the first name whose group it is: the
 # data axis, its parts, the other axes (fastest first), the other flattened
 # axes.
@@ -308,28 +296,14 @@ AXIS_NAMES = ('dp', ) + DATA_AXES[::-1] + tuple(
         name for name in FLATTENED if name != 'dp')
 
 
-def _axis_name(ranks: List[int], topology: ParallelTopology) -> str:
+def _named_axis(group, topology: ParallelTopology) -> Tuple[str, List[int]]:
+    """A wrapper's group as ``(axis name, global ranks)``."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     rank = dist.get_rank()
-    for name in AXIS_NAMES:
-        if topology.layout.group_of(name, rank) == ranks:
-            return name
-    return 'world' if len(ranks) == topology.dims.world_size else 'group'
-
-
-def wrapper_axes(wrapper: nn.Module, topology: ParallelTopology
-                 ) -> Dict[str, Tuple[str, List[int]]]:
-    """What a built wrapper communicates over, from its description.
-
-    Returns:
-        ``{'reduce': (axis, ranks)}`` for replicating wrappers (DDP, naive,
-        bucketed, FSDP NO_SHARD); ``{'shard': ...}`` plus, for HSDP,
-        ``{'replicate': ...}`` for FSDP1/FSDP2.
-    """
-    axes = {}
-    for role, group in describe(wrapper).axes.items():
-        ranks = _ranks(group)
-        axes[role] = (_axis_name(ranks, topology), ranks)
-    return axes
+    name = next((name for name in AXIS_NAMES
+                 if topology.layout.group_of(name, rank) == ranks),
+                'world' if len(ranks) == topology.dims.world_size else 'group')
+    return name, ranks
 
 
 def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module,
@@ -355,12 +329,6 @@ def _build_wrapper(plan: Plan, wrapper_cfg: dict, model: nn.Module,
     except (TypeError, ValueError) as err:
         raise PlanError(
             f'model_wrapper_cfg for {plan.wrapper_type}: {err}') from err
-
-
-def _replicated_axes(wrapper_cfg: dict, topology: ParallelTopology) -> dict:
-    group = data_axis_args(wrapper_cfg, topology)['process_group']
-    ranks = _ranks(group)
-    return {'reduce': (_axis_name(ranks, topology), ranks)}
 
 
 def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
@@ -426,8 +394,13 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         wrapper_cfg = copy.deepcopy(resolved.stage_wrapper_cfg)
     built = [_build_wrapper(plan, wrapper_cfg, stage, topology)
              for stage in stages]
-    plan.axes = _replicated_axes(wrapper_cfg, topology) if built[0] is None \
-        else wrapper_axes(built[0], topology)
+    # What the wrapper communicates over, from its description: 'reduce'
+    # for replicating wrappers (their data group when only checked),
+    # 'shard' and, for HSDP, 'replicate' for FSDP1/FSDP2.
+    groups = describe(built[0]).axes if built[0] is not None else dict(
+        reduce=data_axis_args(wrapper_cfg, topology)['process_group'])
+    plan.axes = {role: _named_axis(group, topology)
+                 for role, group in groups.items()}
     if sharded:
         _plan_fsdp(plan, units_stages, policy, key, kwargs)
         per_rank = sum(u.numel_per_rank for u in plan.units)
@@ -451,12 +424,12 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
                             'params)', state, state * elem))
     pipe = resolved.pipeline if topology.dims.pp_enabled else None
-    if pipe is not None:
-        if plan.units and pipe.reshards_per_microbatch:
+    if pipe is not None and plan.units:
+        if pipe.reshards_per_microbatch:
             plan.notes.append(
                 'FSDP stages reshard and reduce-scatter after every '
                 'micro-batch (parallel.pipeline.reshard_per_microbatch)')
-        elif plan.units:
+        else:
             plan.notes.append(
                 'FSDP stages stay gathered, gradients unsharded, from the '
                 'first micro-batch\'s backward to the step\'s end (torch\'s '
@@ -481,18 +454,24 @@ def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
                                             estimate_from_profile)
     dims = topology.dims
     batch = (cfg.get('train_dataloader') or {}).get('batch_size') or 1
-    schedule, microbatches, per_rank = None, 1, 1
-    if dims.pp_enabled:
-        pipe = resolved.pipeline
-        schedule, microbatches = pipe.schedule, pipe.num_microbatches
-        per_rank = pipe.stages_per_rank
+    pipe = resolved.pipeline if dims.pp_enabled else None
+    microbatches = pipe.num_microbatches if pipe is not None else 1
     data = sample_batch(cfg, model, max(1, batch // microbatches))
     if data is None:
         return None
     ac_cfg = resolved.activation_checkpointing
     tp_split = tp_labels is not None
     if tp_split:
-        _dry_run(model, tp_labels, data)
+        # The split model's first call on the meta device, as training
+        # runs it (mmpar.parallelize.tp_check).
+        from mmpar.parallelize.tp_check import dry_run
+        model.to('meta')  # nothing is computed
+        args, kwargs = ((), dict(data)) if isinstance(data, dict) else (
+            tuple(data), {})
+        try:
+            dry_run(model, tp_labels, args, dict(kwargs, mode='loss'))
+        except ConfigError as err:
+            raise PlanError(str(err)) from err
     try:
         model.to('meta')  # buffers too: nothing is computed
         profile = activation_profile(
@@ -500,25 +479,12 @@ def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
     except Exception:  # noqa: B902 - a forward that needs real values
         return None
     one = estimate_from_profile(profile, ac_cfg)
-    if dims.pp_enabled:
+    if pipe is not None:
         # This rank's share of the blocks, for each micro-batch it holds.
-        one = one * per_rank // (dims.pp * per_rank)
-        one *= in_flight(schedule, dims.pp, microbatches, per_rank)
+        one = one // dims.pp * in_flight(pipe.schedule, dims.pp,
+                                         microbatches, pipe.stages_per_rank)
     # cp splits each sequence; tp (on the plain model) each layer's.
     return one // (dims.cp * (1 if tp_split else dims.tp))
-
-
-def _dry_run(model: nn.Module, labels: Dict[str, str], data) -> None:
-    """The split model's first call on the meta device, as training runs it
-    (:mod:`mmpar.parallelize.tp_check`)."""
-    from mmpar.parallelize.tp_check import dry_run
-    model.to('meta')  # nothing is computed
-    args, kwargs = ((), dict(data)) if isinstance(data, dict) else (
-        tuple(data), {})
-    try:
-        dry_run(model, labels, args, dict(kwargs, mode='loss'))
-    except ConfigError as err:
-        raise PlanError(str(err)) from err
 
 
 def _gathered_numel(plan: Plan, pipe) -> int:
@@ -574,7 +540,6 @@ def _plan_fsdp(plan: Plan, stages: List[nn.Module], policy, key: str,
     shard size the real wrapper uses."""
     plan.shard_size = len(plan.axes['shard'][1]) if 'shard' in plan.axes \
         else 1
-    plan.units = []
     for index, stage in zip(plan.pp_stages or [None], stages):
         units = fsdp_units(stage, policy, plan.shard_size,
                            per_param=plan.per_param_shards)

@@ -47,9 +47,8 @@ def _layout_lines(plan: Plan) -> List[str]:
              f'(mesh dims {AXES}, shape {dims.shape}; dp = dp_replicate x '
              f'dp_shard{gradients})']
     kinds = _kinds(dims)
-    for kind in kinds:
-        groups = ' '.join(str(g) for g in layout.groups[kind])
-        lines.append(f'  {kind} groups: {groups}')
+    lines += [f'  {kind} groups: ' + ' '.join(map(str, layout.groups[kind]))
+              for kind in kinds]
     mine = ', '.join(f'{kind} {layout.group_of(kind, rank)}'
                      for kind in kinds)
     return lines + [f'  rank {rank}: {mine}', '']
@@ -83,19 +82,12 @@ def _memory_lines(plan: Plan) -> List[str]:
     lines = [f'per-rank memory (rank {plan.rank}; model {plan.model_cls}, '
              f'{plan.param_numel:,} trainable params, '
              f'{plan.param_bytes_per_elem} bytes each{held}):']
-    total_count = total_bytes = 0
-    for name, count, num_bytes in plan.memory:
-        lines.append(f'  {name:<34} {count:>14,}  {_fmt_bytes(num_bytes):>11}')
-        total_count += count
-        total_bytes += num_bytes
-    lines.append(f'  {"total":<34} {total_count:>14,}  '
-                 f'{_fmt_bytes(total_bytes):>11}')
-    return lines
+    total = ('total', *(sum(r[i] for r in plan.memory) for i in (1, 2)))
+    return lines + [f'  {name:<34} {count:>14,}  {_fmt_bytes(size):>11}'
+                    for name, count, size in plan.memory + [total]]
 
 
 def _estimate_lines(plan: Plan, budget: Optional[float]) -> List[str]:
-    if plan.estimate is None:
-        return []
     lines = ['', f'predicted memory of rank {plan.rank} (docs/topology.md, '
              '"Memory"):']
     for name, value in plan.estimate.rows():

@@ -21,7 +21,7 @@ The search that measures the rest runs inside the launched job
 ``tools/plan.py --search``), its rounds in :mod:`.search_rounds`, its table
 and written config in :mod:`.search_report`.
 """
-import sys
+import math
 from typing import List, Optional, Sequence, Tuple
 
 from mmengine.config import Config
@@ -29,8 +29,7 @@ from mmengine.config import Config
 from mmpar.analysis.layouts import (CHECKPOINTING_MODES, DEFAULT_SCHEDULES,
                                     Candidate, block_classes,
                                     candidate_config, enumerate_candidates,
-                                    global_batch, wrapper_replicates,
-                                    written_candidate)
+                                    wrapper_replicates, written_candidate)
 from mmpar.analysis.memory import GiB, within_budget
 from mmpar.analysis.plan import PlanError, build_model, make_plan
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
@@ -44,25 +43,11 @@ __all__ = ['FAILED', 'MEASURED', 'OVER_BUDGET', 'REFUSED', 'SKIPPED',
            'plan_candidates']
 
 
-def stderr_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def stage_ranks(candidate: Candidate) -> List[int]:
     """One rank per pipeline stage (the others hold the same share)."""
     axes = candidate.axes
-    stride = 1
-    for axis in reversed(AXES):
-        if axis == 'pp':
-            break
-        stride *= axes[axis]
+    stride = math.prod(axes[axis] for axis in AXES[AXES.index('pp') + 1:])
     return [stage * stride for stage in range(axes['pp'])]
-
-
-def _default_tp_plan(cfg: Config, model) -> Optional[object]:
-    plan = (cfg.get('parallel') or {}).get('tp_plan')
-    return plan if plan is not None else getattr(model, 'default_tp_plan',
-                                                 None)
 
 
 def plan_candidates(cfg: Config, world_size: int, *,
@@ -81,25 +66,24 @@ def plan_candidates(cfg: Config, world_size: int, *,
     """
     model = build_model(cfg)
     blocks = block_classes(model)
-    tp_plan = _default_tp_plan(cfg, model)
+    tp_plan = (cfg.get('parallel') or {}).get('tp_plan')
+    if tp_plan is None:
+        tp_plan = getattr(model, 'default_tp_plan', None)
     try:
         written = written_candidate(cfg, world_size)
-        batch = global_batch(cfg, world_size)
     except (ConfigError, ParallelismError, ValueError):
         written = None
-        batch = cfg.train_dataloader.batch_size * world_size
+    batch = cfg.train_dataloader.batch_size * (
+        world_size if written is None else written.data_ranks)
     candidates = enumerate_candidates(
         cfg, world_size, replicating=wrapper_replicates(cfg),
         schedules=schedules, microbatches=microbatches,
         checkpointing=checkpointing)
     if written is not None:
         candidates = [written] + [c for c in candidates if c != written]
-    rows = []
-    for candidate in candidates:
-        row = Row(candidate, as_written=candidate == written)
-        _check(row, cfg, world_size, batch, tp_plan, blocks)
-        rows.append(row)
-    return rows, batch
+    return [_check(Row(candidate, as_written=candidate == written), cfg,
+                   world_size, batch, tp_plan, blocks)
+            for candidate in candidates], batch
 
 
 def add_baseline(rows: List[Row], baseline: int) -> None:
@@ -128,7 +112,8 @@ def apply_budget(rows: List[Row], memory_budget: Optional[float],
 
 
 def _check(row: Row, cfg: Config, world_size: int, batch: int, tp_plan,
-           blocks) -> None:
+           blocks) -> Row:
+    """``row`` refused with the validator's message, or predicted."""
     from mmpar.config_check import check_config
     try:
         row.config, row.changes = candidate_config(
@@ -139,24 +124,19 @@ def _check(row: Row, cfg: Config, world_size: int, batch: int, tp_plan,
     except (ConfigError, PlanError, ParallelismError, ValueError,
             TypeError) as err:
         row.status, row.message = REFUSED, str(err)
-        return
+        return row
     row.predicted = [(p.rank, p.estimate.peak) for p in plans]
     row.estimate = max(plans, key=lambda p: p.estimate.peak).estimate
+    return row
 
 
 def _prune_checkpointing(rows: List[Row]) -> None:
     """Of the fitting candidates of one layout, keep the one with the least
     recomputation (and the config's own)."""
-    order = {mode: i for i, mode in enumerate(CHECKPOINTING_MODES)}
-    lightest = {}
-    for row in rows:
-        if row.status:
-            continue
-        layout = row.candidate.layout
-        kept = lightest.get(layout)
-        if kept is None or order[row.candidate.checkpointing] < \
-                order[kept.candidate.checkpointing]:
-            lightest[layout] = row
+    # Heaviest first: the lightest of a layout is the last one kept.
+    lightest = {row.candidate.layout: row for row in sorted(
+        (r for r in rows if not r.status), reverse=True,
+        key=lambda r: CHECKPOINTING_MODES.index(r.candidate.checkpointing))}
     for row in rows:
         kept = lightest.get(row.candidate.layout)
         if row.status or row is kept or row.as_written:

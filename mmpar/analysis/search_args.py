@@ -2,6 +2,7 @@
 --search`` (the search in the launched job) and its local front
 ``tools/plan.py --search``."""
 import argparse
+import os.path as osp
 from typing import Optional
 
 CHECKPOINTING_CHOICES = ('none', 'selective', 'full')
@@ -64,12 +65,21 @@ def search_argument_error(args: argparse.Namespace) -> Optional[str]:
               ('confirm_rounds', args.confirm_rounds >= 0, 'an int >= 0'),
               ('sweep', args.sweep >= 0, 'an int >= 0'),
               ('microbatches', all(m >= 1 for m in args.microbatches or []),
-               'ints >= 1')]
+               'ints >= 1'),
+              # tools/plan.py's own (the job's is its launch's).
+              ('world_size', getattr(args, 'world_size', 1) >= 1,
+               'an int >= 1')]
     for key, ok, allowed in checks:
         if not ok:
             return (f'--{key.replace("_", "-")}={getattr(args, key)} '
                     f'is not allowed; allowed: {allowed}')
     return None
+
+
+def default_out(config_path: str) -> str:
+    """``--out`` when not given: ``work_dirs/<config name>_search``."""
+    stem = osp.splitext(osp.basename(config_path))[0]
+    return osp.join('work_dirs', f'{stem}_search')
 
 
 def search_flags(args: argparse.Namespace) -> list:

@@ -9,15 +9,7 @@ from typing import List, Optional
 
 from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
                                          REFUSED, SKIPPED, STOPPED, Row,
-                                         SearchResult, ratio)
-from mmpar.parallel.dims import AXES
-
-MiB = 2**20
-
-
-def _mib(value: Optional[int]) -> str:
-    return '-' if value is None else f'{value / MiB:,.0f} MiB'
-
+                                         SearchResult, mib)
 
 def _times(value: Optional[float]) -> str:
     return '-' if value is None else f'{value:.2f}x'
@@ -25,38 +17,29 @@ def _times(value: Optional[float]) -> str:
 
 def format_search(result: SearchResult) -> str:
     """The ranked table, then what was not run and why."""
-    header = ('layout', 'predicted peak/rank', 'measured peak/rank',
-              's/step', 'trials', result.unit, 'vs best', 'vs as written')
-    lines = []
-    ran = [r for r in result.rows if r.status in (MEASURED, STOPPED)]
-    best, written = (result.throughput(r) if r else None
-                     for r in (result.best, result.as_written))
-    body = []
-    for row in ran:
-        speed = result.throughput(row)
+    table = [('layout', 'predicted peak/rank', 'measured peak/rank',
+              's/step', 'trials', result.unit, 'vs best', 'vs as written')]
+    for row in result.rows:
+        if row.status not in (MEASURED, STOPPED):
+            continue
         label = row.candidate.label + (' (as written)' if row.as_written
                                        else '')
         if row.status == STOPPED:
             label += ' (stopped early)'
-        body.append((label, _mib(row.predicted_peak),
-                     _mib(row.measured_peak), f'{row.step_time:.3f}',
-                     str(len(row.passes) or 1), f'{speed:,.0f}',
-                     _times(ratio(speed, best)),
-                     _times(ratio(speed, written))))
-    if body:
-        widths = [max(len(r[i]) for r in body + [header])
-                  for i in range(len(header))]
-        lines.append('  '.join(h.ljust(w) if i == 0 else h.rjust(w)
-                               for i, (h, w) in enumerate(zip(header,
-                                                              widths))))
-        for cells in body:
-            lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(cells,
-                                                                  widths))))
+        table.append((label, mib(row.predicted_peak),
+                      mib(row.measured_peak), f'{row.step_time:.3f}',
+                      str(len(row.passes) or 1),
+                      f'{result.throughput(row):,.0f}',
+                      *map(_times, result.versus(row))))
+    lines = []
+    if len(table) > 1:
+        widths = [max(map(len, column)) for column in zip(*table)]
+        lines = ['  '.join(c.ljust(w) if i == 0 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(cells, widths)))
+                 for cells in table]
         lines.append('s/step: the median step of the candidate\'s least '
                      'disturbed trial (load only slows a trial down)')
-    lines += _not_run_lines(result)
-    return '\n'.join(lines)
+    return '\n'.join(lines + _not_run_lines(result))
 
 
 def _not_run_lines(result: SearchResult) -> List[str]:
@@ -95,24 +78,24 @@ def nothing_fits(result: SearchResult) -> Optional[str]:
     budget = result.memory_budget * 2**30
     text = (f'no layout of {result.world_size} ranks fits --memory-budget '
             f'{result.memory_budget:g} GiB per rank: the smallest predicted '
-            f'peak is {_mib(smallest.predicted_peak)} '
+            f'peak is {mib(smallest.predicted_peak)} '
             f'({smallest.candidate.label}: a rank besides its model '
-            f'{_mib(est.baseline)}, parameters + gradients + optimizer state '
-            f'{_mib(est.steady)}, FSDP gathered unit '
-            f'{_mib(est.gathered_unit)}, activations '
-            f'{_mib(est.activations)}; build {_mib(est.build)}). ')
+            f'{mib(est.baseline)}, parameters + gradients + optimizer state '
+            f'{mib(est.steady)}, FSDP gathered unit '
+            f'{mib(est.gathered_unit)}, activations '
+            f'{mib(est.activations)}; build {mib(est.build)}). ')
     return text + _what_would_help(result, smallest, budget)
 
 
 def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
     est = row.estimate
     axes = row.candidate.axes
-    refused = {axis for axis in AXES for r in result.rows
-               if r.status == REFUSED and r.candidate.axes[axis] > 1}
+    tp_refused = any(r.status == REFUSED and r.candidate.axes['tp'] > 1
+                     for r in result.rows)
     if est.baseline >= budget:
         return ('No layout can help: a rank holds that much before its '
                 'model (imports, process group, data set, logging); the '
-                f'budget must exceed {_mib(est.baseline)}.')
+                f'budget must exceed {mib(est.baseline)}.')
     terms = dict(activations=est.activations or 0, steady=est.steady,
                  gathered=est.gathered_unit)
     largest = max(terms, key=terms.get)
@@ -123,10 +106,9 @@ def _what_would_help(result: SearchResult, row: Row, budget: float) -> str:
         if row.candidate.checkpointing != 'full':
             hints.append("activation checkpointing mode 'full'")
         hints.append('a larger tp' + (' (refused here: see why above)'
-                                      if 'tp' in refused else ''))
-        if 'cp' in AXES:
-            hints.append('context parallelism (cp)')
-        hints.append('a smaller global batch (train_dataloader.batch_size)')
+                                      if tp_refused else ''))
+        hints += ['context parallelism (cp)',
+                  'a smaller global batch (train_dataloader.batch_size)']
         return ('Of what a layout changes, activations are the largest '
                 'part; what lowers them: ' +
                 ', '.join(hints) + '.')
@@ -169,16 +151,6 @@ def _nested(options: Optional[dict]) -> dict:
     return nested
 
 
-def _merged(options: dict, changes: dict) -> dict:
-    out = dict(options)
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def best_config_text(result: SearchResult, config_path: str,
                      out_path: str, cfg_options: Optional[dict] = None
                      ) -> str:
@@ -194,9 +166,9 @@ def best_config_text(result: SearchResult, config_path: str,
     relative = osp.relpath(osp.abspath(config_path),
                            osp.dirname(osp.abspath(out_path)))
     speed = result.throughput(best)
-    written = result.as_written
-    versus = '' if written is None or not result.throughput(written) else (
-        f'; {speed / result.throughput(written):.2f}x the config as written')
+    vs_written = result.versus(best)[1]
+    versus = '' if vs_written is None else \
+        f'; {vs_written:.2f}x the config as written'
     lines = [
         f'# The fastest layout of {result.world_size} ranks that the '
         'layout search (--search) measured',
@@ -204,7 +176,7 @@ def best_config_text(result: SearchResult, config_path: str,
         f'({result.warmup_steps} + {result.trial_steps} steps each, '
         f'global batch {result.global_batch}):',
         f'#   {best.candidate.label}: {speed:,.0f} {result.unit}, peak '
-        f'{_mib(best.measured_peak)} per rank{versus}.',
+        f'{mib(best.measured_peak)} per rank{versus}.',
         f'#   bash tools/dist_train.sh {out_path} {result.world_size}',
         f'_base_ = [{relative!r}]']
     if options:
@@ -219,7 +191,7 @@ def best_config_text(result: SearchResult, config_path: str,
         if key == 'train_dataloader':
             lines.append('# The global batch stays '
                          f'{result.global_batch} samples per step.')
-            value = _merged(options.get(key, {}), value)
+            value = dict(options.get(key, {}), **value)  # batch_size
         elif isinstance(value, dict) and isinstance(base.get(key), dict):
             value = dict(_delete_=True, **value)
         lines.append(f'{key} = {_py(value)}')
@@ -259,17 +231,14 @@ def search_main(args, cfg) -> int:
     import subprocess
     import sys
 
-    from mmpar.analysis.search_args import search_argument_error, \
-        search_flags
+    from mmpar.analysis.search_args import (default_out,
+                                            search_argument_error,
+                                            search_flags)
     error = search_argument_error(args)
-    if error is None and args.world_size < 1:
-        error = f'--world-size={args.world_size} is not allowed; ' \
-            'allowed: an int >= 1'
     if error is not None:
         print(f'error: {error}', file=sys.stderr)
         return 2
-    stem = osp.splitext(osp.basename(args.config))[0]
-    args.out = args.out or osp.join('work_dirs', f'{stem}_search')
+    args.out = args.out or default_out(args.config)
     root = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
     command = ['bash', osp.join(root, 'tools', 'dist_train.sh'), args.config,
                str(args.world_size), '--search', '--search-only',

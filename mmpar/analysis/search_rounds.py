@@ -30,14 +30,13 @@ steps, stop above) returning a :class:`~mmpar.analysis.search_table.
 TrialResult`: :mod:`.job_search` hands one that trains in the launched
 job's processes; tests hand one with made-up times.
 """
-import statistics
+import math
 import time
 from typing import Callable, List, Optional
 
-from mmpar.analysis.memory import within_budget
-from mmpar.analysis.search_table import (FAILED, MEASURED, OVER_BUDGET,
-                                         REFUSED, SKIPPED, STOPPED, Row,
-                                         SearchResult, TrialResult)
+from mmpar.analysis.search_table import (FAILED, MEASURED, STATUSES,
+                                         STOPPED, Row, SearchResult,
+                                         TrialResult, mib)
 from mmpar.parallel.dims import AXES
 
 # (row, timed steps, stop once the steps are all slower than this many
@@ -60,10 +59,7 @@ def prior(row: Row) -> tuple:
     use: the config as written, then fewer model-parallel ranks, fewer
     micro-batches."""
     axes = row.candidate.axes
-    split = 1
-    for axis in AXES:
-        if not axis.startswith('dp'):
-            split *= axes[axis]
+    split = math.prod(axes[a] for a in AXES if not a.startswith('dp'))
     return (not row.as_written, split, row.candidate.num_microbatches or 0)
 
 
@@ -87,7 +83,7 @@ def measure_rows(todo: List[Row], result: SearchResult, run: TrialRunner, *,
         stop_above = early_stop * best if early_stop and best else None
         _trial(f'[{index + 1}/{len(todo)} {clock(start)}]', row, result,
                run, stop_above, say)
-    close = contenders(todo, result.memory_budget, confirm, CONFIRM_WITHIN)
+    close = contenders(todo, confirm)
     for round_index in range(confirm_rounds):
         if round_index:
             close = still_close(close)
@@ -107,22 +103,21 @@ def _trial(step: str, row: Row, result: SearchResult, run: TrialRunner,
     say(f'{step} {row.candidate.label} ...')
     _record(row, result, run(row, result.trial_steps, stop_above),
             stop_above)
-    extra = f' (medians {_medians(row)})' if medians else ''
+    extra = ' (medians {})'.format(', '.join(
+        f'{t.median:.3f}' for t in row.passes)) if medians else ''
     say(f'{step} {row.candidate.label}: {outcome(row, result)}{extra}')
 
 
-def contenders(todo: List[Row], memory_budget: Optional[float],
-               confirm: int, within: float) -> List[Row]:
-    """The rows the confirm round runs again: of those that fit and ran
-    (to the end or stopped early), the ``confirm`` fastest by their
-    first-pass estimate, if within ``within`` times the best median; none
+def contenders(todo: List[Row], confirm: int) -> List[Row]:
+    """The rows the confirm round runs again: of those that ran (to the
+    end or stopped early), the ``confirm`` fastest by their first-pass
+    estimate, if within :data:`CONFIRM_WITHIN` times the best median; none
     when fewer than 2 (nothing to compare)."""
     measured = [r.step_time for r in todo if r.status == MEASURED]
     if not measured or confirm < 2:
         return []
-    bar = min(measured) * within
+    bar = min(measured) * CONFIRM_WITHIN
     close = sorted((r for r in todo if r.status in (MEASURED, STOPPED)
-                    and within_budget(r.predicted_peak, memory_budget)
                     and _estimate(r) <= bar), key=_estimate)[:confirm]
     return close if len(close) > 1 else []
 
@@ -131,9 +126,7 @@ def still_close(rows: List[Row]) -> List[Row]:
     """The rows (in their order) measured within :data:`CONFIRM_MARGIN` of
     the fastest: the others sit out the next confirm round."""
     measured = [r for r in rows if r.status == MEASURED]
-    if not measured:
-        return []
-    bar = min(r.step_time for r in measured) * CONFIRM_MARGIN
+    bar = min((r.step_time for r in measured), default=0) * CONFIRM_MARGIN
     return [r for r in measured if r.step_time <= bar]
 
 
@@ -143,11 +136,6 @@ def _estimate(row: Row) -> float:
     if row.status == STOPPED:
         return min(row.trial.step_times)
     return row.step_time
-
-
-def _medians(row: Row) -> str:
-    return ', '.join(f'{statistics.median(t.step_times):.3f}'
-                     for t in row.passes)
 
 
 def _record(row: Row, result: SearchResult, trial: TrialResult,
@@ -169,8 +157,7 @@ def _record(row: Row, result: SearchResult, trial: TrialResult,
                   f'than {stop_above:.2f} s/step')
         return
     row.passes.append(trial)
-    row.trial = min(row.passes,
-                    key=lambda t: statistics.median(t.step_times))
+    row.trial = min(row.passes, key=lambda t: t.median)
     row.status, row.message = MEASURED, ''
 
 
@@ -178,23 +165,16 @@ def outcome(row: Row, result: SearchResult) -> str:
     """One progress line's end: what the row's trial measured."""
     if row.status == FAILED:
         return f'failed: {row.message}'
-    peak = row.measured_peak / 2**20
-    predicted = row.predicted_peak / 2**20
     text = (f'{row.step_time:.3f} s/step, {result.throughput(row):,.0f} '
-            f'{result.unit}, peak {peak:,.0f} MiB per rank (predicted '
-            f'{predicted:,.0f} MiB)')
+            f'{result.unit}, peak {mib(row.measured_peak)} per rank '
+            f'(predicted {mib(row.predicted_peak)})')
     return text + (f'; {row.message}' if row.status == STOPPED else '')
 
 
 def ranked(rows: List[Row], result: SearchResult) -> List[Row]:
     """Measured fastest first, then stopped, failed and the rows not run."""
-    order = [MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED]
-
-    def key(row):
-        speed = result.throughput(row) or 0.0
-        return (order.index(row.status), -speed)
-
-    return sorted(rows, key=key)
+    return sorted(rows, key=lambda row: (STATUSES.index(row.status),
+                                         -(result.throughput(row) or 0.0)))
 
 
 def clock(start: float) -> str:

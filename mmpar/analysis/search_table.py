@@ -11,9 +11,14 @@ from mmpar.analysis.layouts import Candidate
 from mmpar.analysis.memory import MemoryEstimate
 
 # Row states, in the order the report lists them.
-MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
+STATUSES = MEASURED, STOPPED, FAILED, SKIPPED, OVER_BUDGET, REFUSED = (
     'measured', 'stopped early', 'failed', 'skipped', 'over budget',
     'refused')
+
+
+def mib(value: Optional[int]) -> str:
+    """Bytes as the search reports them (``-``: unknown)."""
+    return '-' if value is None else f'{value / 2**20:,.0f} MiB'
 
 
 @dataclass
@@ -35,6 +40,10 @@ class TrialResult:
     peak_rss: List[int] = field(default_factory=list)
     stopped_early: bool = False
     error: Optional[str] = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.step_times)
 
 
 @dataclass
@@ -88,7 +97,7 @@ class Row:
         """Median seconds per timed step (of ``trial``)."""
         if self.trial is None or not self.trial.step_times:
             return None
-        return statistics.median(self.trial.step_times)
+        return self.trial.median
 
 
 @dataclass
@@ -107,14 +116,9 @@ class SearchResult:
     notes: List[str] = field(default_factory=list)
 
     @property
-    def measured(self) -> List[Row]:
-        return [r for r in self.rows if r.status == MEASURED]
-
-    @property
     def best(self) -> Optional[Row]:
         """The fastest candidate measured to the end, or None."""
-        measured = self.measured
-        return measured[0] if measured else None
+        return next((r for r in self.rows if r.status == MEASURED), None)
 
     @property
     def as_written(self) -> Optional[Row]:
@@ -131,13 +135,20 @@ class SearchResult:
     def unit(self) -> str:
         return 'tokens/s' if self.tokens_per_sample else 'samples/s'
 
+    def versus(self, row: Row) -> List[Optional[float]]:
+        """``row``'s throughput over the best's and over the config as
+        written's (None where either is unknown or 0)."""
+        speed = self.throughput(row)
+        references = [other and self.throughput(other)
+                      for other in (self.best, self.as_written)]
+        return [speed / reference if speed is not None and reference
+                else None for reference in references]
+
     def table(self) -> List[dict]:
         """The rows as plain data (one dict per candidate) for scripts."""
-        best = self.best
-        written = self.as_written
         rows = []
         for row in self.rows:
-            speed = self.throughput(row)
+            vs_best, vs_written = self.versus(row)
             rows.append(dict(
                 layout=row.candidate.label, status=row.status,
                 message=row.message, as_written=row.as_written,
@@ -146,19 +157,9 @@ class SearchResult:
                 measured_peaks=list(row.trial.peak_rss) if row.trial
                 else [],
                 step_time=row.step_time,
-                trial_medians=[statistics.median(t.step_times)
-                               for t in row.passes],
+                trial_medians=[t.median for t in row.passes],
                 trial_peaks=[max(t.peak_rss) for t in row.passes],
-                throughput=speed, unit=self.unit,
-                vs_best=ratio(speed, best and self.throughput(best)),
-                vs_written=ratio(speed,
-                                  written and self.throughput(written)),
+                throughput=self.throughput(row), unit=self.unit,
+                vs_best=vs_best, vs_written=vs_written,
                 changes=row.changes))
         return rows
-
-
-def ratio(value, reference) -> Optional[float]:
-    """``value / reference``, None when either is missing (or 0)."""
-    if value is None or not reference:
-        return None
-    return value / reference

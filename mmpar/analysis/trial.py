@@ -83,11 +83,10 @@ class TrialClock(Hook):
         if isinstance(inputs, torch.Tensor) and \
                 inputs.dtype in (torch.long, torch.int):
             self.tokens = inputs.numel() * self.data_ranks
-        stop = torch.tensor([0])
-        if dist.get_rank() == 0 and self.stop_above is not None and \
-                len(self.times) >= MIN_STEPS and \
-                min(self.times) > self.stop_above:
-            stop[0] = 1
+        stop = torch.tensor([int(
+            dist.get_rank() == 0 and self.stop_above is not None and
+            len(self.times) >= MIN_STEPS and
+            min(self.times) > self.stop_above)])
         dist.broadcast(stop, 0)  # the ranks agree on stopping
         if stop.item():
             self.stopped_early = True
@@ -160,21 +159,20 @@ def run_trial(cfg: Config, warmup: int, steps: int, data_ranks: int,
         The same result on every rank: rank 0's step times, every rank's
         peak memory, the first failing rank's traceback as ``error``.
     """
-    error, clock, name = None, None, None
+    error, name = None, None
+    clock = TrialClock(warmup, stop_above, data_ranks)
     try:
         runner = Runner.from_cfg(cfg)
         name = runner.experiment_name
-        clock = TrialClock(warmup, stop_above, data_ranks)
         runner.register_hook(clock)
         runner.train()
     except Exception:  # noqa: B902 - reported in the table
         error = traceback.format_exc()
     runner = None
     forget_experiment(name)
-    peak = device.peak_memory()['peak']
-    mine = dict(error=error, peak=peak, times=clock.times if clock else [],
-                tokens=clock.tokens if clock else None,
-                stopped=bool(clock and clock.stopped_early))
+    mine = dict(error=error, peak=device.peak_memory()['peak'],
+                times=clock.times, tokens=clock.tokens,
+                stopped=clock.stopped_early)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     teardown()
