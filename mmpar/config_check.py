@@ -383,20 +383,21 @@ def check_fused_checkpoints(cfg: Any) -> None:
 SEQ_LEN_KEYS = ('context_length', 'seq_len', 'max_seq_len')
 
 
-def _seq_len_of(section: Any, cls: Optional[type]) -> Optional[tuple]:
+def _seq_len_of(key: str, section: Any, registry,
+                scope: Optional[str]) -> Optional[tuple]:
     """``(key, length)`` a dataset or model section gives (or its class's
     default), or None."""
     if not isinstance(section, dict):
         return None
-    for key in SEQ_LEN_KEYS:
-        if key in section:
-            return key, section[key]
-    if cls is None:
-        return None
-    params = inspect.signature(cls).parameters
-    for key in SEQ_LEN_KEYS:
-        if key in params and is_int(params[key].default):
-            return key, params[key].default
+    cls = check_type(key, section, registry, scope, required=False)
+    for name in SEQ_LEN_KEYS:
+        if name in section:
+            return f'{key}.{name}', section[name]
+    params = inspect.signature(cls).parameters \
+        if isinstance(cls, type) else {}
+    for name in SEQ_LEN_KEYS:
+        if name in params and is_int(params[name].default):
+            return f'{key}.{name}', params[name].default
     return None
 
 
@@ -406,23 +407,22 @@ def config_seq_lens(cfg: Any) -> list:
     none, the model's ``max_seq_len``)."""
     from mmpar.registry import DATASETS, MODELS
     scope = cfg.get('default_scope')
-    lengths = []
-    for name in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
-        loader = cfg.get(name)
-        dataset = loader.get('dataset') if isinstance(loader, dict) else None
-        cls = check_type(f'{name}.dataset', dataset, DATASETS, scope,
-                         required=False) if isinstance(dataset, dict) \
-            else None
-        found = _seq_len_of(dataset, cls if isinstance(cls, type) else None)
-        if found is not None:
-            lengths.append((f'{name}.dataset.{found[0]}', found[1]))
+    loaders = [(name, cfg.get(name)) for name in
+               ('train_dataloader', 'val_dataloader', 'test_dataloader')]
+    lengths = [_seq_len_of(f'{name}.dataset', loader.get('dataset'),
+                           DATASETS, scope)
+               for name, loader in loaders if isinstance(loader, dict)]
+    if not any(lengths):
+        lengths = [_seq_len_of('model', cfg.get('model'), MODELS, scope)]
+    return [(key, n) for key, n in filter(None, lengths) if is_int(n)]
+
+
+def _model_class(cfg: Any) -> Any:
+    """The registered class of a ``model`` dict (None for anything else)."""
+    from mmpar.registry import MODELS
     model = cfg.get('model')
-    if not lengths and isinstance(model, dict):
-        cls = check_type('model', model, MODELS, scope, required=False)
-        found = _seq_len_of(model, cls if isinstance(cls, type) else None)
-        if found is not None:
-            lengths.append((f'model.{found[0]}', found[1]))
-    return [(key, n) for key, n in lengths if is_int(n)]
+    return check_type('model', model, MODELS, cfg.get('default_scope'),
+                      required=False) if isinstance(model, dict) else None
 
 
 def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
@@ -436,17 +436,13 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
         ConfigError: naming the key, the value and what is allowed.
     """
     from mmpar.parallel.sequence import SHARDED_ATTR
-    from mmpar.registry import MODELS
     cp = dims.cp if dims is not None else parallel.cp
     if cp is None or cp <= 1:
         return
-    model = cfg.get('model')
-    model_cls = check_type('model', model, MODELS, cfg.get('default_scope'),
-                           required=False) if isinstance(model, dict) \
-        else None
+    model_cls = _model_class(cfg)
     if isinstance(model_cls, type) and not hasattr(model_cls, SHARDED_ATTR):
         _fail('parallel.cp', cp,
-              f'model.type={model.get("type")!r} has no context-parallel '
+              f'model.type={cfg["model"].get("type")!r} has no context-parallel '
               f'protocol (no {SHARDED_ATTR}; see '
               'docs/context_parallel.md); allowed: parallel.cp=1, or a '
               'model that declares it (Llama, HFCausalLM)')
@@ -497,7 +493,6 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
         ConfigError: naming the key, the value and what is allowed.
     """
     from mmpar.parallelize.resolved import resolve_plan
-    from mmpar.registry import MODELS
     loader = cfg.get('train_dataloader')
     batch_size = loader.get('batch_size') if isinstance(loader, dict) \
         else None
@@ -513,11 +508,9 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
     with _as_config_error():
-        check_expert_model(
-            cfg.get('model'), lambda: check_type(
-                'model', cfg.get('model'), MODELS, cfg.get('default_scope'),
-                required=False),
-            plan.dims if plan.dims is not None else plan.parallel)
+        check_expert_model(cfg.get('model'), lambda: _model_class(cfg),
+                           plan.dims if plan.dims is not None else
+                           plan.parallel)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
     return plan

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from mmpar.checks import check_int
 from mmpar.parallel.config import SEED_SIZE_KEYS, ParallelConfig
 from mmpar.parallel.axes import AXES, DATA_AXES
-from mmpar.parallel.dims import ParallelDims, ParallelismError
+from mmpar.parallel.dims import (ParallelDims, ParallelismError,
+                                 check_shard_size)
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import ParallelLayout, layout_of
 from mmpar.parallel.mesh import fallback_data_mesh
@@ -100,13 +101,17 @@ def install(topology: ParallelTopology) -> ParallelTopology:
         ParallelismError: another live topology is installed.
     """
     global _current
+    _refuse_another(topology)
+    _current = topology
+    return topology
+
+
+def _refuse_another(topology: Optional[ParallelTopology] = None) -> None:
     current = _live()
     if current is not None and current is not topology:
         raise ParallelismError(
             f'parallelism is already initialised ({current.dims}); call '
             'reset_parallelism() first')
-    _current = topology
-    return topology
 
 
 def init_parallelism(model_parallelism: int = 1,
@@ -136,10 +141,7 @@ def init_parallelism(model_parallelism: int = 1,
             (call :func:`reset_parallelism` first), or sizes that do not
             fit the world size.
     """
-    if _live() is not None:
-        raise ParallelismError(
-            f'parallelism is already initialised ({_current.dims}); call '
-            'reset_parallelism() first')
+    _refuse_another()
     if dims is None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ParallelismError(
@@ -237,12 +239,7 @@ def data_mesh(hybrid: bool = False,
     topology = _live()
     if topology is None:
         return fallback_data_mesh(hybrid, hybrid_shard_size)
-    if hybrid_shard_size is not None and \
-            hybrid_shard_size != topology.dims.dp_shard:
-        raise ValueError(
-            f'model_wrapper_cfg.hybrid_shard_size={hybrid_shard_size!r} '
-            f'disagrees with the layout (dp_shard={topology.dims.dp_shard}); '
-            'allowed: leave it unset and give parallel.dp_shard instead')
+    check_shard_size(hybrid_shard_size, topology.dims)
     return topology.data_mesh()
 
 
