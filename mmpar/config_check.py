@@ -12,7 +12,7 @@ import importlib
 import inspect
 import numbers
 import os.path as osp
-from typing import Any, Iterable, Iterator, List, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 
 from mmpar.checkpoint.format import check_async_save, checkpoint_format
@@ -354,23 +354,15 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
         return None  # not started by that launcher (yet): checked later
 
 
-def fused_entries(parallel: Any) -> List[str]:
-    """Patterns of ``parallel.tp_plan``'s ``module_plan`` entries that split
-    a fused projection part by part (``fused`` > 1); [] for other plans."""
-    plan = (parallel or {}).get('tp_plan') if isinstance(
-        parallel, dict) else None
-    if not isinstance(plan, dict) or plan.get('type') != 'module_plan' or \
-            not isinstance(plan.get('plan'), dict):
-        return []
-    return [pattern for pattern, entry in plan['plan'].items()
-            if isinstance(entry, dict) and is_int(entry.get('fused'))
-            and entry['fused'] > 1]
-
-
-def check_fused_checkpoints(cfg: Any) -> None:
+def check_fused_checkpoints(cfg: Any, plan: ResolvedPlan) -> None:
     """A fused tp split cannot be stored by DCP: refuse sharded checkpoints
-    with one at start-up (the save would fail at the first checkpoint)."""
-    fused = fused_entries(cfg.get('parallel'))
+    with one at start-up (the save would fail at the first checkpoint).
+    ``plan``'s ``tp_plan`` is checked (a ``module_plan``'s entries too)."""
+    tp_plan = plan.parallel.tp_plan
+    if not isinstance(tp_plan, dict) or tp_plan.get('type') != 'module_plan':
+        return
+    fused = [pattern for pattern, entry in tp_plan['plan'].items()
+             if isinstance(entry, dict) and entry.get('fused', 1) > 1]
     if fused and checkpoint_format(cfg) == 'sharded':
         _fail('checkpoint_format', 'sharded',
               f'parallel.tp_plan splits fused projections part by part '
@@ -573,7 +565,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None
         check_hooks(cfg, scope)
         checkpoint_format(cfg)
     plan = check_layout(cfg, world_size)
-    check_fused_checkpoints(cfg)
+    check_fused_checkpoints(cfg, plan)
     check_checkpoint_paths(cfg)
     if not isinstance(plan.meta_init, bool):
         _fail('meta_init', cfg.get('meta_init'),
