@@ -212,13 +212,10 @@ def _mp_means_dp_shard(parallel, hybrid: bool) -> bool:
 def _requested(parallel, world_size: int, hybrid: bool,
                hybrid_shard_size: Optional[int]) -> dict:
     """Sizes as asked, seed aliases resolved (``-1`` where unset)."""
-    pp = _pick(parallel, 'pp', 'pipeline_parallelism') or 1
     mp = parallel.model_parallelism
-    cp = parallel.cp or 1
-    ep = parallel.ep or 1
-    sizes = dict(dp_replicate=parallel.dp_replicate,
-                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp, cp=cp,
-                 ep=ep)
+    sizes = {axis: getattr(parallel, axis) for axis in AXES}
+    sizes.update(pp=_pick(parallel, 'pp', 'pipeline_parallelism') or 1,
+                 cp=parallel.cp or 1, ep=parallel.ep or 1)
     if mp is not None and _mp_means_dp_shard(parallel, hybrid):
         sizes['tp'] = 1
         # The wrapper's explicit hybrid_shard_size wins over the alias, as
@@ -237,8 +234,9 @@ def _requested(parallel, world_size: int, hybrid: bool,
         if hybrid:
             # -1 ("the rest") on tp, pp or cp leaves no room for data
             # shards.
-            dp = world_size // (max(sizes['tp'], 1) * max(pp, 1) *
-                                max(cp, 1) * max(ep, 1)) or 1
+            dp = world_size // math.prod(
+                max(sizes[axis], 1) for axis in AXES
+                if axis not in DATA_AXES) or 1
             sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
         else:
             sizes['dp_replicate'] = 1

@@ -22,7 +22,8 @@ from mmpar.parallel.dims import (ParallelDims, ParallelismError,
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import ParallelLayout, layout_of
 from mmpar.parallel.mesh import fallback_data_mesh
-from mmpar.parallel.topology import ParallelTopology, build_topology
+from mmpar.parallel.topology import (ParallelTopology, build_topology,
+                                     require_default_group)
 
 # The seed's group kinds (mp is tp).
 DIMS = ('dp', 'pp', 'mp')
@@ -143,11 +144,7 @@ def init_parallelism(model_parallelism: int = 1,
     """
     _refuse_another()
     if dims is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ParallelismError(
-                'the default process group is not initialised; call '
-                'mmpar.dist.init_dist (or torch.distributed.'
-                'init_process_group) before init_parallelism')
+        require_default_group('init_parallelism')
         dims = seed_dims(dist.get_world_size(), model_parallelism,
                          pipeline_parallelism)
     backends = dict(tp=mp_backend, pp=pp_backend,
@@ -179,12 +176,11 @@ def setup_parallelism(parallel_cfg=None,
     """
     parallel = ParallelConfig.from_cfg(parallel_cfg)
     if not (dist.is_available() and dist.is_initialized()):
-        asked = {k: getattr(parallel, k) for k in AXES + SEED_SIZE_KEYS}
-        big = {k: v for k, v in asked.items() if v is not None and v > 1}
+        big = [f'{k}={getattr(parallel, k)}' for k in AXES + SEED_SIZE_KEYS
+               if (getattr(parallel, k) or 1) > 1]
         if big:
-            named = ', '.join(f'{k}={v}' for k, v in big.items())
-            warnings.warn(f'parallel.{named} in a single-process run: '
-                          'using 1 for every axis')
+            warnings.warn(f'parallel.{", ".join(big)} in a single-process '
+                          'run: using 1 for every axis')
         return None
     if dims is None or dims.world_size != dist.get_world_size():
         dims = parallel.dims(dist.get_world_size(), model_wrapper_cfg)

@@ -226,10 +226,8 @@ def resolve_plan(parallel: Any = None,
     if find_unused_parameters and given is None and \
             wrapper_cfg['type'] == DEFAULT_WRAPPER:
         wrapper_cfg['find_unused_parameters'] = True
-    pipeline = None
-    if config.pipeline is not None:
-        pipeline = PipelineConfig.from_cfg(config.pipeline,
-                                           _config_pp(config), batch_size)
+    pipeline = None if config.pipeline is None else PipelineConfig.from_cfg(
+        config.pipeline, _config_pp(config), batch_size)
     plan = ResolvedPlan(config, None, given, wrapper_cfg, None, pipeline,
                         ac_cfg, compile_cfg, meta_init, batch_size)
     if dims is not None:
