@@ -15,15 +15,23 @@ import os.path as osp
 from typing import Any, Iterable, Iterator, Optional
 
 
+from mmengine.hooks import EMAHook
+from mmengine.model import BaseAveragedModel
+
 from mmpar.checkpoint.format import check_async_save, checkpoint_format
 from mmpar.checks import check_int, is_int
 from mmpar.datasets.packed_check import check_document_attention
-from mmpar.dist import BACKENDS
+from mmpar.device import accelerator_type
+from mmpar.dist import BACKENDS, launch_env
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallel.experts import check_expert_model
-from mmpar.parallelize.resolved import ResolvedPlan
+from mmpar.parallel.sequence import SHARDED_ATTR
+from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
+from mmpar.registry import (DATA_SAMPLERS, DATASETS, HOOKS, METRICS, MODELS,
+                            OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS)
+from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
@@ -161,7 +169,6 @@ def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     config's, already checked by
     :func:`~mmpar.wrappers.builder.check_wrapper_cfg` (type, sync
     strategy, the class's own check)."""
-    from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
     if wrapper_cfg is None:
         return
     check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(
@@ -202,7 +209,6 @@ def check_sync_bn(sync_bn: Any, launcher: Optional[str]) -> None:
     if sync_bn not in SYNC_BN_IMPLEMENTATIONS:
         _fail('sync_bn', sync_bn, 'allowed: None, ' +
               ', '.join(repr(v) for v in SYNC_BN_IMPLEMENTATIONS))
-    from mmpar.device import accelerator_type
     if launcher not in (None, 'none') and accelerator_type() != 'cuda':
         _fail('sync_bn', sync_bn,
               'SyncBatchNorm needs CUDA, which is not available; allowed on '
@@ -212,7 +218,6 @@ def check_sync_bn(sync_bn: Any, launcher: Optional[str]) -> None:
 
 
 def check_dataloader(key: str, loader: Any, scope: Optional[str]) -> None:
-    from mmpar.registry import DATA_SAMPLERS, DATASETS
     if not isinstance(loader, dict):
         _fail(key, loader, 'allowed: a dict with batch_size and dataset')
     if 'dataset' not in loader:
@@ -228,7 +233,6 @@ def check_dataloader(key: str, loader: Any, scope: Optional[str]) -> None:
 
 
 def check_optim_wrapper(optim_wrapper: Any, scope: Optional[str]) -> None:
-    from mmpar.registry import OPTIM_WRAPPERS, OPTIMIZERS
     if not isinstance(optim_wrapper, dict):
         _fail('optim_wrapper', optim_wrapper,
               'allowed: dict(optimizer=dict(type=...), ...)')
@@ -271,7 +275,6 @@ def check_train_cfg(train_cfg: Any) -> None:
 
 
 def check_hooks(cfg: Any, scope: Optional[str]) -> None:
-    from mmpar.registry import HOOKS
     default_hooks = cfg.get('default_hooks') or {}
     for name, hook in default_hooks.items():
         check_type(f'default_hooks.{name}', hook, HOOKS, scope,
@@ -303,7 +306,6 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
 
 
 def _is_ema_hook(cls: Any) -> bool:
-    from mmengine.hooks import EMAHook
     return inspect.isclass(cls) and issubclass(cls, EMAHook)
 
 
@@ -314,9 +316,7 @@ def check_ema_type(key: str, hook: dict, scope: Optional[str]) -> None:
     (:mod:`mmpar.runner.ema`), through ``BaseAveragedModel``'s interface
     (a copy of the model, ``avg_func`` tensor by tensor).
     """
-    from mmengine.model import BaseAveragedModel
 
-    from mmpar.registry import MODELS
     name = hook.get('ema_type', 'ExponentialMovingAverage')
     try:
         cls = check_type(key, dict(type=name), MODELS, scope)
@@ -345,7 +345,6 @@ def check_checkpoint_paths(cfg: Any) -> None:
 
 def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
     """The world size the launcher's environment announces, if it does."""
-    from mmpar.dist import launch_env
     if launcher in (None, 'none'):
         return 1
     try:
@@ -397,7 +396,6 @@ def config_seq_lens(cfg: Any) -> list:
     """``[(key, length)]``: the sequence lengths a config names (its data
     sets' ``context_length`` / ``seq_len``, or their classes' defaults; with
     none, the model's ``max_seq_len``)."""
-    from mmpar.registry import DATASETS, MODELS
     scope = cfg.get('default_scope')
     loaders = [(name, cfg.get(name)) for name in
                ('train_dataloader', 'val_dataloader', 'test_dataloader')]
@@ -411,7 +409,6 @@ def config_seq_lens(cfg: Any) -> list:
 
 def _model_class(cfg: Any) -> Any:
     """The registered class of a ``model`` dict (None for anything else)."""
-    from mmpar.registry import MODELS
     model = cfg.get('model')
     return check_type('model', model, MODELS, cfg.get('default_scope'),
                       required=False) if isinstance(model, dict) else None
@@ -427,7 +424,6 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
     Raises:
         ConfigError: naming the key, the value and what is allowed.
     """
-    from mmpar.parallel.sequence import SHARDED_ATTR
     cp = dims.cp if dims is not None else parallel.cp
     if cp is None or cp <= 1:
         return
@@ -484,7 +480,6 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
     Raises:
         ConfigError: naming the key, the value and what is allowed.
     """
-    from mmpar.parallelize.resolved import resolve_plan
     loader = cfg.get('train_dataloader')
     batch_size = loader.get('batch_size') if isinstance(loader, dict) \
         else None
@@ -530,7 +525,6 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     # when mmengine.runner imports them; the Runner has done so already.
     import mmengine.runner  # noqa: F401
 
-    from mmpar.registry import METRICS, MODELS, PARAM_SCHEDULERS
     check_custom_imports(cfg.get('custom_imports'))
     scope = cfg.get('default_scope')
     if cfg.get('model') is None:
