@@ -220,9 +220,6 @@ class MMPipelineParallel(StepMixin, nn.Module):
             if not stage.shards_parameters:
                 stage.all_reduce_grads()
 
-    def before_last_backward(self) -> None:
-        pass
-
     # -- schedules ----------------------------------------------------------
     def _schedule(self, train: bool, microbatches: int, batch: int):
         """A schedule (and its stages) per (mode, micro-batch count, batch
