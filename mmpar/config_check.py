@@ -295,7 +295,7 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
         cls = check_type(f'custom_hooks[{index}]', hook, HOOKS, scope)
         if getattr(cls, 'check_cfg', None) is not None:
             cls.check_cfg({k: v for k, v in hook.items() if k != 'type'})
-        if _is_ema_hook(cls):
+        if inspect.isclass(cls) and issubclass(cls, EMAHook):
             averaging.append(index)
             check_ema_type(f'custom_hooks[{index}]', hook, scope)
     if len(averaging) > 1:
@@ -303,10 +303,6 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
             averaging[1]]['type'], f'custom_hooks[{averaging[0]}] is an '
               'EMAHook already, and both would write '
               "checkpoint['ema_state_dict']; allowed: one EMAHook")
-
-
-def _is_ema_hook(cls: Any) -> bool:
-    return inspect.isclass(cls) and issubclass(cls, EMAHook)
 
 
 def check_ema_type(key: str, hook: dict, scope: Optional[str]) -> None:
