@@ -426,8 +426,8 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
     model_cls = _model_class(cfg)
     if isinstance(model_cls, type) and not hasattr(model_cls, SHARDED_ATTR):
         _fail('parallel.cp', cp,
-              f'model.type={cfg["model"].get("type")!r} has no context-parallel '
-              f'protocol (no {SHARDED_ATTR}; see '
+              f'model.type={cfg["model"].get("type")!r} has no '
+              f'context-parallel protocol (no {SHARDED_ATTR}; see '
               'docs/context_parallel.md); allowed: parallel.cp=1, or a '
               'model that declares it (Llama, HFCausalLM)')
     for key, length in config_seq_lens(cfg):

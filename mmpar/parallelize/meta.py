@@ -185,20 +185,20 @@ class _Recorder(TorchDispatchMode):
             return out.fill_(float('nan')) if out.is_floating_point() \
                 else out.zero_()
         device = kwargs.get('device')
+        # (A _to_copy of a meta tensor returned above.)
         inherits = args and isinstance(args[0], torch.Tensor) and \
-            args[0].is_meta and func.overloadpacket.__name__ != '_to_copy'
+            args[0].is_meta
         if (device is not None and torch.device(device).type == 'meta') or \
                 (device is None and inherits):
             kwargs['device'] = CPU
         if inherits:
             # Only the shape, dtype and layout of a meta input are read.
             meta = args[0]
-            if func.overloadpacket.__name__.startswith('new_'):
-                args = (torch.empty(0, dtype=meta.dtype), ) + tuple(args[1:])
-            else:
-                args = (torch.empty_strided(meta.shape, meta.stride(),
-                                            dtype=meta.dtype), ) + \
-                    tuple(args[1:])
+            real = torch.empty(0, dtype=meta.dtype) \
+                if func.overloadpacket.__name__.startswith('new_') else \
+                torch.empty_strided(meta.shape, meta.stride(),
+                                    dtype=meta.dtype)
+            args = (real, ) + tuple(args[1:])
         return func(*args, **kwargs)
 
     def record_call(self, function: Callable, target: torch.Tensor,
