@@ -12,18 +12,26 @@ import importlib
 import inspect
 import numbers
 import os.path as osp
-from typing import Any, Iterable, Iterator, List, Optional
+from typing import Any, Iterable, Iterator, Optional
 
+
+from mmengine.hooks import EMAHook
+from mmengine.model import BaseAveragedModel
 
 from mmpar.checkpoint.format import check_async_save, checkpoint_format
 from mmpar.checks import check_int, is_int
 from mmpar.datasets.packed_check import check_document_attention
-from mmpar.dist import BACKENDS
+from mmpar.device import accelerator_type
+from mmpar.dist import BACKENDS, launch_env
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallel.experts import check_expert_model
-from mmpar.parallelize.resolved import ResolvedPlan
+from mmpar.parallel.sequence import SHARDED_ATTR
+from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
+from mmpar.registry import (DATA_SAMPLERS, DATASETS, HOOKS, METRICS, MODELS,
+                            OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS)
+from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
@@ -161,7 +169,6 @@ def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     config's, already checked by
     :func:`~mmpar.wrappers.builder.check_wrapper_cfg` (type, sync
     strategy, the class's own check)."""
-    from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
     if wrapper_cfg is None:
         return
     check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(
@@ -202,7 +209,6 @@ def check_sync_bn(sync_bn: Any, launcher: Optional[str]) -> None:
     if sync_bn not in SYNC_BN_IMPLEMENTATIONS:
         _fail('sync_bn', sync_bn, 'allowed: None, ' +
               ', '.join(repr(v) for v in SYNC_BN_IMPLEMENTATIONS))
-    from mmpar.device import accelerator_type
     if launcher not in (None, 'none') and accelerator_type() != 'cuda':
         _fail('sync_bn', sync_bn,
               'SyncBatchNorm needs CUDA, which is not available; allowed on '
@@ -212,7 +218,6 @@ def check_sync_bn(sync_bn: Any, launcher: Optional[str]) -> None:
 
 
 def check_dataloader(key: str, loader: Any, scope: Optional[str]) -> None:
-    from mmpar.registry import DATA_SAMPLERS, DATASETS
     if not isinstance(loader, dict):
         _fail(key, loader, 'allowed: a dict with batch_size and dataset')
     if 'dataset' not in loader:
@@ -228,7 +233,6 @@ def check_dataloader(key: str, loader: Any, scope: Optional[str]) -> None:
 
 
 def check_optim_wrapper(optim_wrapper: Any, scope: Optional[str]) -> None:
-    from mmpar.registry import OPTIM_WRAPPERS, OPTIMIZERS
     if not isinstance(optim_wrapper, dict):
         _fail('optim_wrapper', optim_wrapper,
               'allowed: dict(optimizer=dict(type=...), ...)')
@@ -271,7 +275,6 @@ def check_train_cfg(train_cfg: Any) -> None:
 
 
 def check_hooks(cfg: Any, scope: Optional[str]) -> None:
-    from mmpar.registry import HOOKS
     default_hooks = cfg.get('default_hooks') or {}
     for name, hook in default_hooks.items():
         check_type(f'default_hooks.{name}', hook, HOOKS, scope,
@@ -292,7 +295,7 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
         cls = check_type(f'custom_hooks[{index}]', hook, HOOKS, scope)
         if getattr(cls, 'check_cfg', None) is not None:
             cls.check_cfg({k: v for k, v in hook.items() if k != 'type'})
-        if _is_ema_hook(cls):
+        if inspect.isclass(cls) and issubclass(cls, EMAHook):
             averaging.append(index)
             check_ema_type(f'custom_hooks[{index}]', hook, scope)
     if len(averaging) > 1:
@@ -302,11 +305,6 @@ def check_hooks(cfg: Any, scope: Optional[str]) -> None:
               "checkpoint['ema_state_dict']; allowed: one EMAHook")
 
 
-def _is_ema_hook(cls: Any) -> bool:
-    from mmengine.hooks import EMAHook
-    return inspect.isclass(cls) and issubclass(cls, EMAHook)
-
-
 def check_ema_type(key: str, hook: dict, scope: Optional[str]) -> None:
     """An ``EMAHook``'s ``ema_type`` names a ``BaseAveragedModel``.
 
@@ -314,9 +312,7 @@ def check_ema_type(key: str, hook: dict, scope: Optional[str]) -> None:
     (:mod:`mmpar.runner.ema`), through ``BaseAveragedModel``'s interface
     (a copy of the model, ``avg_func`` tensor by tensor).
     """
-    from mmengine.model import BaseAveragedModel
 
-    from mmpar.registry import MODELS
     name = hook.get('ema_type', 'ExponentialMovingAverage')
     try:
         cls = check_type(key, dict(type=name), MODELS, scope)
@@ -345,7 +341,6 @@ def check_checkpoint_paths(cfg: Any) -> None:
 
 def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
     """The world size the launcher's environment announces, if it does."""
-    from mmpar.dist import launch_env
     if launcher in (None, 'none'):
         return 1
     try:
@@ -354,23 +349,15 @@ def _launch_world_size(launcher: Optional[str]) -> Optional[int]:
         return None  # not started by that launcher (yet): checked later
 
 
-def fused_entries(parallel: Any) -> List[str]:
-    """Patterns of ``parallel.tp_plan``'s ``module_plan`` entries that split
-    a fused projection part by part (``fused`` > 1); [] for other plans."""
-    plan = (parallel or {}).get('tp_plan') if isinstance(
-        parallel, dict) else None
-    if not isinstance(plan, dict) or plan.get('type') != 'module_plan' or \
-            not isinstance(plan.get('plan'), dict):
-        return []
-    return [pattern for pattern, entry in plan['plan'].items()
-            if isinstance(entry, dict) and is_int(entry.get('fused'))
-            and entry['fused'] > 1]
-
-
-def check_fused_checkpoints(cfg: Any) -> None:
+def check_fused_checkpoints(cfg: Any, plan: ResolvedPlan) -> None:
     """A fused tp split cannot be stored by DCP: refuse sharded checkpoints
-    with one at start-up (the save would fail at the first checkpoint)."""
-    fused = fused_entries(cfg.get('parallel'))
+    with one at start-up (the save would fail at the first checkpoint).
+    ``plan``'s ``tp_plan`` is checked (a ``module_plan``'s entries too)."""
+    tp_plan = plan.parallel.tp_plan
+    if not isinstance(tp_plan, dict) or tp_plan.get('type') != 'module_plan':
+        return
+    fused = [pattern for pattern, entry in tp_plan['plan'].items()
+             if isinstance(entry, dict) and entry.get('fused', 1) > 1]
     if fused and checkpoint_format(cfg) == 'sharded':
         _fail('checkpoint_format', 'sharded',
               f'parallel.tp_plan splits fused projections part by part '
@@ -383,20 +370,21 @@ def check_fused_checkpoints(cfg: Any) -> None:
 SEQ_LEN_KEYS = ('context_length', 'seq_len', 'max_seq_len')
 
 
-def _seq_len_of(section: Any, cls: Optional[type]) -> Optional[tuple]:
+def _seq_len_of(key: str, section: Any, registry,
+                scope: Optional[str]) -> Optional[tuple]:
     """``(key, length)`` a dataset or model section gives (or its class's
     default), or None."""
     if not isinstance(section, dict):
         return None
-    for key in SEQ_LEN_KEYS:
-        if key in section:
-            return key, section[key]
-    if cls is None:
-        return None
-    params = inspect.signature(cls).parameters
-    for key in SEQ_LEN_KEYS:
-        if key in params and is_int(params[key].default):
-            return key, params[key].default
+    cls = check_type(key, section, registry, scope, required=False)
+    for name in SEQ_LEN_KEYS:
+        if name in section:
+            return f'{key}.{name}', section[name]
+    params = inspect.signature(cls).parameters \
+        if isinstance(cls, type) else {}
+    for name in SEQ_LEN_KEYS:
+        if name in params and is_int(params[name].default):
+            return f'{key}.{name}', params[name].default
     return None
 
 
@@ -404,25 +392,22 @@ def config_seq_lens(cfg: Any) -> list:
     """``[(key, length)]``: the sequence lengths a config names (its data
     sets' ``context_length`` / ``seq_len``, or their classes' defaults; with
     none, the model's ``max_seq_len``)."""
-    from mmpar.registry import DATASETS, MODELS
     scope = cfg.get('default_scope')
-    lengths = []
-    for name in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
-        loader = cfg.get(name)
-        dataset = loader.get('dataset') if isinstance(loader, dict) else None
-        cls = check_type(f'{name}.dataset', dataset, DATASETS, scope,
-                         required=False) if isinstance(dataset, dict) \
-            else None
-        found = _seq_len_of(dataset, cls if isinstance(cls, type) else None)
-        if found is not None:
-            lengths.append((f'{name}.dataset.{found[0]}', found[1]))
+    loaders = [(name, cfg.get(name)) for name in
+               ('train_dataloader', 'val_dataloader', 'test_dataloader')]
+    lengths = [_seq_len_of(f'{name}.dataset', loader.get('dataset'),
+                           DATASETS, scope)
+               for name, loader in loaders if isinstance(loader, dict)]
+    if not any(lengths):
+        lengths = [_seq_len_of('model', cfg.get('model'), MODELS, scope)]
+    return [(key, n) for key, n in filter(None, lengths) if is_int(n)]
+
+
+def _model_class(cfg: Any) -> Any:
+    """The registered class of a ``model`` dict (None for anything else)."""
     model = cfg.get('model')
-    if not lengths and isinstance(model, dict):
-        cls = check_type('model', model, MODELS, scope, required=False)
-        found = _seq_len_of(model, cls if isinstance(cls, type) else None)
-        if found is not None:
-            lengths.append((f'model.{found[0]}', found[1]))
-    return [(key, n) for key, n in lengths if is_int(n)]
+    return check_type('model', model, MODELS, cfg.get('default_scope'),
+                      required=False) if isinstance(model, dict) else None
 
 
 def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
@@ -435,19 +420,14 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
     Raises:
         ConfigError: naming the key, the value and what is allowed.
     """
-    from mmpar.parallel.sequence import SHARDED_ATTR
-    from mmpar.registry import MODELS
     cp = dims.cp if dims is not None else parallel.cp
     if cp is None or cp <= 1:
         return
-    model = cfg.get('model')
-    model_cls = check_type('model', model, MODELS, cfg.get('default_scope'),
-                           required=False) if isinstance(model, dict) \
-        else None
+    model_cls = _model_class(cfg)
     if isinstance(model_cls, type) and not hasattr(model_cls, SHARDED_ATTR):
         _fail('parallel.cp', cp,
-              f'model.type={model.get("type")!r} has no context-parallel '
-              f'protocol (no {SHARDED_ATTR}; see '
+              f'model.type={cfg["model"].get("type")!r} has no '
+              f'context-parallel protocol (no {SHARDED_ATTR}; see '
               'docs/context_parallel.md); allowed: parallel.cp=1, or a '
               'model that declares it (Llama, HFCausalLM)')
     for key, length in config_seq_lens(cfg):
@@ -496,8 +476,6 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
     Raises:
         ConfigError: naming the key, the value and what is allowed.
     """
-    from mmpar.parallelize.resolved import resolve_plan
-    from mmpar.registry import MODELS
     loader = cfg.get('train_dataloader')
     batch_size = loader.get('batch_size') if isinstance(loader, dict) \
         else None
@@ -513,11 +491,9 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
     with _as_config_error():
-        check_expert_model(
-            cfg.get('model'), lambda: check_type(
-                'model', cfg.get('model'), MODELS, cfg.get('default_scope'),
-                required=False),
-            plan.dims if plan.dims is not None else plan.parallel)
+        check_expert_model(cfg.get('model'), lambda: _model_class(cfg),
+                           plan.dims if plan.dims is not None else
+                           plan.parallel)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
     return plan
@@ -545,7 +521,6 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     # when mmengine.runner imports them; the Runner has done so already.
     import mmengine.runner  # noqa: F401
 
-    from mmpar.registry import METRICS, MODELS, PARAM_SCHEDULERS
     check_custom_imports(cfg.get('custom_imports'))
     scope = cfg.get('default_scope')
     if cfg.get('model') is None:
@@ -580,7 +555,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None
         check_hooks(cfg, scope)
         checkpoint_format(cfg)
     plan = check_layout(cfg, world_size)
-    check_fused_checkpoints(cfg)
+    check_fused_checkpoints(cfg, plan)
     check_checkpoint_paths(cfg)
     if not isinstance(plan.meta_init, bool):
         _fail('meta_init', cfg.get('meta_init'),

@@ -142,14 +142,15 @@ class ParallelConfig:
             return cls()
         if isinstance(cfg, cls):
             return cfg
+        keys = [f.name for f in dataclasses.fields(cls)]
         if not isinstance(cfg, Mapping):
             raise ValueError(f'parallel={cfg!r} is not allowed; allowed: a '
-                             'dict with keys ' + ', '.join(field_names()))
-        unknown = [key for key in cfg if key not in field_names()]
+                             'dict with keys ' + ', '.join(keys))
+        unknown = [key for key in cfg if key not in keys]
         if unknown:
             # The likeliest meant key first (a typo of a long name).
-            close = difflib.get_close_matches(unknown[0], field_names())
-            allowed = close + [k for k in field_names() if k not in close]
+            close = difflib.get_close_matches(unknown[0], keys)
+            allowed = close + [k for k in keys if k not in close]
             raise ValueError(
                 f'parallel.{unknown[0]}={cfg[unknown[0]]!r} is not a known '
                 f'key; allowed: {", ".join(allowed)}')
@@ -162,8 +163,3 @@ class ParallelConfig:
             cpu_offload=self.cpu_offload,
             sharding_strategy=self.sharding_strategy,
             sync_module_states=self.sync_module_states)
-
-
-def field_names() -> tuple:
-    """The keys a ``parallel`` section may have, in declaration order."""
-    return tuple(f.name for f in dataclasses.fields(ParallelConfig))

@@ -22,6 +22,7 @@ peers hold the same weights but different tokens. One axis may be ``-1``,
 ``pipeline_parallelism``) and refusing layouts that cannot train correctly.
 The Runner, ``check_config`` and ``tools/plan.py`` all call it.
 """
+import math
 import os
 import warnings
 from dataclasses import dataclass, fields
@@ -59,6 +60,14 @@ class ParallelDims:
             docs/expert_parallel.md).
         world_size: the number of ranks.
 
+    Each flattened axis of :data:`~mmpar.parallel.axes.FLATTENED` is a size
+    too: ``dp`` (``dp_replicate * dp_shard``, the data axis), ``dp_cp``
+    (``dp * cp``: the gradient axis, ranks that read different tokens and
+    hold the same weights or the same parts of them), ``dp_shard_cp`` and
+    ``efsdp`` (what experts are sharded over: the shard axes but ``ep``);
+    ``tp_enabled``, ``dp_enabled``, ... say whether an axis is larger
+    than 1.
+
     One of the six sizes may be ``-1``: it becomes whatever makes the
     product equal the world size.
 
@@ -86,9 +95,7 @@ class ParallelDims:
             raise ParallelismError(
                 f'parallel: {" and ".join(rest)} are both -1; allowed: at '
                 f'most one axis of {", ".join(AXES)} set to -1')
-        known = 1
-        for value in sizes.values():
-            known *= max(value, 1)
+        known = math.prod(max(value, 1) for value in sizes.values())
         # cp=1 and ep=1 (off, as in most configs) are left out.
         product = ' * '.join(f'{n}={v}' for n, v in sizes.items()
                              if v != -1 and (n, v) not in (('cp', 1),
@@ -109,55 +116,18 @@ class ParallelDims:
 
     def size_of(self, axes) -> int:
         """The product of the sizes of ``axes`` (names of :data:`AXES`)."""
-        size = 1
-        for axis in axes:
-            size *= getattr(self, axis)
-        return size
+        return math.prod(getattr(self, axis) for axis in axes)
 
-    @property
-    def dp(self) -> int:
-        """The data axis: ``dp_replicate * dp_shard``."""
-        return self.size_of(FLATTENED['dp'])
-
-    @property
-    def dp_cp(self) -> int:
-        """The gradient axis: ``dp * cp`` ranks read different tokens and
-        hold the same (or, sharded, the same parts of the) weights."""
-        return self.size_of(FLATTENED['dp_cp'])
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_shard_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
-
-    @property
-    def efsdp(self) -> int:
-        """What experts are sharded over: the shard axes but ``ep``
-        (``dp_shard x cp``; ``dp_shard x ep x cp = efsdp x ep``)."""
-        return self.size_of(FLATTENED['efsdp'])
+    def __getattr__(self, name: str):
+        # From the axes table: a flattened axis's size (``dp``, ``dp_cp``,
+        # ``efsdp``, ...) and ``<axis>_enabled`` (its size > 1).
+        if name in FLATTENED:
+            return self.size_of(FLATTENED[name])
+        axis = name[:-len('_enabled')] if name.endswith('_enabled') else ''
+        if axis in AXES or axis in FLATTENED:
+            return getattr(self, axis) > 1
+        raise AttributeError(
+            f'{type(self).__name__!r} object has no attribute {name!r}')
 
     @property
     def shape(self) -> Tuple[int, ...]:
@@ -220,6 +190,19 @@ def node_local_shard(dp: int, explicit: Optional[int] = None) -> int:
     return size
 
 
+def check_shard_size(shard_size: Optional[int], dims: ParallelDims) -> None:
+    """A wrapper's ``hybrid_shard_size`` agrees with the layout's dp_shard.
+
+    Raises:
+        ValueError: it does not, naming both.
+    """
+    if shard_size is not None and shard_size != dims.dp_shard:
+        raise ValueError(
+            f'model_wrapper_cfg.hybrid_shard_size={shard_size!r} '
+            f'disagrees with the layout (dp_shard={dims.dp_shard}); '
+            'allowed: leave it unset and give parallel.dp_shard instead')
+
+
 def _mp_means_dp_shard(parallel, hybrid: bool) -> bool:
     # The seed's HYBRID_SHARD sharded inside the mp group and replicated
     # across dp: that is HSDP, model_parallelism=k meaning dp_shard=k.
@@ -229,13 +212,10 @@ def _mp_means_dp_shard(parallel, hybrid: bool) -> bool:
 def _requested(parallel, world_size: int, hybrid: bool,
                hybrid_shard_size: Optional[int]) -> dict:
     """Sizes as asked, seed aliases resolved (``-1`` where unset)."""
-    pp = _pick(parallel, 'pp', 'pipeline_parallelism') or 1
     mp = parallel.model_parallelism
-    cp = parallel.cp or 1
-    ep = parallel.ep or 1
-    sizes = dict(dp_replicate=parallel.dp_replicate,
-                 dp_shard=parallel.dp_shard, tp=parallel.tp, pp=pp, cp=cp,
-                 ep=ep)
+    sizes = {axis: getattr(parallel, axis) for axis in AXES}
+    sizes.update(pp=_pick(parallel, 'pp', 'pipeline_parallelism') or 1,
+                 cp=parallel.cp or 1, ep=parallel.ep or 1)
     if mp is not None and _mp_means_dp_shard(parallel, hybrid):
         sizes['tp'] = 1
         # The wrapper's explicit hybrid_shard_size wins over the alias, as
@@ -254,8 +234,9 @@ def _requested(parallel, world_size: int, hybrid: bool,
         if hybrid:
             # -1 ("the rest") on tp, pp or cp leaves no room for data
             # shards.
-            dp = world_size // (max(sizes['tp'], 1) * max(pp, 1) *
-                                max(cp, 1) * max(ep, 1)) or 1
+            dp = world_size // math.prod(
+                max(sizes[axis], 1) for axis in AXES
+                if axis not in DATA_AXES) or 1
             sizes['dp_shard'] = node_local_shard(dp, hybrid_shard_size)
         else:
             sizes['dp_replicate'] = 1

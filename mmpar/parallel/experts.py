@@ -60,19 +60,15 @@ class SharedGroup:
 
 
 @dataclass(frozen=True)
-class ExpertGroup:
+class ExpertGroup(SharedGroup):
     """The ranks one layer's experts are split over; shared, not copied,
-    by a deep copy of the module holding it (as :class:`SharedGroup`).
+    by a deep copy of the module holding it (a :class:`SharedGroup`).
 
     Attributes:
         group: the ep process group.
         size: its number of ranks (``parallel.ep``).
     """
-    group: dist.ProcessGroup
     size: int
-
-    def __deepcopy__(self, memo: dict) -> 'ExpertGroup':
-        return self
 
 
 @dataclass(frozen=True)

@@ -51,10 +51,8 @@ class GroupInfo:
             ``wait()`` returns it once reduced. A one-member group returns
             its input untouched.
         """
-        if self.world_size == 1:
-            return Pending(finish=lambda: tensor) if async_op else tensor
-        work = dist.all_reduce(tensor, op=op, group=self.group,
-                               async_op=async_op)
+        work = None if self.world_size == 1 else dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=async_op)
         return Pending(work, lambda: tensor) if async_op else tensor
 
     def split(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:

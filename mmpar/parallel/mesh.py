@@ -19,7 +19,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mmpar.device import device_type
 from mmpar.dist import collective_timeout
@@ -211,7 +211,6 @@ def fallback_data_mesh(hybrid: bool,
             ranks; default: one node's, ``LOCAL_WORLD_SIZE``); it must
             divide the world size.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
     if not hybrid:
         return init_device_mesh(device_type(), (world, ),

@@ -17,11 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from mmpar.checks import check_int
 from mmpar.parallel.config import SEED_SIZE_KEYS, ParallelConfig
 from mmpar.parallel.axes import AXES, DATA_AXES
-from mmpar.parallel.dims import ParallelDims, ParallelismError
+from mmpar.parallel.dims import (ParallelDims, ParallelismError,
+                                 check_shard_size)
 from mmpar.parallel.groups import GroupInfo
 from mmpar.parallel.layout import ParallelLayout, layout_of
 from mmpar.parallel.mesh import fallback_data_mesh
-from mmpar.parallel.topology import ParallelTopology, build_topology
+from mmpar.parallel.topology import (ParallelTopology, build_topology,
+                                     require_default_group)
 
 # The seed's group kinds (mp is tp).
 DIMS = ('dp', 'pp', 'mp')
@@ -100,13 +102,17 @@ def install(topology: ParallelTopology) -> ParallelTopology:
         ParallelismError: another live topology is installed.
     """
     global _current
+    _refuse_another(topology)
+    _current = topology
+    return topology
+
+
+def _refuse_another(topology: Optional[ParallelTopology] = None) -> None:
     current = _live()
     if current is not None and current is not topology:
         raise ParallelismError(
             f'parallelism is already initialised ({current.dims}); call '
             'reset_parallelism() first')
-    _current = topology
-    return topology
 
 
 def init_parallelism(model_parallelism: int = 1,
@@ -136,16 +142,9 @@ def init_parallelism(model_parallelism: int = 1,
             (call :func:`reset_parallelism` first), or sizes that do not
             fit the world size.
     """
-    if _live() is not None:
-        raise ParallelismError(
-            f'parallelism is already initialised ({_current.dims}); call '
-            'reset_parallelism() first')
+    _refuse_another()
     if dims is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ParallelismError(
-                'the default process group is not initialised; call '
-                'mmpar.dist.init_dist (or torch.distributed.'
-                'init_process_group) before init_parallelism')
+        require_default_group('init_parallelism')
         dims = seed_dims(dist.get_world_size(), model_parallelism,
                          pipeline_parallelism)
     backends = dict(tp=mp_backend, pp=pp_backend,
@@ -177,12 +176,11 @@ def setup_parallelism(parallel_cfg=None,
     """
     parallel = ParallelConfig.from_cfg(parallel_cfg)
     if not (dist.is_available() and dist.is_initialized()):
-        asked = {k: getattr(parallel, k) for k in AXES + SEED_SIZE_KEYS}
-        big = {k: v for k, v in asked.items() if v is not None and v > 1}
+        big = [f'{k}={getattr(parallel, k)}' for k in AXES + SEED_SIZE_KEYS
+               if (getattr(parallel, k) or 1) > 1]
         if big:
-            named = ', '.join(f'{k}={v}' for k, v in big.items())
-            warnings.warn(f'parallel.{named} in a single-process run: '
-                          'using 1 for every axis')
+            warnings.warn(f'parallel.{", ".join(big)} in a single-process '
+                          'run: using 1 for every axis')
         return None
     if dims is None or dims.world_size != dist.get_world_size():
         dims = parallel.dims(dist.get_world_size(), model_wrapper_cfg)
@@ -237,12 +235,7 @@ def data_mesh(hybrid: bool = False,
     topology = _live()
     if topology is None:
         return fallback_data_mesh(hybrid, hybrid_shard_size)
-    if hybrid_shard_size is not None and \
-            hybrid_shard_size != topology.dims.dp_shard:
-        raise ValueError(
-            f'model_wrapper_cfg.hybrid_shard_size={hybrid_shard_size!r} '
-            f'disagrees with the layout (dp_shard={topology.dims.dp_shard}); '
-            'allowed: leave it unset and give parallel.dp_shard instead')
+    check_shard_size(hybrid_shard_size, topology.dims)
     return topology.data_mesh()
 
 

@@ -141,6 +141,15 @@ def forget_dtensor_specs() -> None:
     _redistribute._gen_transform_infos.cache_clear()  # torch 2.13 private
 
 
+def require_default_group(before: str) -> None:
+    """Raises ParallelismError without a default process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ParallelismError(
+            'the default process group is not initialised; call '
+            'mmpar.dist.init_dist (or torch.distributed.init_process_group) '
+            f'before {before}')
+
+
 def build_topology(dims: ParallelDims,
                    backends: Optional[dict] = None) -> ParallelTopology:
     """Make every group of ``dims`` and this rank's topology.
@@ -158,11 +167,7 @@ def build_topology(dims: ParallelDims,
         ParallelismError: no default process group, or ``dims`` made for
             another world size.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ParallelismError(
-            'the default process group is not initialised; call '
-            'mmpar.dist.init_dist (or torch.distributed.init_process_group) '
-            'before building the parallel topology')
+    require_default_group('building the parallel topology')
     if dims.world_size != dist.get_world_size():
         raise ParallelismError(f'{dims} is for {dims.world_size} ranks, the '
                                f'world has {dist.get_world_size()}')

@@ -34,7 +34,9 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts,
+                                    noop_context_fn)
 
 from mmpar.checks import check_int
 from mmpar.wrappers.policies import resolve_module_classes
@@ -110,8 +112,6 @@ def _op(name: str, key: str):
 def _selective_context(save_ops: list):
     """A ``context_fn`` for torch's checkpoint that keeps the outputs of
     :data:`SAVE_OPS` (and ``save_ops``) and recomputes everything else."""
-    from torch.utils.checkpoint import (CheckpointPolicy,
-                                        create_selective_checkpoint_contexts)
     keep = set()
     for name in SAVE_OPS + tuple(save_ops):
         try:

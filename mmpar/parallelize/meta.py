@@ -118,6 +118,14 @@ class _Record:
     ops: List[_Op] = field(default_factory=list)
     unsupported: Optional[str] = None
 
+    def add(self, op: _Op) -> None:
+        if op.overwrites():
+            # Earlier ops (and the tensor nn.Parameter was given) no longer
+            # matter: keep only from here.
+            self.ops.clear()
+            self.initial = None
+        self.ops.append(op)
+
 
 class _Recorder(TorchDispatchMode):
     """Records in-place ops on meta parameters (by storage); runs random
@@ -177,20 +185,20 @@ class _Recorder(TorchDispatchMode):
             return out.fill_(float('nan')) if out.is_floating_point() \
                 else out.zero_()
         device = kwargs.get('device')
+        # (A _to_copy of a meta tensor returned above.)
         inherits = args and isinstance(args[0], torch.Tensor) and \
-            args[0].is_meta and func.overloadpacket.__name__ != '_to_copy'
+            args[0].is_meta
         if (device is not None and torch.device(device).type == 'meta') or \
                 (device is None and inherits):
             kwargs['device'] = CPU
         if inherits:
             # Only the shape, dtype and layout of a meta input are read.
             meta = args[0]
-            if func.overloadpacket.__name__.startswith('new_'):
-                args = (torch.empty(0, dtype=meta.dtype), ) + tuple(args[1:])
-            else:
-                args = (torch.empty_strided(meta.shape, meta.stride(),
-                                            dtype=meta.dtype), ) + \
-                    tuple(args[1:])
+            real = torch.empty(0, dtype=meta.dtype) \
+                if func.overloadpacket.__name__.startswith('new_') else \
+                torch.empty_strided(meta.shape, meta.stride(),
+                                    dtype=meta.dtype)
+            args = (real, ) + tuple(args[1:])
         return func(*args, **kwargs)
 
     def record_call(self, function: Callable, target: torch.Tensor,
@@ -211,11 +219,8 @@ class _Recorder(TorchDispatchMode):
                 self.passthrough = False
         view = None if tuple(target.shape) == record.shape else (
             tuple(target.shape), target.stride(), target.storage_offset())
-        op = _Op(function, (None, ) + tuple(args), dict(kwargs), view, state)
-        if op.overwrites():
-            record.ops.clear()
-            record.initial = None
-        record.ops.append(op)
+        record.add(_Op(function, (None, ) + tuple(args), dict(kwargs), view,
+                       state))
         return True
 
     def _record(self, func, target, record, args, kwargs) -> None:
@@ -243,13 +248,8 @@ class _Recorder(TorchDispatchMode):
                 real = torch.empty(target.shape, dtype=target.dtype)
                 func(real, *args[1:], **kwargs)
                 del real
-        op = _Op(func, (None, ) + tuple(args[1:]), dict(kwargs), view, state)
-        if op.overwrites():
-            # Earlier ops (and the tensor nn.Parameter was given) no longer
-            # matter: keep only from here.
-            record.ops.clear()
-            record.initial = None
-        record.ops.append(op)
+        record.add(_Op(func, (None, ) + tuple(args[1:]), dict(kwargs), view,
+                       state))
 
 
 @contextlib.contextmanager
@@ -403,9 +403,7 @@ class MetaInit:
                     any(a is not b for a, b in zip(record.ops, ops)))
 
         names = [n for n, r in self.records.items() if changed(r)]
-        if dist.is_available() and dist.is_initialized() and \
-                dist.get_world_size() > 1:
-            _use_rank0_states({n: self.records[n] for n in names})
+        _use_rank0_states({n: self.records[n] for n in names})
         return names
 
     def fill(self, named_params: Iterator[Tuple[str, nn.Parameter]]) -> None:
@@ -427,12 +425,8 @@ class MetaInit:
                     device: torch.device) -> nn.Module:
         """Allocate ``module``'s meta parameters on ``device`` (only local
         shards) and fill them; buffers keep their values."""
-        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
         with _temporaries_returned():
-            module.to_empty(device=device)
-            with torch.no_grad():
-                for name, buffer in module.named_buffers():
-                    buffer.copy_(buffers[name])
+            _to_empty_keeping_buffers(module, device, recurse=True)
             self.fill(module.named_parameters())
         return module
 
@@ -447,17 +441,22 @@ class MetaInit:
             prefix = names[id(module)]
             own = [(f'{prefix}.{n}' if prefix else n, p)
                    for n, p in module.named_parameters(recurse=False)]
-            buffers = {n: b.detach().clone()
-                       for n, b in module.named_buffers(recurse=False)}
             with _temporaries_returned():
-                module.to_empty(device=device, recurse=False)
-                with torch.no_grad():
-                    for name, buffer in module.named_buffers(recurse=False):
-                        buffer.copy_(buffers[name])
+                _to_empty_keeping_buffers(module, device, recurse=False)
                 self.fill((n, module.get_parameter(n.rpartition('.')[2]))
                           for n, _ in own)
 
         return init
+
+
+def _to_empty_keeping_buffers(module: nn.Module, device: torch.device,
+                              recurse: bool) -> None:
+    buffers = {n: b.detach().clone()
+               for n, b in module.named_buffers(recurse=recurse)}
+    module.to_empty(device=device, recurse=recurse)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers(recurse=recurse):
+            buffer.copy_(buffers[name])
 
 
 def _build_error(err: Exception) -> ConfigError:
@@ -517,13 +516,15 @@ def build_on_meta(build: Callable[[], nn.Module],
         for name, param in model.named_parameters(remove_duplicate=False)
         if param.is_meta and storage_key(param) in by_storage
     }
-    if rank0_states and dist.is_available() and dist.is_initialized() and \
-            dist.get_world_size() > 1:
+    if rank0_states:
         _use_rank0_states(records)
     return model, MetaInit(records)
 
 
 def _use_rank0_states(records: Dict[str, _Record]) -> None:
+    if not (dist.is_available() and dist.is_initialized() and
+            dist.get_world_size() > 1):
+        return
     names = sorted(records)
     states = [[op.rng_state for op in records[n].ops] for n in names]
     box = [states if dist.get_rank() == 0 else None]

@@ -175,8 +175,12 @@ def _check_fused(entry: dict, where: str) -> None:
                          "each packed part) or 'replicate'")
 
 
-def check_module_plan_data(plan, key: str = 'parallel.tp_plan.plan') -> None:
+def check_module_plan_data(plan, key: str = 'parallel.tp_plan.plan'
+                           ) -> Dict[str, dict]:
     """Check a ``module_plan`` mapping without a model (styles, layouts).
+
+    Returns:
+        ``{pattern: dict(style=..., ...)}``, each entry as a dict.
 
     Raises:
         ValueError: naming the key, the bad value and what is allowed.
@@ -184,10 +188,12 @@ def check_module_plan_data(plan, key: str = 'parallel.tp_plan.plan') -> None:
     if not isinstance(plan, dict) or not plan:
         raise ValueError(f'{key}={plan!r} is not allowed; allowed: a '
                          'non-empty dict of module-name pattern -> style')
+    entries = {}
     for pattern, entry in plan.items():
         if not isinstance(pattern, str):
             raise ValueError(f'{key}: pattern {pattern!r} must be a str')
-        _normalize_entry(pattern, entry, key)
+        entries[pattern] = _normalize_entry(pattern, entry, key)
+    return entries
 
 
 def match_modules(model: nn.Module, pattern: str) -> List[str]:
@@ -315,8 +321,7 @@ def module_plan_styles(model: nn.Module, plan: dict, tp_size: int,
             dimension (naming the module and sizes), or a ``prepare_input``
             layout for a parameter the module's forward does not have.
     """
-    check_module_plan_data(plan, key)
-    entries = {p: _normalize_entry(p, e, key) for p, e in plan.items()}
+    entries = check_module_plan_data(plan, key)
     sequence_parallel = any(
         e['style'] == 'sequence_parallel' for e in entries.values())
     activation = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()

@@ -10,11 +10,11 @@ nothing below parses or checks those keys again.
 wrapper together can get wrong.
 """
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
-from mmpar.parallel.dims import ParallelDims
+from mmpar.parallel.dims import ParallelDims, check_shard_size
 from mmpar.parallelize.activation import (check_activation_checkpointing,
                                           merge_wrapper_key)
 from mmpar.parallelize.compile import check_compile_cfg
@@ -111,24 +111,16 @@ def builds_on_meta(dims: ParallelDims, wrapper_cfg: Optional[dict]) -> bool:
                                     cls.shards_parameters)
 
 
-def check_pipeline_wrapper(model_wrapper_cfg: Optional[dict],
-                           dp: int) -> None:
-    """Refuse a data-parallel wrapper that cannot wrap a pipeline stage
-    (its class declares ``pipeline_stage_args = None``).
-
-    Raises:
-        ConfigError: naming ``model_wrapper_cfg.type`` and the allowed ones.
-    """
-    if dp <= 1:
+def _refuse_wrapper(wrapper: Any, able: Callable[[type], bool],
+                    what: str) -> None:
+    """Refuse a wrapper whose class is not ``able``, naming
+    ``model_wrapper_cfg.type``, ``what`` it cannot do and those that can."""
+    if able(declared(wrapper)):
         return
-    wrapper = (model_wrapper_cfg or {}).get('type', DEFAULT_WRAPPER)
-    if declared(wrapper).pipeline_stage_args is None:
-        allowed = [n for n in registered_wrappers()
-                   if declared(n).pipeline_stage_args is not None]
-        name = getattr(wrapper, '__name__', str(wrapper)).split('.')[-1]
-        raise ConfigError(
-            f'model_wrapper_cfg.type={name!r} cannot wrap a pipeline stage '
-            f'(parallel.pp > 1 with dp={dp}); allowed: {", ".join(allowed)}')
+    allowed = [n for n in registered_wrappers() if able(declared(n))]
+    name = getattr(wrapper, '__name__', str(wrapper)).split('.')[-1]
+    raise ValueError(f'model_wrapper_cfg.type={name!r} {what}; allowed: '
+                     f'{", ".join(allowed)}')
 
 
 def stage_wrapper_cfg(model_wrapper_cfg: dict,
@@ -147,35 +139,6 @@ def stage_wrapper_cfg(model_wrapper_cfg: dict,
     return cfg
 
 
-def check_expert_parallel(dims: ParallelDims, wrapper_cfg: dict) -> None:
-    """``parallel.ep > 1`` with a wrapper that takes the experts' own mesh
-    (its class declares ``expert_parallel``): ep composes with every other
-    axis (with tp the MoE layers stay whole on every tp rank, as the
-    model's tp plan leaves them; docs/expert_parallel.md).
-
-    Raises:
-        ValueError: naming the key, the value and what is allowed.
-    """
-    if not dims.ep_enabled:
-        return
-    wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
-    if not declared(wrapper).expert_parallel:
-        allowed = [n for n in registered_wrappers()
-                   if declared(n).expert_parallel]
-        name = getattr(wrapper, '__name__', str(wrapper)).split('.')[-1]
-        raise ValueError(
-            f'model_wrapper_cfg.type={name!r} cannot wrap an expert-parallel '
-            f'model (parallel.ep={dims.ep}): it would reduce the experts\' '
-            'gradients over ranks that hold other experts; allowed: '
-            f'{", ".join(allowed)}')
-    strategy = wrapper_cfg.get('sharding_strategy')
-    if strategy is not None and 'HYBRID' in str(strategy):
-        raise ValueError(
-            f'model_wrapper_cfg.sharding_strategy={strategy!r} with '
-            f'parallel.ep={dims.ep} is not supported yet; allowed: '
-            "'FULL_SHARD' or 'SHARD_GRAD_OP'")
-
-
 def check_composition(dims: ParallelDims, model_wrapper_cfg: Optional[dict],
                       pipeline: Optional[PipelineConfig] = None,
                       compile_cfg: Any = None) -> dict:
@@ -189,15 +152,28 @@ def check_composition(dims: ParallelDims, model_wrapper_cfg: Optional[dict],
     """
     try:
         cfg = wrapper_cfg_for(dims, model_wrapper_cfg)
-        shard_size = cfg.get('hybrid_shard_size')
-        if shard_size is not None and shard_size != dims.dp_shard:
-            raise ValueError(
-                f'model_wrapper_cfg.hybrid_shard_size={shard_size!r} '
-                f'disagrees with the layout (dp_shard={dims.dp_shard}); '
-                'allowed: leave it unset and give parallel.dp_shard instead')
-        check_expert_parallel(dims, cfg)
+        check_shard_size(cfg.get('hybrid_shard_size'), dims)
+        wrapper = cfg.get('type', DEFAULT_WRAPPER)
+        if dims.ep_enabled:
+            # ep composes with every other axis (with tp the MoE layers stay
+            # whole on every tp rank; docs/expert_parallel.md).
+            _refuse_wrapper(
+                wrapper, lambda cls: cls.expert_parallel,
+                'cannot wrap an expert-parallel model (parallel.ep='
+                f'{dims.ep}): it would reduce the experts\' gradients over '
+                'ranks that hold other experts')
+            strategy = cfg.get('sharding_strategy')
+            if strategy is not None and 'HYBRID' in str(strategy):
+                raise ValueError(
+                    f'model_wrapper_cfg.sharding_strategy={strategy!r} with '
+                    f'parallel.ep={dims.ep} is not supported yet; allowed: '
+                    "'FULL_SHARD' or 'SHARD_GRAD_OP'")
         if dims.pp_enabled:
-            check_pipeline_wrapper(cfg, dims.dp_cp)
+            if dims.dp_cp > 1:
+                _refuse_wrapper(
+                    wrapper, lambda cls: cls.pipeline_stage_args is not None,
+                    'cannot wrap a pipeline stage (parallel.pp > 1 with '
+                    f'dp={dims.dp_cp})')
             if compile_cfg:
                 raise ValueError(
                     f'model_compile={compile_cfg!r} with parallel.pp='
@@ -250,10 +226,8 @@ def resolve_plan(parallel: Any = None,
     if find_unused_parameters and given is None and \
             wrapper_cfg['type'] == DEFAULT_WRAPPER:
         wrapper_cfg['find_unused_parameters'] = True
-    pipeline = None
-    if config.pipeline is not None:
-        pipeline = PipelineConfig.from_cfg(config.pipeline,
-                                           _config_pp(config), batch_size)
+    pipeline = None if config.pipeline is None else PipelineConfig.from_cfg(
+        config.pipeline, _config_pp(config), batch_size)
     plan = ResolvedPlan(config, None, given, wrapper_cfg, None, pipeline,
                         ac_cfg, compile_cfg, meta_init, batch_size)
     if dims is not None:

@@ -29,10 +29,6 @@ __all__ = [
 ]
 
 
-def _unwrap(stage: nn.Module) -> nn.Module:
-    return stage.module if isinstance(stage, StepMixin) else stage
-
-
 def pipeline_parallelize(model: nn.Module, topology, config: PipelineConfig,
                          wrap: Callable[[nn.Module], nn.Module]
                          ) -> MMPipelineParallel:
@@ -77,7 +73,8 @@ def pipeline_parallelize(model: nn.Module, topology, config: PipelineConfig,
         stages, indices, num_stages, config.schedule,
         schedule_class(config.schedule), config.num_microbatches,
         topology.pp.group, topology.pp.global_ranks, holders[0], device,
-        stage_modules=[_unwrap(stage) for stage in stages],
+        stage_modules=[s.module if isinstance(s, StepMixin) else s
+                       for s in stages],
         clip_groups=clip_groups,
         stage_cls=MicrobatchReshardStage
         if config.reshards_per_microbatch else PipelineStage)

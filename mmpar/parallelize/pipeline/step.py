@@ -175,8 +175,13 @@ class MMPipelineParallel(StepMixin, nn.Module):
         return self.model.data_preprocessor
 
     @property
+    def _wrapped(self) -> List[StepMixin]:
+        """The stages the data-parallel wrapper wrapped."""
+        return [s for s in self.stages if isinstance(s, StepMixin)]
+
+    @property
     def description(self) -> WrappedModel:
-        wrapped = [s for s in self.stages if isinstance(s, StepMixin)]
+        wrapped = self._wrapped
         return WrappedModel(
             model=self.model,
             state_module=None,
@@ -192,33 +197,28 @@ class MMPipelineParallel(StepMixin, nn.Module):
     def reshard_parameters(self) -> None:
         """Each wrapped stage's (FSDP2 stages keep their parameters
         gathered after an evaluation forward)."""
-        for stage in self.stages:
-            if isinstance(stage, StepMixin):
-                stage.reshard_parameters()
+        for stage in self._wrapped:
+            stage.reshard_parameters()
 
     @property
     def grad_groups(self) -> tuple:
         """The stages' gradient axis (every stage of a rank is wrapped over
         the same one); none when the stages are not wrapped (pp alone)."""
-        wrapped = [s for s in self.stages if isinstance(s, StepMixin)]
+        wrapped = self._wrapped
         return wrapped[0].grad_groups if wrapped else ()
 
     def sync_buffers(self) -> None:
         """Each wrapped stage's buffers over its data axis."""
-        for stage in self.stages:
-            if isinstance(stage, StepMixin):
-                stage.sync_buffers()
+        for stage in self._wrapped:
+            stage.sync_buffers()
         self._buffers_in_sync = True
 
     def finish_grad_sync(self) -> None:
         """Average the gradients of every replicated stage (its wrapper does
         not see torch's backward): FSDP2 stages sync inside the schedule."""
-        for stage in self.stages:
-            if isinstance(stage, StepMixin) and not stage.shards_parameters:
+        for stage in self._wrapped:
+            if not stage.shards_parameters:
                 stage.all_reduce_grads()
-
-    def before_last_backward(self) -> None:
-        pass
 
     # -- schedules ----------------------------------------------------------
     def _schedule(self, train: bool, microbatches: int, batch: int):
