@@ -79,7 +79,7 @@ def _build(model_kwargs: dict, tp: int, wrapper: str):
     from mmpar.optim import OptimWrapper
 
     from examples.my_pkg.tp_vit import TP_PLAN, SplittableViT
-    from mmpar.dist import uses_cuda
+    from mmpar.device import device_type
     from mmpar.parallelize.tensor import apply_tp
     from mmpar.parallelize.tp_wrapper import data_parallel_cfg_for_tp
     from mmpar.wrappers.builder import wrapper_class
@@ -87,7 +87,7 @@ def _build(model_kwargs: dict, tp: int, wrapper: str):
     torch.manual_seed(0)
     model = SplittableViT(**model_kwargs)
     world = dist.get_world_size()
-    mesh = init_device_mesh('cuda' if uses_cuda() else 'cpu', (world // tp, tp),
+    mesh = init_device_mesh(device_type(), (world // tp, tp),
                             mesh_dim_names=('dp', 'tp'))
     cfg = dict(type=wrapper)
     if tp > 1:

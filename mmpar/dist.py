@@ -232,12 +232,6 @@ def collective_timeout() -> Optional[datetime.timedelta]:
         return None  # a backend without options: torch's default applies
 
 
-def uses_cuda() -> bool:
-    """Whether this process trains on its accelerator (kept for callers of
-    mmpar 0.x; :func:`mmpar.device.uses_accelerator` is the one answer)."""
-    return device.uses_accelerator()
-
-
 def all_gather_objects(obj, group=None) -> list:
     """Every rank's ``obj`` of ``group`` (default: the world), in rank
     order; ``[obj]`` without a process group. A collective."""
