@@ -129,6 +129,8 @@ class MMBucketDataParallel(PythonDataParallel):
     """
 
     tensor_parallel_wrapper = 'MMTensorParallelDDP'
+    cfg_checks = dict(bucket_cap_mb=check_bucket_cap_mb,
+                      grad_dtype=check_grad_dtype)
 
     def __init__(self,
                  module: nn.Module,
@@ -168,26 +170,6 @@ class MMBucketDataParallel(PythonDataParallel):
                 self._hook_handles.append(
                     param.register_post_accumulate_grad_hook(
                         weak_hook(self, '_on_accumulated', index, slot)))
-
-    @classmethod
-    def check_cfg(cls, kwargs: dict) -> dict:
-        """Validate wrapper arguments up front (used by the builder).
-
-        Returns:
-            A copy of ``kwargs`` with ``bucket_cap_mb`` as a float and
-            ``grad_dtype`` as a torch dtype.
-
-        Raises:
-            ValueError: a bad ``bucket_cap_mb`` or ``grad_dtype``, naming the
-                allowed values.
-        """
-        kwargs = dict(kwargs)
-        if 'bucket_cap_mb' in kwargs:
-            kwargs['bucket_cap_mb'] = check_bucket_cap_mb(
-                kwargs['bucket_cap_mb'])
-        if 'grad_dtype' in kwargs:
-            kwargs['grad_dtype'] = check_grad_dtype(kwargs['grad_dtype'])
-        return kwargs
 
     # -- forward: take over the gradients ------------------------------------
     def forward(self, *args, **kwargs):

@@ -12,8 +12,7 @@ from mmengine.registry import DefaultScope
 from torch import nn
 
 from mmpar.registry import MODEL_WRAPPERS, SCOPE
-from mmpar.wrappers.base import StepMixin, check_sync_strategy
-from mmpar.wrappers.buffers import check_buffer_sync
+from mmpar.wrappers.base import StepMixin
 
 DEFAULT_WRAPPER = 'MMDistributedDataParallel'
 # What `parallel.use_fsdp=True` picks when no model_wrapper_cfg is given.
@@ -94,22 +93,17 @@ def _notice_twin(wrapper_type: str, name: str) -> None:
 def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
     """Validate a wrapper config before any process-group work.
 
-    Checks the type and, where the wrapper class defines ``check_cfg``, its
-    arguments. The config is not modified.
+    Checks the type and its arguments (``check_cfg``; for another
+    registry's wrapper StepMixin's: ``sync_strategy``, ``buffer_sync``).
+    The config is not modified.
     """
     if model_wrapper_cfg is None:
         return
     if not isinstance(model_wrapper_cfg, dict):
         raise TypeError('model_wrapper_cfg must be a dict, got '
                         f'{type(model_wrapper_cfg).__name__}')
-    cls = wrapper_class(model_wrapper_cfg.get('type', DEFAULT_WRAPPER))
-    if 'sync_strategy' in model_wrapper_cfg:
-        check_sync_strategy(model_wrapper_cfg['sync_strategy'])
-    if 'buffer_sync' in model_wrapper_cfg:
-        check_buffer_sync(model_wrapper_cfg['buffer_sync'])
-    check = getattr(cls, 'check_cfg', None)
-    if check is not None:
-        check({k: v for k, v in model_wrapper_cfg.items() if k != 'type'})
+    declared(model_wrapper_cfg.get('type', DEFAULT_WRAPPER)).check_cfg(
+        {k: v for k, v in model_wrapper_cfg.items() if k != 'type'})
 
 
 def build_model_wrapper(model_wrapper_cfg: Optional[dict],

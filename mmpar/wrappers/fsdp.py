@@ -13,7 +13,7 @@ from mmpar.parallel.sharding import UNHYBRID, is_hybrid
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers import full_state
-from mmpar.wrappers.base import StepMixin, check_sync_strategy
+from mmpar.wrappers.base import StepMixin
 from mmpar.wrappers.dp_base import broadcast_module_state
 from mmpar.wrappers.policies import check_wrap_policy, resolve_wrap_policy
 
@@ -68,6 +68,12 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     holds_shards = True
     data_axis_arg = 'device_mesh'
     meta_materialize = 'param_init_fn'
+    supports_forced_sync = False
+    cfg_checks = dict(sharding_strategy=args.normalize_sharding_strategy,
+                      cpu_offload=args.normalize_cpu_offload,
+                      fsdp_auto_wrap_policy=check_wrap_policy,
+                      backward_prefetch=args.normalize_backward_prefetch,
+                      mixed_precision=args.normalize_mixed_precision)
     tensor_parallel_refusal = (
         'torch FSDP1 does not compose with tensor parallelism reliably; '
         "allowed: type='MMFullyShard' (FSDP2 over the data axis) or "
@@ -89,9 +95,7 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
                  device_id=None,
                  buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
-        # Each argument is normalised once below (with the same errors as
-        # check_cfg); this one has no normaliser of its own.
-        args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
+        # Each argument is normalised once below (with check_cfg's errors).
         self._init_steps(sync_strategy, buffer_sync)
         strategy = args.normalize_sharding_strategy(sharding_strategy)
         offload = args.normalize_cpu_offload(cpu_offload)
@@ -133,22 +137,6 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
             else (process_group, )
         self.buffer_groups = self._groups
 
-    @classmethod
-    def check_cfg(cls, cfg: dict) -> None:
-        """Validate wrapper arguments before any process-group work.
-
-        Model-dependent checks (class names in the wrap policy or activation
-        checkpointing) run when the wrapper is built.
-        """
-        sync_strategy = cfg.get('sync_strategy', 'single_auto_sync')
-        check_sync_strategy(sync_strategy)
-        args.check_sync_strategy_supported(sync_strategy, cls.__name__)
-        args.normalize_sharding_strategy(cfg.get('sharding_strategy'))
-        args.normalize_cpu_offload(cfg.get('cpu_offload'))
-        check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
-        args.normalize_backward_prefetch(cfg.get('backward_prefetch'))
-        args.normalize_mixed_precision(cfg.get('mixed_precision'))
-
     @staticmethod
     def _data_axis(strategy, process_group, mesh, shard_size):
         """(strategy, process group) over the data axis.
@@ -179,11 +167,6 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
             # The plain strategy of the hybrid one, from the one table.
             return ShardingStrategy[UNHYBRID[strategy.name]], shard
         return strategy, process_group
-
-    def all_reduce_grads(self) -> None:
-        raise NotImplementedError(
-            'MMFullyShardedDataParallel reduces gradients in backward; '
-            "forced_sync is not supported")
 
     def reshard_parameters(self) -> None:
         """Free the gathered flat parameters a forward kept.

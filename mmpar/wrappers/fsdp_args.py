@@ -117,23 +117,6 @@ def normalize_mp_policy(value) -> Optional[MixedPrecisionPolicy]:
     return _precision(value, MixedPrecisionPolicy)
 
 
-def check_sync_strategy_supported(sync_strategy: str, wrapper: str) -> None:
-    """FSDP wrappers support every sync strategy but ``forced_sync``.
-
-    Raises:
-        ValueError: for ``forced_sync``: FSDP reduce-scatters gradients in
-            its own backward hooks, so there is no separate "all-reduce after
-            the last backward" step to force; ``single_auto_sync`` gives the
-            same one-sync-per-accumulation-window communication.
-    """
-    if sync_strategy == 'forced_sync':
-        raise ValueError(
-            f"sync_strategy='forced_sync' is not supported by {wrapper}: "
-            'FSDP reduce-scatters gradients inside backward, so there is no '
-            'separate all-reduce to force; use single_auto_sync (one sync per '
-            'accumulation window) or multi_auto_sync')
-
-
 def fsdp1_process_group(strategy: ShardingStrategy, mesh: DeviceMesh):
     """(strategy, process group) for FSDP1 over the data mesh ``mesh``.
 
