@@ -36,9 +36,7 @@ from mmpar.wrappers.weak_hooks import (remove_hooks, remove_when_collected,
                                        weak_hook)
 
 GRAD_DTYPES: Dict[str, torch.dtype] = {
-    'float32': torch.float32,
-    'float64': torch.float64,
-    'bfloat16': torch.bfloat16,
+    name: getattr(torch, name) for name in ('float32', 'float64', 'bfloat16')
 }
 
 
@@ -48,11 +46,10 @@ def check_grad_dtype(grad_dtype: Union[str, torch.dtype]) -> torch.dtype:
     Raises:
         ValueError: naming the bad value and the allowed ones.
     """
-    if isinstance(grad_dtype, str) and grad_dtype in GRAD_DTYPES:
-        return GRAD_DTYPES[grad_dtype]
-    if (isinstance(grad_dtype, torch.dtype)
-            and grad_dtype in GRAD_DTYPES.values()):
-        return grad_dtype
+    dtype = GRAD_DTYPES.get(grad_dtype) if isinstance(grad_dtype, str) \
+        else grad_dtype
+    if dtype in GRAD_DTYPES.values():
+        return dtype
     raise ValueError(f'grad_dtype={grad_dtype!r} is not supported; allowed: '
                      f'{", ".join(GRAD_DTYPES)} (as names or torch dtypes)')
 
@@ -147,11 +144,10 @@ class MMBucketDataParallel(PythonDataParallel):
         self.bucket_cap_mb = checked['bucket_cap_mb']
         self.grad_dtype = checked['grad_dtype']
         params = [p for p in module.parameters() if p.requires_grad]
-        cap_bytes = self.bucket_cap_mb * 2**20
-        itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
         self._buckets = [
             _Bucket([params[i] for i in indices], self.grad_dtype)
-            for indices in assign_buckets(params, cap_bytes, itemsize)
+            for indices in assign_buckets(params, self.bucket_cap_mb * 2**20,
+                                          self.grad_dtype.itemsize)
         ]
         self._next_bucket = 0  # buckets launch strictly in index order
         self._absorbed = False  # `.grad`s moved into the buckets
@@ -160,16 +156,14 @@ class MMBucketDataParallel(PythonDataParallel):
         self._all_computed = False  # this backward's last gradient is in
         # Held weakly, removed with the wrapper: else they keep the model
         # alive (mmpar.wrappers.weak_hooks).
-        self._hook_handles = remove_when_collected(self, [])
-        if params:
-            self._hook_handles.append(
-                torch.autograd.graph.register_multi_grad_hook(
-                    params, weak_hook(self, '_on_all_computed')))
-        for index, bucket in enumerate(self._buckets):
-            for slot, param in enumerate(bucket.params):
-                self._hook_handles.append(
-                    param.register_post_accumulate_grad_hook(
-                        weak_hook(self, '_on_accumulated', index, slot)))
+        hooks = [torch.autograd.graph.register_multi_grad_hook(
+            params, weak_hook(self, '_on_all_computed'))] if params else []
+        self._hook_handles = remove_when_collected(self, hooks + [
+            param.register_post_accumulate_grad_hook(
+                weak_hook(self, '_on_accumulated', index, slot))
+            for index, bucket in enumerate(self._buckets)
+            for slot, param in enumerate(bucket.params)
+        ])
 
     # -- forward: take over the gradients ------------------------------------
     def forward(self, *args, **kwargs):
