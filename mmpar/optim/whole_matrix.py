@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mmpar.parallel.dtensor import distribute_like, local_tensor
+from mmpar.parallel.dtensor import distribute_like, like_param, local_tensor
 
 WholeFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -113,31 +113,33 @@ class _Bucket:
     def owned(self, rank: int) -> List[int]:
         return [i for i, owner in enumerate(self.owners) if owner == rank]
 
-    def exchange(self, send: List[List[torch.Tensor]], send_sizes: List[int],
-                 recv_sizes: List[int], like: torch.Tensor) -> List[
-                     torch.Tensor]:
+    def exchange(self, send: List[List[torch.Tensor]],
+                 send_numels: List[List[int]], recv_numels: List[List[int]],
+                 like: torch.Tensor) -> List[List[torch.Tensor]]:
         """One all-to-all: ``send[k]`` (flattened, in order) to rank k;
-        returns what each rank sent here, one flat tensor per rank."""
+        returns what each rank k sent here, cut into ``recv_numels[k]``."""
         flat = [t.reshape(-1) for pieces in send for t in pieces]
         inp = torch.cat(flat) if flat else like.new_empty(0)
+        recv_sizes = [sum(numels) for numels in recv_numels]
         out = like.new_empty(sum(recv_sizes))
         dist.all_to_all_single(out, inp.to(like.dtype), recv_sizes,
-                               send_sizes, group=self.group)
-        return _split(out, recv_sizes)
+                               [sum(numels) for numels in send_numels],
+                               group=self.group)
+        return [_split(part, numels) for part, numels in zip(
+            _split(out, recv_sizes), recv_numels)]
 
     def run(self, locals_: List[torch.Tensor], fn: WholeFn,
             indices: List[int]) -> List[torch.Tensor]:
         ranks = range(self.num_ranks)
-        like = locals_[0]
         mine = self.owned(self.rank)
+        # This rank's shards of rank k's matrices; rank k's of this rank's.
+        theirs = [[self.numel(i, self.rank) for i in self.owned(k)]
+                  for k in ranks]
+        ours = [[self.numel(i, k) for i in mine] for k in ranks]
         # Shards to their owners.
-        received = self.exchange(
-            [[locals_[i] for i in self.owned(k)] for k in ranks],
-            [sum(self.numel(i, self.rank) for i in self.owned(k))
-             for k in ranks],
-            [sum(self.numel(i, k) for i in mine) for k in ranks], like)
-        pieces = [_split(r, [self.numel(i, k) for i in mine])
-                  for k, r in zip(ranks, received)]
+        pieces = self.exchange(
+            [[locals_[i] for i in self.owned(k)] for k in ranks], theirs,
+            ours, locals_[0])
         results = []
         for j, index in enumerate(mine):
             whole = torch.cat([
@@ -148,13 +150,9 @@ class _Bucket:
                 chunk_sizes(self.shapes[index][self.dim], self.num_ranks),
                 dim=self.dim))
         # The result's shards back to their ranks.
-        returned = self.exchange(
-            [[results[j][k] for j in range(len(mine))] for k in ranks],
-            [sum(self.numel(i, k) for i in mine) for k in ranks],
-            [sum(self.numel(i, self.rank) for i in self.owned(k))
-             for k in ranks], like)
-        back = [_split(r, [self.numel(i, self.rank) for i in self.owned(k)])
-                for k, r in zip(ranks, returned)]
+        back = self.exchange(
+            [[results[j][k] for j in range(len(mine))] for k in ranks], ours,
+            theirs, locals_[0])
         local = [None] * len(locals_)
         for k in ranks:
             for piece, index in zip(back[k], self.owned(k)):
@@ -171,11 +169,8 @@ def _on_2d_mesh(params: List[DTensor], locals_: List[torch.Tensor],
     outer_group = mesh.get_group(0)
     outer_rank = mesh.get_local_rank(0)
     # Gathered over the outer dimension: sharded over the inner one only.
-    gathered = [
-        DTensor.from_local(local, mesh, placements, run_check=False,
-                           shape=p.shape, stride=p.stride()).redistribute(
-                               mesh, inner) for p, local in zip(params, locals_)
-    ]
+    gathered = [like_param(p, local).redistribute(mesh, inner)
+                for p, local in zip(params, locals_)]
     owners = assign_owners([p.numel() for p in params], mesh.size(0))
     inner_parts: List[torch.Tensor] = [g.to_local() for g in gathered]
     for coordinate in range(mesh.size(0)):
@@ -241,10 +236,7 @@ def apply_to_whole(params: Sequence[torch.Tensor],
             continue
         if where is None:
             for i in indices:
-                whole = DTensor.from_local(
-                    locals_[i], params[i].device_mesh, params[i].placements,
-                    run_check=False, shape=params[i].shape,
-                    stride=params[i].stride()).full_tensor()
+                whole = like_param(params[i], locals_[i]).full_tensor()
                 results[i] = local_tensor(
                     distribute_like(fn(i, whole), params[i]))
             continue

@@ -116,8 +116,9 @@ class StepMixin:
             ValueError: naming the bad value and the allowed strategies.
         """
         if sync_strategy not in SYNC_STRATEGIES:
-            raise ValueError(f'sync_strategy={sync_strategy!r} is not '
-                             f'supported; allowed: {", ".join(SYNC_STRATEGIES)}')
+            raise ValueError(
+                f'sync_strategy={sync_strategy!r} is not supported; '
+                f'allowed: {", ".join(SYNC_STRATEGIES)}')
         if sync_strategy == 'forced_sync' and not cls.supports_forced_sync:
             raise ValueError(
                 f"sync_strategy='forced_sync' is not supported by "

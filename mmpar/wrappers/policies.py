@@ -144,7 +144,8 @@ def _policy_and_kwargs(cfg: PolicyCfg) -> Tuple[Optional[Callable], dict]:
         cfg = dict(type=cfg)
     elif not isinstance(cfg, dict):
         raise TypeError('fsdp_auto_wrap_policy must be None, a registered '
-                        f'name, dict(type=NAME, ...) or a callable; got {cfg!r}')
+                        'name, dict(type=NAME, ...) or a callable; got '
+                        f'{cfg!r}')
     elif 'type' not in cfg:
         raise ValueError('fsdp_auto_wrap_policy dict needs a "type" key '
                          f'naming a policy; got {cfg!r}; registered: '
