@@ -69,10 +69,9 @@ def _mmpar_twin(wrapper_type):
     mmpar's class, with a one-line notice. MMEngine wrappers that mmpar does
     not re-implement keep resolving to MMEngine's.
     """
-    if not (isinstance(wrapper_type, str) and
-            wrapper_type.startswith(MMENGINE_PREFIX)):
-        return wrapper_type
-    name = wrapper_type[len(MMENGINE_PREFIX):]
+    name = wrapper_type[len(MMENGINE_PREFIX):] if isinstance(
+        wrapper_type, str) and wrapper_type.startswith(
+            MMENGINE_PREFIX) else None
     if name not in MODEL_WRAPPERS.module_dict:
         return wrapper_type
     _notice_twin(wrapper_type, name)

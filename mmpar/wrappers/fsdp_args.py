@@ -21,12 +21,11 @@ DTYPES = {
     'fp32': torch.float32, 'float32': torch.float32, 'float': torch.float32,
     'fp64': torch.float64, 'float64': torch.float64, 'double': torch.float64,
 }
-BACKWARD_PREFETCH = {
-    'pre': BackwardPrefetch.BACKWARD_PRE,
-    'post': BackwardPrefetch.BACKWARD_POST,
-    'BACKWARD_PRE': BackwardPrefetch.BACKWARD_PRE,
-    'BACKWARD_POST': BackwardPrefetch.BACKWARD_POST,
-}
+BACKWARD_PREFETCH = dict(pre=BackwardPrefetch.BACKWARD_PRE,
+                         post=BackwardPrefetch.BACKWARD_POST,
+                         **BackwardPrefetch.__members__)
+
+
 def to_dtype(value: Union[str, torch.dtype], key: str) -> torch.dtype:
     """A dtype from its name (``'bf16'``, ``'fp32'``, ...) or itself."""
     if isinstance(value, torch.dtype):

@@ -22,23 +22,10 @@ from mmpar.registry import (FSDP_WRAP_POLICIES, lookup_callable,
 PolicyCfg = Union[None, str, dict, Callable]
 
 
-@FSDP_WRAP_POLICIES.register_module(name='size_based')
-def size_based(module: nn.Module,
-               recurse: bool,
-               nonwrapped_numel: int,
-               min_num_params: int = int(1e8),
-               **kwargs) -> bool:
-    """Wrap a module once its not-yet-wrapped parameters reach a size.
-
-    Args:
-        min_num_params: the smallest number of not-yet-wrapped parameters a
-            module needs to become its own FSDP unit.
-        **kwargs: ``force_leaf_modules`` / ``exclude_wrap_modules`` as torch's
-            ``size_based_auto_wrap_policy``.
-    """
-    return size_based_auto_wrap_policy(
-        module, recurse, nonwrapped_numel, min_num_params=min_num_params,
-        **kwargs)
+# Wraps a module once its not-yet-wrapped parameters reach
+# ``min_num_params`` (1e8 by default): torch's policy, under a short name.
+size_based = FSDP_WRAP_POLICIES.register_module(
+    name='size_based', module=size_based_auto_wrap_policy)
 
 
 def _bind_module_class(model: nn.Module, kwargs: dict) -> dict:
