@@ -81,12 +81,9 @@ class _Bucket:
         numel = sum(p.numel() for p in locals_)
         self.buffer = torch.zeros(numel + len(params), dtype=dtype,
                                   device=params[0].device)
-        self.views, offset = [], 0
-        for param in locals_:
-            self.views.append(
-                self.buffer[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
-        self.flags = self.buffer[offset:]
+        *views, self.flags = self.buffer.split(
+            [p.numel() for p in locals_] + [len(params)])
+        self.views = [view.view_as(p) for view, p in zip(views, locals_)]
         # A parameter's dtype equals grad_dtype: `.grad` *is* the buffer
         # slice, so autograd's accumulation and in-place edits (clipping,
         # zero_grad(set_to_none=False)) land in the buffer with no copy.

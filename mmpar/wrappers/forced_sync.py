@@ -60,12 +60,10 @@ class _FlatBucket:
 
     def write_back(self, world_size: int) -> None:
         """Divide the reduced buffer and copy it into every ``.grad``."""
-        flat = self.flat.div_(world_size)
-        flags = flat[-len(self.params):].tolist()
-        offset = 0
-        for param, flag in zip(self.params, flags):
-            view = flat[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
+        *views, flags = self.flat.div_(world_size).split(
+            [p.numel() for p in self.params] + [len(self.params)])
+        for param, view, flag in zip(self.params, views, flags.tolist()):
+            view = view.view_as(param)
             if flag <= 0:  # no rank produced a gradient
                 param.grad = None
             elif param.grad is None:

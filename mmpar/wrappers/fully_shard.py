@@ -145,9 +145,8 @@ class MMFullyShard(StepMixin, nn.Module):
         super().__init__()
         self._init_steps(sync_strategy, buffer_sync)
         strategy = _strategy(sharding_strategy)
-        reshard = strategy.reshard_after_forward
-        if reshard_after_forward is not None:
-            reshard = reshard_after_forward
+        reshard = strategy.reshard_after_forward \
+            if reshard_after_forward is None else reshard_after_forward
         self.device_mesh = device_mesh or fallback_data_mesh(
             strategy.hybrid, hybrid_shard_size)
         self.buffer_groups = mesh_groups(self.device_mesh)
