@@ -57,9 +57,7 @@ def _one_shard_dim(param: DTensor):
     others_replicate = all(
         type(p) is Shard or isinstance(p, Replicate)
         for p in param.placements)
-    if len(sharded) == 1 and others_replicate:
-        return sharded[0]
-    return None
+    return sharded[0] if len(sharded) == 1 and others_replicate else None
 
 
 def _both_dims_sharded(param: DTensor) -> bool:
