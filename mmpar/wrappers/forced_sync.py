@@ -46,17 +46,14 @@ class _FlatBucket:
 
     def flatten(self) -> torch.Tensor:
         """Gradients (zeros where None) then one 0/1 flag per parameter."""
-        pieces, flags = [], []
-        for param in self.params:
-            grad = param.grad
-            flags.append(grad is not None)
-            pieces.append(
-                grad.reshape(-1) if grad is not None else torch.zeros(
-                    param.numel(), dtype=param.dtype, device=param.device))
-        pieces.append(
-            torch.tensor(flags, dtype=self.params[0].dtype,
-                         device=self.params[0].device))
-        return torch.cat(pieces)
+        pieces = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(
+                p.numel(), dtype=p.dtype, device=p.device) for p in self.params
+        ]
+        first = self.params[0]
+        return torch.cat(pieces + [torch.tensor(
+            [p.grad is not None for p in self.params], dtype=first.dtype,
+            device=first.device)])
 
     def write_back(self, world_size: int) -> None:
         """Divide the reduced buffer and copy it into every ``.grad``."""
