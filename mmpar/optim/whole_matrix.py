@@ -226,20 +226,16 @@ def apply_to_whole(params: Sequence[torch.Tensor],
         key = (id(param.device_mesh), tuple(param.placements), where)
         buckets.setdefault(key, []).append(index)
     for (_, _, where), indices in buckets.items():
-        members = [params[i] for i in indices]
-        if where == '2d':
-            for i, out in zip(indices, _on_2d_mesh(
-                    members, [locals_[i] for i in indices], fn, indices)):
-                results[i] = out
-            continue
         if where is None:
             for i in indices:
                 whole = like_param(params[i], locals_[i]).full_tensor()
                 results[i] = local_tensor(
                     distribute_like(fn(i, whole), params[i]))
             continue
-        bucket = _Bucket(members, *where)
-        for i, out in zip(indices, bucket.run(
-                [locals_[i] for i in indices], fn, indices)):
+        members = [params[i] for i in indices]
+        parts = [locals_[i] for i in indices]
+        outs = _on_2d_mesh(members, parts, fn, indices) if where == '2d' \
+            else _Bucket(members, *where).run(parts, fn, indices)
+        for i, out in zip(indices, outs):
             results[i] = out
     return results

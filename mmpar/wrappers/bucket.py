@@ -174,15 +174,10 @@ class MMBucketDataParallel(PythonDataParallel):
     def _absorb_grads(self) -> None:
         for bucket in self._buckets:
             grads = [p.grad for p in bucket.params]
-            if all(g is None for g in grads):  # the usual: after zero_grad
-                if any(bucket.used):
-                    bucket.buffer.zero_()
-                    bucket.used = [False] * len(grads)
-                for param, view, aliased in zip(bucket.params, bucket.views,
-                                                bucket.aliased):
-                    if aliased:
-                        param.grad = view
-                continue
+            if all(g is None for g in grads) and any(bucket.used):
+                # The usual, after zero_grad: one fill, not one per slot.
+                bucket.buffer.zero_()
+                bucket.used = [False] * len(grads)
             for slot, (param, grad) in enumerate(zip(bucket.params, grads)):
                 view = bucket.views[slot]
                 if grad is view:  # edits, if any, are already in the bucket

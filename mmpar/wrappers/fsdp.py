@@ -9,7 +9,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from mmpar.device import current_device, uses_accelerator
 from mmpar.parallel.mesh import fallback_data_mesh
-from mmpar.parallel.sharding import UNHYBRID, is_hybrid
+from mmpar.parallel.sharding import (SHARDING_STRATEGIES, UNHYBRID,
+                                     is_hybrid)
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers import full_state
@@ -141,20 +142,40 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     def _data_axis(strategy, process_group, mesh, shard_size):
         """(strategy, process group) over the data axis.
 
-        Explicit groups win; else the data mesh decides
-        (:func:`mmpar.wrappers.fsdp_args.fsdp1_process_group`).
+        Explicit groups win; else the data mesh decides: a 2-D mesh
+        (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP wrapper HSDP
+        (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding, so FSDP1
+        agrees with FSDP2 and DDP about the data axis; a HYBRID strategy on
+        a 1-D mesh is the plain strategy it then equals.
 
         torch FSDP1 silently switches to NO_SHARD over the shard group when
         that group has one rank, which then never syncs gradients across the
         replicate group (measured: ranks end with different gradients). A
         one-rank side of the hybrid is therefore rewritten to the plain
         strategy it is equivalent to.
+
+        Raises:
+            ValueError: NO_SHARD on a 2-D mesh (it replicates over the whole
+                data axis: give the 1-D one); a HYBRID strategy with a
+                process group that is not a (shard, replicate) pair.
         """
+        name = strategy.name
         if process_group is None:
             if mesh is None:
                 mesh = fallback_data_mesh(is_hybrid(strategy), shard_size)
-            strategy, process_group = args.fsdp1_process_group(strategy, mesh)
-        if not is_hybrid(strategy):
+            if mesh.ndim == 1:
+                return (ShardingStrategy[UNHYBRID.get(name, name)],
+                        mesh.get_group())
+            if not SHARDING_STRATEGIES[name].shards:
+                raise ValueError(
+                    f'sharding_strategy={name!r} replicates over the whole '
+                    'data axis; allowed: a 1-D device_mesh, got '
+                    f'{mesh.mesh_dim_names}')
+            process_group = (mesh.get_group(1), mesh.get_group(0))
+            if not is_hybrid(name):  # the hybrid twin, from the one table
+                name = {v: k for k, v in UNHYBRID.items()}[name]
+                strategy = ShardingStrategy[name]
+        elif not is_hybrid(strategy):
             return strategy, process_group
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(f'process_group={process_group!r}: a HYBRID '

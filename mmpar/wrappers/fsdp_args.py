@@ -7,13 +7,11 @@ that names the key, the bad value and what is allowed.
 from typing import Optional, Union
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload,
                                     MixedPrecision, MixedPrecisionPolicy,
                                     ShardingStrategy)
 
-from mmpar.parallel.sharding import (SHARDING_STRATEGIES, UNHYBRID,
-                                     is_hybrid, strategy_name)
+from mmpar.parallel.sharding import strategy_name
 
 DTYPES = {
     'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
@@ -114,28 +112,3 @@ def normalize_mp_policy(value) -> Optional[MixedPrecisionPolicy]:
     ``output_dtype``, ``cast_forward_inputs``). FSDP2 has no buffer dtype.
     """
     return _precision(value, MixedPrecisionPolicy)
-
-
-def fsdp1_process_group(strategy: ShardingStrategy, mesh: DeviceMesh):
-    """(strategy, process group) for FSDP1 over the data mesh ``mesh``.
-
-    A 2-D mesh (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP
-    wrapper HSDP (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding,
-    so FSDP1 agrees with FSDP2 and DDP about the data axis; a HYBRID
-    strategy on a 1-D mesh is the plain strategy it then equals.
-
-    Raises:
-        ValueError: NO_SHARD on a 2-D mesh (it replicates over the whole
-            data axis: give the 1-D one).
-    """
-    name = strategy.name
-    if mesh.ndim == 1:
-        return ShardingStrategy[UNHYBRID.get(name, name)], mesh.get_group()
-    if not SHARDING_STRATEGIES[name].shards:
-        raise ValueError(
-            f'sharding_strategy={name!r} replicates over the whole data axis; '
-            f'allowed: a 1-D device_mesh, got {mesh.mesh_dim_names}')
-    groups = (mesh.get_group(1), mesh.get_group(0))  # (shard, replicate)
-    if not is_hybrid(name):
-        name = {v: k for k, v in UNHYBRID.items()}[name]
-    return ShardingStrategy[name], groups
