@@ -31,6 +31,7 @@ matrix to ``fn`` on one rank and returns each rank its part of the result:
 The result is the same matrix ``fn`` gives one process (the shards are
 moved, never added), so the optimizer stays the one-process optimizer.
 """
+import math
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -105,8 +106,7 @@ class _Bucket:
         return tuple(shape)
 
     def numel(self, index: int, rank: int) -> int:
-        rows, cols = self.shard_shape(index, rank)
-        return rows * cols
+        return math.prod(self.shard_shape(index, rank))
 
     def owned(self, rank: int) -> List[int]:
         return [i for i, owner in enumerate(self.owners) if owner == rank]
