@@ -22,9 +22,8 @@ USE_FSDP_WRAPPER = 'MMFullyShardedDataParallel'
 def registered_wrappers() -> list:
     """Names a ``model_wrapper_cfg.type`` may take (mmpar's, then MMEngine's)."""
     MODEL_WRAPPERS.parent.import_from_location()
-    names = list(MODEL_WRAPPERS.module_dict)
-    names += [n for n in MODEL_WRAPPERS.parent.module_dict if n not in names]
-    return names
+    return list(dict.fromkeys([*MODEL_WRAPPERS.module_dict,
+                               *MODEL_WRAPPERS.parent.module_dict]))
 
 
 def wrapper_class(wrapper_type) -> type:
