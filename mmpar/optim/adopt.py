@@ -25,8 +25,9 @@ from mmpar.optim.optim_wrapper import ParallelOptimMixin
 
 
 class _Forward:
-    """MMEngine's ``OptimWrapper`` interface, forwarded to ``self.inner``
-    (what :class:`ParallelOptimMixin`'s ``super()`` calls reach)."""
+    """What :class:`ParallelOptimMixin`'s ``super()`` calls reach, forwarded
+    to ``self.inner`` (the rest of MMEngine's ``OptimWrapper`` interface is
+    forwarded by :meth:`AdoptedOptimWrapper.__getattr__`)."""
 
     inner: MMEngineOptimWrapper
 
@@ -39,22 +40,6 @@ class _Forward:
 
     def zero_grad(self, **kwargs) -> None:
         self.inner.zero_grad(**kwargs)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.inner.scale_loss(loss)
-
-    def should_update(self) -> bool:
-        return self.inner.should_update()
-
-    def should_sync(self) -> bool:
-        return self.inner.should_sync()
-
-    def optim_context(self, model):
-        return self.inner.optim_context(model)
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
 
     @property
     def _inner_count(self) -> int:
@@ -102,8 +87,9 @@ class AdoptedOptimWrapper(ParallelOptimMixin, _Forward):
         self.inner = optim_wrapper
 
     def __getattr__(self, name: str):
-        # Everything else (get_lr, state_dict, optimizer, ...) is the
-        # caller's object's. Only reached for names not found above.
+        # Everything else (scale_loss, should_update, optim_context,
+        # param_groups, state_dict, ...) is the caller's object's. Only
+        # reached for names not found above.
         if name == 'inner':
             raise AttributeError(name)
         return getattr(self.inner, name)

@@ -36,10 +36,7 @@ def reference_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         sums.addcmul_(col, row)  # the products are exact: one rounding
     for index in range(whole, k):
         sums[0].addcmul_(a32[:, index, None], b32[index, None, :])
-    dot = sums[0]
-    for part in sums[1:]:
-        dot = dot + part
-    return dot
+    return sum(sums[1:], sums[0])  # ((s0 + s1) + s2) + s3
 
 
 def emulated_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -121,19 +121,16 @@ def total_grad_norm(grads: Sequence[torch.Tensor],
     """
     norm_type = float(norm_type)
     norms = [_group_norm(key, g, norm_type, foreach)
-             for key, g in _group_by_mesh(grads)]
-    if not norms:
-        device = grads[0].device if grads else 'cpu'
-        norms = [torch.zeros((), device=device)]
-    if norm_type == float('inf'):
-        total = torch.stack([n.to(norms[0].device) for n in norms]).max()
-        for group in extra_groups:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        return total
-    powered = sum(n.to(norms[0].device)**norm_type for n in norms)
+             for key, g in _group_by_mesh(grads)
+             ] or [torch.zeros((), device='cpu')]
+    norms = [n.to(norms[0].device) for n in norms]
+    inf = norm_type == float('inf')
+    total = torch.stack(norms).max() if inf else sum(n**norm_type
+                                                     for n in norms)
     for group in extra_groups:
-        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-    return powered**(1.0 / norm_type)
+        dist.all_reduce(total, group=group,
+                        op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    return total if inf else total**(1.0 / norm_type)
 
 
 def clip_grad_norm_(parameters: Params,

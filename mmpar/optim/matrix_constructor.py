@@ -44,18 +44,16 @@ from mmpar.registry import (OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS,
 
 ADAMW_MODULES = ('output', 'lm_head', 'head', 'classifier')
 KEY = 'optim_wrapper.optimizer'
-# torch's Muon takes only 2-D parameters: its name means mmpar's.
-_ALIASES = {'Muon': Muon, 'torch.Muon': Muon}
 
 
 def whole_matrix_class(optimizer_type) -> Optional[type]:
     """The :class:`WholeMatrixOptimizer` class an optimizer ``type`` (a
     registered name or a class) means, or None for any other optimizer."""
-    if optimizer_type is torch.optim.Muon:
+    # torch's Muon takes only 2-D parameters: its name means mmpar's.
+    if optimizer_type is torch.optim.Muon or optimizer_type in ('Muon',
+                                                                'torch.Muon'):
         return Muon
     if isinstance(optimizer_type, str):
-        if optimizer_type in _ALIASES:
-            return _ALIASES[optimizer_type]
         optimizer_type = OPTIMIZERS.get(optimizer_type)
     if inspect.isclass(optimizer_type) and issubclass(
             optimizer_type, WholeMatrixOptimizer):
@@ -88,19 +86,6 @@ def route(model: nn.Module, adamw_modules: Sequence[str]) -> Dict[int, bool]:
     return routes
 
 
-def refuse_flat_parameters(model: nn.Module, optimizer_type) -> None:
-    """FSDP1 keeps each rank's slice of a flat parameter (several matrices
-    end to end, cut at any offset): no matrix can be gathered by its own
-    layout, and its 1-D views would all go to AdamW silently."""
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise ConfigError(
-            f'{KEY}.type={optimizer_type!r} needs whole weight matrices, '
-            'and MMFullyShardedDataParallel (FSDP1) holds flat parameters; '
-            'allowed: model_wrapper_cfg.type MMFullyShard (FSDP2), '
-            'MMDistributedDataParallel, tp / pp layouts, or another '
-            f'{KEY}.type')
-
-
 def _adamw_groups(groups: List[dict], routes: Dict[int, bool],
                   base: dict, adamw: dict) -> List[dict]:
     """Each group split by rule; an AdamW part's lr and decay (MMEngine's
@@ -128,7 +113,7 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
 
     Raises:
         ConfigError: an optimizer that is not a whole-matrix one, a bad
-            ``adamw_modules``, or FSDP1 (:func:`refuse_flat_parameters`).
+            ``adamw_modules``, or FSDP1 (flat parameters).
     """
 
     def __init__(self, optim_wrapper_cfg: dict,
@@ -153,8 +138,17 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
     def __call__(self, model: nn.Module):
         optimizer_cfg = dict(self.optimizer_cfg)
         optimizer_type = optimizer_cfg.pop('type')
-        cls = self.optimizer_class
-        refuse_flat_parameters(model, optimizer_type)
+        # FSDP1 keeps each rank's slice of a flat parameter (several
+        # matrices end to end, cut at any offset): no matrix can be gathered
+        # by its own layout, and its 1-D views would all go to AdamW.
+        if any(isinstance(m, FullyShardedDataParallel)
+               for m in model.modules()):
+            raise ConfigError(
+                f'{KEY}.type={optimizer_type!r} needs whole weight matrices,'
+                ' and MMFullyShardedDataParallel (FSDP1) holds flat '
+                'parameters; allowed: model_wrapper_cfg.type MMFullyShard '
+                '(FSDP2), MMDistributedDataParallel, tp / pp layouts, or '
+                f'another {KEY}.type')
         adamw_modules = optimizer_cfg.pop('adamw_modules', ADAMW_MODULES)
         if isinstance(adamw_modules, str) or not all(
                 isinstance(n, str) for n in adamw_modules):
@@ -173,7 +167,7 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
         groups = _adamw_groups(groups, route(model, adamw_modules), base,
                                adamw)
         try:
-            optimizer = cls(groups, **optimizer_cfg)
+            optimizer = self.optimizer_class(groups, **optimizer_cfg)
         except (TypeError, ValueError) as err:
             raise ConfigError(f'{KEY}: {err}') from err
         wrapper_cfg = dict(self.optim_wrapper_cfg)

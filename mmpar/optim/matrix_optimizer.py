@@ -70,10 +70,10 @@ class WholeMatrixOptimizer(Optimizer):
     # ------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict) -> None:
+        params = param_group['params']
+        params = [params] if isinstance(params, torch.Tensor) else list(
+            params)
         if MATRIX not in param_group:
-            params = param_group['params']
-            params = [params] if isinstance(params, torch.Tensor) else list(
-                params)
             for matrix in (True, False):
                 mine = [p for p in params if (p.ndim == 2) == matrix]
                 if mine:
@@ -81,9 +81,7 @@ class WholeMatrixOptimizer(Optimizer):
                         dict(param_group, params=mine, matrix=matrix))
             return
         if param_group[MATRIX]:
-            params = param_group['params']
-            for param in [params] if isinstance(
-                    params, torch.Tensor) else params:
+            for param in params:
                 if param.ndim != 2:
                     raise ValueError(
                         f'{type(self).__name__} transforms 2-D parameters '

@@ -86,6 +86,7 @@ class NonFiniteGuard:
         if not bad_ranks:
             return
         self._bad_ranks = bad_ranks
+        reason = ''
         if self.action == 'skip':
             if (self.max_skips is None
                     or self._skips_in_a_row + 1 < self.max_skips):
@@ -93,8 +94,6 @@ class NonFiniteGuard:
                 return
             reason = (f' ({self.max_skips} steps in a row skipped, '
                       f'max_skips={self.max_skips})')
-        else:
-            reason = ''
         terms = terms if terms else {'loss': loss}
         values = ', '.join(
             f'{name}={float(torch.as_tensor(value).detach()):.6g}'

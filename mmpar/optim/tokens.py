@@ -25,6 +25,7 @@ logged loss the one-process value of the micro-batch).
 :class:`mmpar.optim.optim_wrapper.ParallelOptimMixin` drives it
 (``loss_to_backward``, ``count_tokens``, the scaling in ``step``).
 """
+import math
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -51,10 +52,7 @@ def token_sum(loss: torch.Tensor,
 def group_size(groups: Iterable[Optional[dist.ProcessGroup]]) -> int:
     """Ranks over which the groups together average (``None``: the
     world)."""
-    size = 1
-    for group in groups:
-        size *= dist.get_world_size(group)
-    return size
+    return math.prod(dist.get_world_size(group) for group in groups)
 
 
 def reduce_token_log_vars(log_vars: Dict[str, torch.Tensor],

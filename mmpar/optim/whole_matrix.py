@@ -31,13 +31,14 @@ matrix to ``fn`` on one rank and returns each rank its part of the result:
 The result is the same matrix ``fn`` gives one process (the shards are
 moved, never added), so the optimizer stays the one-process optimizer.
 """
+import math
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from mmpar.parallel.dtensor import distribute_like, local_tensor
+from mmpar.parallel.dtensor import distribute_like, like_param, local_tensor
 
 WholeFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -57,9 +58,7 @@ def _one_shard_dim(param: DTensor):
     others_replicate = all(
         type(p) is Shard or isinstance(p, Replicate)
         for p in param.placements)
-    if len(sharded) == 1 and others_replicate:
-        return sharded[0]
-    return None
+    return sharded[0] if len(sharded) == 1 and others_replicate else None
 
 
 def _both_dims_sharded(param: DTensor) -> bool:
@@ -107,37 +106,38 @@ class _Bucket:
         return tuple(shape)
 
     def numel(self, index: int, rank: int) -> int:
-        rows, cols = self.shard_shape(index, rank)
-        return rows * cols
+        return math.prod(self.shard_shape(index, rank))
 
     def owned(self, rank: int) -> List[int]:
         return [i for i, owner in enumerate(self.owners) if owner == rank]
 
-    def exchange(self, send: List[List[torch.Tensor]], send_sizes: List[int],
-                 recv_sizes: List[int], like: torch.Tensor) -> List[
-                     torch.Tensor]:
+    def exchange(self, send: List[List[torch.Tensor]],
+                 send_numels: List[List[int]], recv_numels: List[List[int]],
+                 like: torch.Tensor) -> List[List[torch.Tensor]]:
         """One all-to-all: ``send[k]`` (flattened, in order) to rank k;
-        returns what each rank sent here, one flat tensor per rank."""
+        returns what each rank k sent here, cut into ``recv_numels[k]``."""
         flat = [t.reshape(-1) for pieces in send for t in pieces]
         inp = torch.cat(flat) if flat else like.new_empty(0)
+        recv_sizes = [sum(numels) for numels in recv_numels]
         out = like.new_empty(sum(recv_sizes))
         dist.all_to_all_single(out, inp.to(like.dtype), recv_sizes,
-                               send_sizes, group=self.group)
-        return _split(out, recv_sizes)
+                               [sum(numels) for numels in send_numels],
+                               group=self.group)
+        return [_split(part, numels) for part, numels in zip(
+            _split(out, recv_sizes), recv_numels)]
 
     def run(self, locals_: List[torch.Tensor], fn: WholeFn,
             indices: List[int]) -> List[torch.Tensor]:
         ranks = range(self.num_ranks)
-        like = locals_[0]
         mine = self.owned(self.rank)
+        # This rank's shards of rank k's matrices; rank k's of this rank's.
+        theirs = [[self.numel(i, self.rank) for i in self.owned(k)]
+                  for k in ranks]
+        ours = [[self.numel(i, k) for i in mine] for k in ranks]
         # Shards to their owners.
-        received = self.exchange(
-            [[locals_[i] for i in self.owned(k)] for k in ranks],
-            [sum(self.numel(i, self.rank) for i in self.owned(k))
-             for k in ranks],
-            [sum(self.numel(i, k) for i in mine) for k in ranks], like)
-        pieces = [_split(r, [self.numel(i, k) for i in mine])
-                  for k, r in zip(ranks, received)]
+        pieces = self.exchange(
+            [[locals_[i] for i in self.owned(k)] for k in ranks], theirs,
+            ours, locals_[0])
         results = []
         for j, index in enumerate(mine):
             whole = torch.cat([
@@ -148,13 +148,9 @@ class _Bucket:
                 chunk_sizes(self.shapes[index][self.dim], self.num_ranks),
                 dim=self.dim))
         # The result's shards back to their ranks.
-        returned = self.exchange(
-            [[results[j][k] for j in range(len(mine))] for k in ranks],
-            [sum(self.numel(i, k) for i in mine) for k in ranks],
-            [sum(self.numel(i, self.rank) for i in self.owned(k))
-             for k in ranks], like)
-        back = [_split(r, [self.numel(i, self.rank) for i in self.owned(k)])
-                for k, r in zip(ranks, returned)]
+        back = self.exchange(
+            [[results[j][k] for j in range(len(mine))] for k in ranks], ours,
+            theirs, locals_[0])
         local = [None] * len(locals_)
         for k in ranks:
             for piece, index in zip(back[k], self.owned(k)):
@@ -171,11 +167,8 @@ def _on_2d_mesh(params: List[DTensor], locals_: List[torch.Tensor],
     outer_group = mesh.get_group(0)
     outer_rank = mesh.get_local_rank(0)
     # Gathered over the outer dimension: sharded over the inner one only.
-    gathered = [
-        DTensor.from_local(local, mesh, placements, run_check=False,
-                           shape=p.shape, stride=p.stride()).redistribute(
-                               mesh, inner) for p, local in zip(params, locals_)
-    ]
+    gathered = [like_param(p, local).redistribute(mesh, inner)
+                for p, local in zip(params, locals_)]
     owners = assign_owners([p.numel() for p in params], mesh.size(0))
     inner_parts: List[torch.Tensor] = [g.to_local() for g in gathered]
     for coordinate in range(mesh.size(0)):
@@ -233,23 +226,16 @@ def apply_to_whole(params: Sequence[torch.Tensor],
         key = (id(param.device_mesh), tuple(param.placements), where)
         buckets.setdefault(key, []).append(index)
     for (_, _, where), indices in buckets.items():
-        members = [params[i] for i in indices]
-        if where == '2d':
-            for i, out in zip(indices, _on_2d_mesh(
-                    members, [locals_[i] for i in indices], fn, indices)):
-                results[i] = out
-            continue
         if where is None:
             for i in indices:
-                whole = DTensor.from_local(
-                    locals_[i], params[i].device_mesh, params[i].placements,
-                    run_check=False, shape=params[i].shape,
-                    stride=params[i].stride()).full_tensor()
+                whole = like_param(params[i], locals_[i]).full_tensor()
                 results[i] = local_tensor(
                     distribute_like(fn(i, whole), params[i]))
             continue
-        bucket = _Bucket(members, *where)
-        for i, out in zip(indices, bucket.run(
-                [locals_[i] for i in indices], fn, indices)):
+        members = [params[i] for i in indices]
+        parts = [locals_[i] for i in indices]
+        outs = _on_2d_mesh(members, parts, fn, indices) if where == '2d' \
+            else _Bucket(members, *where).run(parts, fn, indices)
+        for i, out in zip(indices, outs):
             results[i] = out
     return results

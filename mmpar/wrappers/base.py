@@ -8,7 +8,7 @@ cannot drift apart. A wrapper class *declares* what it is (class attributes
 below); :func:`describe` turns that into the one description every other
 module reads.
 """
-from typing import Any, ClassVar, Dict, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
 from mmengine.model import is_model_wrapper
@@ -25,18 +25,6 @@ from mmpar.wrappers.description import WrappedModel
 from mmpar.wrappers.forced_sync import DEFAULT_BUCKET_CAP_MB, ForcedSyncBuckets
 
 SYNC_STRATEGIES = ('single_auto_sync', 'multi_auto_sync', 'forced_sync')
-
-
-def check_sync_strategy(sync_strategy: str) -> str:
-    """Return ``sync_strategy`` if it is known.
-
-    Raises:
-        ValueError: naming the bad value and the three allowed strategies.
-    """
-    if sync_strategy not in SYNC_STRATEGIES:
-        raise ValueError(f'sync_strategy={sync_strategy!r} is not supported; '
-                         f'allowed: {", ".join(SYNC_STRATEGIES)}')
-    return sync_strategy
 
 
 class StepMixin:
@@ -90,11 +78,60 @@ class StepMixin:
     # forced_sync's buckets; built by _init_forced_sync (which also lets them
     # start during the last backward) or on first use.
     _forced_sync: Optional[ForcedSyncBuckets] = None
+    #: False: gradients are reduced inside backward (FSDP), so there is no
+    #: separate all-reduce for ``forced_sync`` to force.
+    supports_forced_sync: ClassVar[bool] = True
+    #: The constructor arguments :meth:`check_cfg` checks besides
+    #: ``sync_strategy`` and ``buffer_sync``: name -> function returning the
+    #: value normalised, raising an error that names key and allowed values.
+    cfg_checks: ClassVar[Dict[str, Callable]] = {}
+
+    @classmethod
+    def check_cfg(cls, cfg: dict) -> dict:
+        """Validate wrapper arguments before any process-group work (the
+        builder calls it; so do constructors, before their collectives).
+        Model-dependent checks (class names in a wrap policy) run when the
+        wrapper is built.
+
+        Returns:
+            A copy of ``cfg``, each checked value normalised.
+
+        Raises:
+            ValueError / TypeError: a bad value, naming key, value and the
+                allowed values.
+        """
+        cfg = dict(cfg)
+        checks = dict(sync_strategy=cls.check_sync_strategy,
+                      buffer_sync=check_buffer_sync, **cls.cfg_checks)
+        for key, check in checks.items():
+            if key in cfg:
+                cfg[key] = check(cfg[key])
+        return cfg
+
+    @classmethod
+    def check_sync_strategy(cls, sync_strategy: str) -> str:
+        """Return ``sync_strategy`` if it is known and this class runs it.
+
+        Raises:
+            ValueError: naming the bad value and the allowed strategies.
+        """
+        if sync_strategy not in SYNC_STRATEGIES:
+            raise ValueError(
+                f'sync_strategy={sync_strategy!r} is not supported; '
+                f'allowed: {", ".join(SYNC_STRATEGIES)}')
+        if sync_strategy == 'forced_sync' and not cls.supports_forced_sync:
+            raise ValueError(
+                f"sync_strategy='forced_sync' is not supported by "
+                f'{cls.__name__}: FSDP reduce-scatters gradients inside '
+                'backward, so there is no separate all-reduce to force; use '
+                'single_auto_sync (one sync per accumulation window) or '
+                'multi_auto_sync')
+        return sync_strategy
 
     def _init_steps(self,
                     sync_strategy: str = 'single_auto_sync',
                     buffer_sync: Optional[str] = None) -> None:
-        self.sync_strategy = check_sync_strategy(sync_strategy)
+        self.sync_strategy = self.check_sync_strategy(sync_strategy)
         # mmpar/wrappers/buffers.py: every data-parallel wrapper passes
         # 'broadcast' by default (DDP too: it broadcasts only before training
         # forwards, so the last one leaves each rank its own statistics).
@@ -204,8 +241,12 @@ class StepMixin:
 
         In flattened buckets, one asynchronous all-reduce each
         (:class:`~mmpar.wrappers.forced_sync.ForcedSyncBuckets`). Wrappers
-        whose gradients are sharded or already bucketed override this.
+        whose gradients are already bucketed override this.
         """
+        if not self.supports_forced_sync:
+            raise NotImplementedError(
+                f'{type(self).__name__} reduces gradients in backward; '
+                'forced_sync is not supported')
         if self._forced_sync is None:
             self._forced_sync = ForcedSyncBuckets(
                 self.module.parameters(),
@@ -217,12 +258,13 @@ class StepMixin:
     def eval_forward_module(self) -> nn.Module:
         """What ``val_step``/``test_step`` call forward on.
 
-        The wrapper itself by default: FSDP must run forward through its root
-        so parameters are all-gathered. DDP overrides this with the plain
-        module, as MMEngine does, because DDP's forward may broadcast buffers,
-        a collective that has no place in evaluation.
+        The wrapped module by default, as MMEngine's DDP does: evaluation
+        needs no gradient bookkeeping, and DDP's forward may broadcast
+        buffers, a collective that has no place in evaluation (FSDP2's
+        module is its sharded root, whose forward all-gathers). FSDP1
+        overrides this with its root, so parameters are all-gathered.
         """
-        return self
+        return self.module
 
     def forward_backward(self, data: Any, optim_wrapper) -> Dict[str, Any]:
         """Forward and backward of one batch; returns the log variables.

@@ -36,9 +36,7 @@ from mmpar.wrappers.weak_hooks import (remove_hooks, remove_when_collected,
                                        weak_hook)
 
 GRAD_DTYPES: Dict[str, torch.dtype] = {
-    'float32': torch.float32,
-    'float64': torch.float64,
-    'bfloat16': torch.bfloat16,
+    name: getattr(torch, name) for name in ('float32', 'float64', 'bfloat16')
 }
 
 
@@ -48,11 +46,10 @@ def check_grad_dtype(grad_dtype: Union[str, torch.dtype]) -> torch.dtype:
     Raises:
         ValueError: naming the bad value and the allowed ones.
     """
-    if isinstance(grad_dtype, str) and grad_dtype in GRAD_DTYPES:
-        return GRAD_DTYPES[grad_dtype]
-    if (isinstance(grad_dtype, torch.dtype)
-            and grad_dtype in GRAD_DTYPES.values()):
-        return grad_dtype
+    dtype = GRAD_DTYPES.get(grad_dtype) if isinstance(grad_dtype, str) \
+        else grad_dtype
+    if dtype in GRAD_DTYPES.values():
+        return dtype
     raise ValueError(f'grad_dtype={grad_dtype!r} is not supported; allowed: '
                      f'{", ".join(GRAD_DTYPES)} (as names or torch dtypes)')
 
@@ -84,12 +81,9 @@ class _Bucket:
         numel = sum(p.numel() for p in locals_)
         self.buffer = torch.zeros(numel + len(params), dtype=dtype,
                                   device=params[0].device)
-        self.views, offset = [], 0
-        for param in locals_:
-            self.views.append(
-                self.buffer[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
-        self.flags = self.buffer[offset:]
+        *views, self.flags = self.buffer.split(
+            [p.numel() for p in locals_] + [len(params)])
+        self.views = [view.view_as(p) for view, p in zip(views, locals_)]
         # A parameter's dtype equals grad_dtype: `.grad` *is* the buffer
         # slice, so autograd's accumulation and in-place edits (clipping,
         # zero_grad(set_to_none=False)) land in the buffer with no copy.
@@ -129,6 +123,8 @@ class MMBucketDataParallel(PythonDataParallel):
     """
 
     tensor_parallel_wrapper = 'MMTensorParallelDDP'
+    cfg_checks = dict(bucket_cap_mb=check_bucket_cap_mb,
+                      grad_dtype=check_grad_dtype)
 
     def __init__(self,
                  module: nn.Module,
@@ -145,11 +141,10 @@ class MMBucketDataParallel(PythonDataParallel):
         self.bucket_cap_mb = checked['bucket_cap_mb']
         self.grad_dtype = checked['grad_dtype']
         params = [p for p in module.parameters() if p.requires_grad]
-        cap_bytes = self.bucket_cap_mb * 2**20
-        itemsize = torch.empty((), dtype=self.grad_dtype).element_size()
         self._buckets = [
             _Bucket([params[i] for i in indices], self.grad_dtype)
-            for indices in assign_buckets(params, cap_bytes, itemsize)
+            for indices in assign_buckets(params, self.bucket_cap_mb * 2**20,
+                                          self.grad_dtype.itemsize)
         ]
         self._next_bucket = 0  # buckets launch strictly in index order
         self._absorbed = False  # `.grad`s moved into the buckets
@@ -158,36 +153,14 @@ class MMBucketDataParallel(PythonDataParallel):
         self._all_computed = False  # this backward's last gradient is in
         # Held weakly, removed with the wrapper: else they keep the model
         # alive (mmpar.wrappers.weak_hooks).
-        self._hook_handles = remove_when_collected(self, [])
-        if params:
-            self._hook_handles.append(
-                torch.autograd.graph.register_multi_grad_hook(
-                    params, weak_hook(self, '_on_all_computed')))
-        for index, bucket in enumerate(self._buckets):
-            for slot, param in enumerate(bucket.params):
-                self._hook_handles.append(
-                    param.register_post_accumulate_grad_hook(
-                        weak_hook(self, '_on_accumulated', index, slot)))
-
-    @classmethod
-    def check_cfg(cls, kwargs: dict) -> dict:
-        """Validate wrapper arguments up front (used by the builder).
-
-        Returns:
-            A copy of ``kwargs`` with ``bucket_cap_mb`` as a float and
-            ``grad_dtype`` as a torch dtype.
-
-        Raises:
-            ValueError: a bad ``bucket_cap_mb`` or ``grad_dtype``, naming the
-                allowed values.
-        """
-        kwargs = dict(kwargs)
-        if 'bucket_cap_mb' in kwargs:
-            kwargs['bucket_cap_mb'] = check_bucket_cap_mb(
-                kwargs['bucket_cap_mb'])
-        if 'grad_dtype' in kwargs:
-            kwargs['grad_dtype'] = check_grad_dtype(kwargs['grad_dtype'])
-        return kwargs
+        hooks = [torch.autograd.graph.register_multi_grad_hook(
+            params, weak_hook(self, '_on_all_computed'))] if params else []
+        self._hook_handles = remove_when_collected(self, hooks + [
+            param.register_post_accumulate_grad_hook(
+                weak_hook(self, '_on_accumulated', index, slot))
+            for index, bucket in enumerate(self._buckets)
+            for slot, param in enumerate(bucket.params)
+        ])
 
     # -- forward: take over the gradients ------------------------------------
     def forward(self, *args, **kwargs):
@@ -201,15 +174,10 @@ class MMBucketDataParallel(PythonDataParallel):
     def _absorb_grads(self) -> None:
         for bucket in self._buckets:
             grads = [p.grad for p in bucket.params]
-            if all(g is None for g in grads):  # the usual: after zero_grad
-                if any(bucket.used):
-                    bucket.buffer.zero_()
-                    bucket.used = [False] * len(grads)
-                for param, view, aliased in zip(bucket.params, bucket.views,
-                                                bucket.aliased):
-                    if aliased:
-                        param.grad = view
-                continue
+            if all(g is None for g in grads) and any(bucket.used):
+                # The usual, after zero_grad: one fill, not one per slot.
+                bucket.buffer.zero_()
+                bucket.used = [False] * len(grads)
             for slot, (param, grad) in enumerate(zip(bucket.params, grads)):
                 view = bucket.views[slot]
                 if grad is view:  # edits, if any, are already in the bucket

@@ -12,8 +12,7 @@ from mmengine.registry import DefaultScope
 from torch import nn
 
 from mmpar.registry import MODEL_WRAPPERS, SCOPE
-from mmpar.wrappers.base import StepMixin, check_sync_strategy
-from mmpar.wrappers.buffers import check_buffer_sync
+from mmpar.wrappers.base import StepMixin
 
 DEFAULT_WRAPPER = 'MMDistributedDataParallel'
 # What `parallel.use_fsdp=True` picks when no model_wrapper_cfg is given.
@@ -23,9 +22,8 @@ USE_FSDP_WRAPPER = 'MMFullyShardedDataParallel'
 def registered_wrappers() -> list:
     """Names a ``model_wrapper_cfg.type`` may take (mmpar's, then MMEngine's)."""
     MODEL_WRAPPERS.parent.import_from_location()
-    names = list(MODEL_WRAPPERS.module_dict)
-    names += [n for n in MODEL_WRAPPERS.parent.module_dict if n not in names]
-    return names
+    return list(dict.fromkeys([*MODEL_WRAPPERS.module_dict,
+                               *MODEL_WRAPPERS.parent.module_dict]))
 
 
 def wrapper_class(wrapper_type) -> type:
@@ -70,10 +68,9 @@ def _mmpar_twin(wrapper_type):
     mmpar's class, with a one-line notice. MMEngine wrappers that mmpar does
     not re-implement keep resolving to MMEngine's.
     """
-    if not (isinstance(wrapper_type, str) and
-            wrapper_type.startswith(MMENGINE_PREFIX)):
-        return wrapper_type
-    name = wrapper_type[len(MMENGINE_PREFIX):]
+    name = wrapper_type[len(MMENGINE_PREFIX):] if isinstance(
+        wrapper_type, str) and wrapper_type.startswith(
+            MMENGINE_PREFIX) else None
     if name not in MODEL_WRAPPERS.module_dict:
         return wrapper_type
     _notice_twin(wrapper_type, name)
@@ -94,22 +91,17 @@ def _notice_twin(wrapper_type: str, name: str) -> None:
 def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
     """Validate a wrapper config before any process-group work.
 
-    Checks the type and, where the wrapper class defines ``check_cfg``, its
-    arguments. The config is not modified.
+    Checks the type and its arguments (``check_cfg``; for another
+    registry's wrapper StepMixin's: ``sync_strategy``, ``buffer_sync``).
+    The config is not modified.
     """
     if model_wrapper_cfg is None:
         return
     if not isinstance(model_wrapper_cfg, dict):
         raise TypeError('model_wrapper_cfg must be a dict, got '
                         f'{type(model_wrapper_cfg).__name__}')
-    cls = wrapper_class(model_wrapper_cfg.get('type', DEFAULT_WRAPPER))
-    if 'sync_strategy' in model_wrapper_cfg:
-        check_sync_strategy(model_wrapper_cfg['sync_strategy'])
-    if 'buffer_sync' in model_wrapper_cfg:
-        check_buffer_sync(model_wrapper_cfg['buffer_sync'])
-    check = getattr(cls, 'check_cfg', None)
-    if check is not None:
-        check({k: v for k, v in model_wrapper_cfg.items() if k != 'type'})
+    declared(model_wrapper_cfg.get('type', DEFAULT_WRAPPER)).check_cfg(
+        {k: v for k, v in model_wrapper_cfg.items() if k != 'type'})
 
 
 def build_model_wrapper(model_wrapper_cfg: Optional[dict],

@@ -46,26 +46,21 @@ class _FlatBucket:
 
     def flatten(self) -> torch.Tensor:
         """Gradients (zeros where None) then one 0/1 flag per parameter."""
-        pieces, flags = [], []
-        for param in self.params:
-            grad = param.grad
-            flags.append(grad is not None)
-            pieces.append(
-                grad.reshape(-1) if grad is not None else torch.zeros(
-                    param.numel(), dtype=param.dtype, device=param.device))
-        pieces.append(
-            torch.tensor(flags, dtype=self.params[0].dtype,
-                         device=self.params[0].device))
-        return torch.cat(pieces)
+        pieces = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(
+                p.numel(), dtype=p.dtype, device=p.device) for p in self.params
+        ]
+        first = self.params[0]
+        return torch.cat(pieces + [torch.tensor(
+            [p.grad is not None for p in self.params], dtype=first.dtype,
+            device=first.device)])
 
     def write_back(self, world_size: int) -> None:
         """Divide the reduced buffer and copy it into every ``.grad``."""
-        flat = self.flat.div_(world_size)
-        flags = flat[-len(self.params):].tolist()
-        offset = 0
-        for param, flag in zip(self.params, flags):
-            view = flat[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
+        *views, flags = self.flat.div_(world_size).split(
+            [p.numel() for p in self.params] + [len(self.params)])
+        for param, view, flag in zip(self.params, views, flags.tolist()):
+            view = view.view_as(param)
             if flag <= 0:  # no rank produced a gradient
                 param.grad = None
             elif param.grad is None:

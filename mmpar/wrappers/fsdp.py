@@ -9,11 +9,12 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from mmpar.device import current_device, uses_accelerator
 from mmpar.parallel.mesh import fallback_data_mesh
-from mmpar.parallel.sharding import UNHYBRID, is_hybrid
+from mmpar.parallel.sharding import (SHARDING_STRATEGIES, UNHYBRID,
+                                     is_hybrid)
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
 from mmpar.wrappers import full_state
-from mmpar.wrappers.base import StepMixin, check_sync_strategy
+from mmpar.wrappers.base import StepMixin
 from mmpar.wrappers.dp_base import broadcast_module_state
 from mmpar.wrappers.policies import check_wrap_policy, resolve_wrap_policy
 
@@ -68,6 +69,12 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     holds_shards = True
     data_axis_arg = 'device_mesh'
     meta_materialize = 'param_init_fn'
+    supports_forced_sync = False
+    cfg_checks = dict(sharding_strategy=args.normalize_sharding_strategy,
+                      cpu_offload=args.normalize_cpu_offload,
+                      fsdp_auto_wrap_policy=check_wrap_policy,
+                      backward_prefetch=args.normalize_backward_prefetch,
+                      mixed_precision=args.normalize_mixed_precision)
     tensor_parallel_refusal = (
         'torch FSDP1 does not compose with tensor parallelism reliably; '
         "allowed: type='MMFullyShard' (FSDP2 over the data axis) or "
@@ -89,9 +96,7 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
                  device_id=None,
                  buffer_sync: Optional[str] = 'broadcast',
                  **kwargs) -> None:
-        # Each argument is normalised once below (with the same errors as
-        # check_cfg); this one has no normaliser of its own.
-        args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
+        # Each argument is normalised once below (with check_cfg's errors).
         self._init_steps(sync_strategy, buffer_sync)
         strategy = args.normalize_sharding_strategy(sharding_strategy)
         offload = args.normalize_cpu_offload(cpu_offload)
@@ -133,40 +138,44 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
             else (process_group, )
         self.buffer_groups = self._groups
 
-    @classmethod
-    def check_cfg(cls, cfg: dict) -> None:
-        """Validate wrapper arguments before any process-group work.
-
-        Model-dependent checks (class names in the wrap policy or activation
-        checkpointing) run when the wrapper is built.
-        """
-        sync_strategy = cfg.get('sync_strategy', 'single_auto_sync')
-        check_sync_strategy(sync_strategy)
-        args.check_sync_strategy_supported(sync_strategy, cls.__name__)
-        args.normalize_sharding_strategy(cfg.get('sharding_strategy'))
-        args.normalize_cpu_offload(cfg.get('cpu_offload'))
-        check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
-        args.normalize_backward_prefetch(cfg.get('backward_prefetch'))
-        args.normalize_mixed_precision(cfg.get('mixed_precision'))
-
     @staticmethod
     def _data_axis(strategy, process_group, mesh, shard_size):
         """(strategy, process group) over the data axis.
 
-        Explicit groups win; else the data mesh decides
-        (:func:`mmpar.wrappers.fsdp_args.fsdp1_process_group`).
+        Explicit groups win; else the data mesh decides: a 2-D mesh
+        (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP wrapper HSDP
+        (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding, so FSDP1
+        agrees with FSDP2 and DDP about the data axis; a HYBRID strategy on
+        a 1-D mesh is the plain strategy it then equals.
 
         torch FSDP1 silently switches to NO_SHARD over the shard group when
         that group has one rank, which then never syncs gradients across the
         replicate group (measured: ranks end with different gradients). A
         one-rank side of the hybrid is therefore rewritten to the plain
         strategy it is equivalent to.
+
+        Raises:
+            ValueError: NO_SHARD on a 2-D mesh (it replicates over the whole
+                data axis: give the 1-D one); a HYBRID strategy with a
+                process group that is not a (shard, replicate) pair.
         """
+        name = strategy.name
         if process_group is None:
             if mesh is None:
                 mesh = fallback_data_mesh(is_hybrid(strategy), shard_size)
-            strategy, process_group = args.fsdp1_process_group(strategy, mesh)
-        if not is_hybrid(strategy):
+            if mesh.ndim == 1:
+                return (ShardingStrategy[UNHYBRID.get(name, name)],
+                        mesh.get_group())
+            if not SHARDING_STRATEGIES[name].shards:
+                raise ValueError(
+                    f'sharding_strategy={name!r} replicates over the whole '
+                    'data axis; allowed: a 1-D device_mesh, got '
+                    f'{mesh.mesh_dim_names}')
+            process_group = (mesh.get_group(1), mesh.get_group(0))
+            if not is_hybrid(name):  # the hybrid twin, from the one table
+                name = {v: k for k, v in UNHYBRID.items()}[name]
+                strategy = ShardingStrategy[name]
+        elif not is_hybrid(strategy):
             return strategy, process_group
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
             raise ValueError(f'process_group={process_group!r}: a HYBRID '
@@ -179,11 +188,6 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
             # The plain strategy of the hybrid one, from the one table.
             return ShardingStrategy[UNHYBRID[strategy.name]], shard
         return strategy, process_group
-
-    def all_reduce_grads(self) -> None:
-        raise NotImplementedError(
-            'MMFullyShardedDataParallel reduces gradients in backward; '
-            "forced_sync is not supported")
 
     def reshard_parameters(self) -> None:
         """Free the gathered flat parameters a forward kept.
@@ -221,6 +225,10 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     def state_module(self) -> nn.Module:
         return self  # the FSDP root
 
+    @property
+    def eval_forward_module(self) -> nn.Module:
+        return self  # the FSDP root all-gathers the parameters
+
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
         # Flat parameters are no DTensors: torch's API cuts them.
         return full_state.load_through_torch(self, state_dict, strict)
@@ -229,5 +237,4 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     def axes(self) -> dict:
         if self.sharding_strategy == ShardingStrategy.NO_SHARD:
             return {'reduce': self.process_group}
-        roles = dict(zip(('shard', 'replicate'), self._groups))
-        return roles
+        return dict(zip(('shard', 'replicate'), self._groups))

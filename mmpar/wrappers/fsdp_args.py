@@ -7,13 +7,11 @@ that names the key, the bad value and what is allowed.
 from typing import Optional, Union
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload,
                                     MixedPrecision, MixedPrecisionPolicy,
                                     ShardingStrategy)
 
-from mmpar.parallel.sharding import (SHARDING_STRATEGIES, UNHYBRID,
-                                     is_hybrid, strategy_name)
+from mmpar.parallel.sharding import strategy_name
 
 DTYPES = {
     'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
@@ -21,12 +19,11 @@ DTYPES = {
     'fp32': torch.float32, 'float32': torch.float32, 'float': torch.float32,
     'fp64': torch.float64, 'float64': torch.float64, 'double': torch.float64,
 }
-BACKWARD_PREFETCH = {
-    'pre': BackwardPrefetch.BACKWARD_PRE,
-    'post': BackwardPrefetch.BACKWARD_POST,
-    'BACKWARD_PRE': BackwardPrefetch.BACKWARD_PRE,
-    'BACKWARD_POST': BackwardPrefetch.BACKWARD_POST,
-}
+BACKWARD_PREFETCH = dict(pre=BackwardPrefetch.BACKWARD_PRE,
+                         post=BackwardPrefetch.BACKWARD_POST,
+                         **BackwardPrefetch.__members__)
+
+
 def to_dtype(value: Union[str, torch.dtype], key: str) -> torch.dtype:
     """A dtype from its name (``'bf16'``, ``'fp32'``, ...) or itself."""
     if isinstance(value, torch.dtype):
@@ -115,45 +112,3 @@ def normalize_mp_policy(value) -> Optional[MixedPrecisionPolicy]:
     ``output_dtype``, ``cast_forward_inputs``). FSDP2 has no buffer dtype.
     """
     return _precision(value, MixedPrecisionPolicy)
-
-
-def check_sync_strategy_supported(sync_strategy: str, wrapper: str) -> None:
-    """FSDP wrappers support every sync strategy but ``forced_sync``.
-
-    Raises:
-        ValueError: for ``forced_sync``: FSDP reduce-scatters gradients in
-            its own backward hooks, so there is no separate "all-reduce after
-            the last backward" step to force; ``single_auto_sync`` gives the
-            same one-sync-per-accumulation-window communication.
-    """
-    if sync_strategy == 'forced_sync':
-        raise ValueError(
-            f"sync_strategy='forced_sync' is not supported by {wrapper}: "
-            'FSDP reduce-scatters gradients inside backward, so there is no '
-            'separate all-reduce to force; use single_auto_sync (one sync per '
-            'accumulation window) or multi_auto_sync')
-
-
-def fsdp1_process_group(strategy: ShardingStrategy, mesh: DeviceMesh):
-    """(strategy, process group) for FSDP1 over the data mesh ``mesh``.
-
-    A 2-D mesh (replicate x shard) makes a FULL_SHARD / SHARD_GRAD_OP
-    wrapper HSDP (HYBRID_SHARD / _HYBRID_SHARD_ZERO2), the layout deciding,
-    so FSDP1 agrees with FSDP2 and DDP about the data axis; a HYBRID
-    strategy on a 1-D mesh is the plain strategy it then equals.
-
-    Raises:
-        ValueError: NO_SHARD on a 2-D mesh (it replicates over the whole
-            data axis: give the 1-D one).
-    """
-    name = strategy.name
-    if mesh.ndim == 1:
-        return ShardingStrategy[UNHYBRID.get(name, name)], mesh.get_group()
-    if not SHARDING_STRATEGIES[name].shards:
-        raise ValueError(
-            f'sharding_strategy={name!r} replicates over the whole data axis; '
-            f'allowed: a 1-D device_mesh, got {mesh.mesh_dim_names}')
-    groups = (mesh.get_group(1), mesh.get_group(0))  # (shard, replicate)
-    if not is_hybrid(name):
-        name = {v: k for k, v in UNHYBRID.items()}[name]
-    return ShardingStrategy[name], groups

@@ -23,13 +23,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
 from mmpar.device import uses_accelerator
 
 
-def _options(**kwargs) -> StateDictOptions:
+def _options() -> StateDictOptions:
     # Offloading a full state dict to CPU crashes FSDP1 on a CPU-only machine
     # (segfault or "setStorage ... out of bounds"); there the tensors are in
     # host memory anyway. On CUDA, offload (rank 0 then gets the whole dict,
     # the other ranks an empty one).
     return StateDictOptions(
-        full_state_dict=True, cpu_offload=uses_accelerator(), **kwargs)
+        full_state_dict=True, cpu_offload=uses_accelerator())
 
 
 def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:

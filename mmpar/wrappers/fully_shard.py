@@ -25,7 +25,7 @@ from mmpar.parallel.sharding import SHARDING_STRATEGIES, Strategy
 from mmpar.parallel.sharding import strategy_name
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
-from mmpar.wrappers.base import StepMixin, check_sync_strategy, mesh_groups
+from mmpar.wrappers.base import StepMixin, mesh_groups
 from mmpar.wrappers.policies import (check_wrap_policy, modules_to_wrap,
                                      resolve_wrap_policy)
 
@@ -103,6 +103,11 @@ class MMFullyShard(StepMixin, nn.Module):
     tensor_parallel_wrapper = 'MMFullyShard'
     meta_materialize = 'after'
     expert_parallel = True
+    supports_forced_sync = False
+    cfg_checks = dict(sharding_strategy=_strategy,
+                      cpu_offload=_normalize_cpu_offload,
+                      fsdp_auto_wrap_policy=check_wrap_policy,
+                      mixed_precision=args.normalize_mp_policy)
     # A stage is sharded as a whole model is: mmpar's pipeline stage
     # reshards and reduce-scatters after every micro-batch's backward
     # (parallel.pipeline.reshard_per_microbatch).
@@ -125,7 +130,7 @@ class MMFullyShard(StepMixin, nn.Module):
                  buffer_sync: Optional[str] = 'broadcast',
                  expert_mesh: Optional[DeviceMesh] = None,
                  **kwargs) -> None:
-        args.check_sync_strategy_supported(sync_strategy, type(self).__name__)
+        self.check_sync_strategy(sync_strategy)
         packed = packed_parameters(module)
         if packed:
             # fully_shard reads the tp placement as a plain Shard(0) and
@@ -140,9 +145,8 @@ class MMFullyShard(StepMixin, nn.Module):
         super().__init__()
         self._init_steps(sync_strategy, buffer_sync)
         strategy = _strategy(sharding_strategy)
-        reshard = strategy.reshard_after_forward
-        if reshard_after_forward is not None:
-            reshard = reshard_after_forward
+        reshard = strategy.reshard_after_forward \
+            if reshard_after_forward is None else reshard_after_forward
         self.device_mesh = device_mesh or fallback_data_mesh(
             strategy.hybrid, hybrid_shard_size)
         self.buffer_groups = mesh_groups(self.device_mesh)
@@ -186,17 +190,6 @@ class MMFullyShard(StepMixin, nn.Module):
         fully_shard(module, **shard_kwargs)
         self.module = module
 
-    @classmethod
-    def check_cfg(cls, cfg: dict) -> None:
-        """Validate wrapper arguments before any process-group work."""
-        sync_strategy = cfg.get('sync_strategy', 'single_auto_sync')
-        check_sync_strategy(sync_strategy)
-        args.check_sync_strategy_supported(sync_strategy, cls.__name__)
-        _strategy(cfg.get('sharding_strategy'))
-        _normalize_cpu_offload(cfg.get('cpu_offload'))
-        check_wrap_policy(cfg.get('fsdp_auto_wrap_policy'))
-        args.normalize_mp_policy(cfg.get('mixed_precision'))
-
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The shard group (the mesh's last dimension)."""
@@ -206,11 +199,6 @@ class MMFullyShard(StepMixin, nn.Module):
     def axes(self) -> dict:
         return dict(zip(('shard', 'replicate'),
                         mesh_groups(self.device_mesh)[::-1]))
-
-    @property
-    def eval_forward_module(self) -> nn.Module:
-        # The sharded root: its forward hook all-gathers the parameters.
-        return self.module
 
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
@@ -231,8 +219,3 @@ class MMFullyShard(StepMixin, nn.Module):
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-
-    def all_reduce_grads(self) -> None:
-        raise NotImplementedError(
-            'MMFullyShard reduces gradients in backward; forced_sync is not '
-            'supported')

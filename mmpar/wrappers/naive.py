@@ -46,6 +46,8 @@ class MMNaiveDataParallel(PythonDataParallel):
         ValueError: an unknown ``sync_strategy`` or a bad ``bucket_cap_mb``.
     """
 
+    cfg_checks = dict(bucket_cap_mb=check_bucket_cap_mb)
+
     def __init__(self,
                  module: nn.Module,
                  process_group: Optional[dist.ProcessGroup] = None,
@@ -65,22 +67,6 @@ class MMNaiveDataParallel(PythonDataParallel):
                 weak_hook(self, '_average_grad'))
             for param in module.parameters() if param.requires_grad
         ])
-
-    @classmethod
-    def check_cfg(cls, kwargs: dict) -> dict:
-        """Validate wrapper arguments up front (used by the builder).
-
-        Returns:
-            A copy of ``kwargs`` with ``bucket_cap_mb`` as a float.
-
-        Raises:
-            ValueError: a bad ``bucket_cap_mb``, naming the allowed values.
-        """
-        kwargs = dict(kwargs)
-        if 'bucket_cap_mb' in kwargs:
-            kwargs['bucket_cap_mb'] = check_bucket_cap_mb(
-                kwargs['bucket_cap_mb'])
-        return kwargs
 
     def _average_grad(self, param: torch.Tensor) -> None:
         # This hook receives the *parameter*, not its gradient. Reducing

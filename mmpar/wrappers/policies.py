@@ -10,9 +10,8 @@ policy callable. User policies register with
 ``@FSDP_WRAP_POLICIES.register_module()`` in a module that the config imports
 through ``custom_imports``.
 """
-import copy
 import functools
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
@@ -23,23 +22,10 @@ from mmpar.registry import (FSDP_WRAP_POLICIES, lookup_callable,
 PolicyCfg = Union[None, str, dict, Callable]
 
 
-@FSDP_WRAP_POLICIES.register_module(name='size_based')
-def size_based(module: nn.Module,
-               recurse: bool,
-               nonwrapped_numel: int,
-               min_num_params: int = int(1e8),
-               **kwargs) -> bool:
-    """Wrap a module once its not-yet-wrapped parameters reach a size.
-
-    Args:
-        min_num_params: the smallest number of not-yet-wrapped parameters a
-            module needs to become its own FSDP unit.
-        **kwargs: ``force_leaf_modules`` / ``exclude_wrap_modules`` as torch's
-            ``size_based_auto_wrap_policy``.
-    """
-    return size_based_auto_wrap_policy(
-        module, recurse, nonwrapped_numel, min_num_params=min_num_params,
-        **kwargs)
+# Wraps a module once its not-yet-wrapped parameters reach
+# ``min_num_params`` (1e8 by default): torch's policy, under a short name.
+size_based = FSDP_WRAP_POLICIES.register_module(
+    name='size_based', module=size_based_auto_wrap_policy)
 
 
 def _bind_module_class(model: nn.Module, kwargs: dict) -> dict:
@@ -136,39 +122,38 @@ def resolve_module_classes(model: nn.Module,
     return tuple(resolved)
 
 
-def registered_policies() -> List[str]:
-    """Names an ``fsdp_auto_wrap_policy`` may take."""
-    return registered_names(FSDP_WRAP_POLICIES)
+def _policy_and_kwargs(cfg: PolicyCfg) -> Tuple[Optional[Callable], dict]:
+    """A policy config's callable (None: none) and the kwargs to bind,
+    checked without a model."""
+    if cfg is None or callable(cfg):
+        return cfg, {}
+    if isinstance(cfg, str):
+        cfg = dict(type=cfg)
+    elif not isinstance(cfg, dict):
+        raise TypeError('fsdp_auto_wrap_policy must be None, a registered '
+                        'name, dict(type=NAME, ...) or a callable; got '
+                        f'{cfg!r}')
+    elif 'type' not in cfg:
+        raise ValueError('fsdp_auto_wrap_policy dict needs a "type" key '
+                         f'naming a policy; got {cfg!r}; registered: '
+                         f'{", ".join(registered_names(FSDP_WRAP_POLICIES))}')
+    policy = cfg['type']
+    if not callable(policy):
+        policy = lookup_callable(FSDP_WRAP_POLICIES, policy,
+                                 'fsdp_auto_wrap_policy')
+    return policy, {k: v for k, v in cfg.items() if k != 'type'}
 
 
-def _lookup(name: str) -> Callable:
-    return lookup_callable(FSDP_WRAP_POLICIES, name, 'fsdp_auto_wrap_policy')
-
-
-def check_wrap_policy(cfg: PolicyCfg) -> None:
-    """Validate a policy config without a model (name and kwargs' shape).
+def check_wrap_policy(cfg: PolicyCfg) -> PolicyCfg:
+    """Validate a policy config without a model (name and kwargs' shape);
+    returns it.
 
     Raises:
         ValueError: unknown name, or a dict without ``type``.
         TypeError: a value of the wrong type, or a non-callable entry.
     """
-    if cfg is None or callable(cfg):
-        return
-    if isinstance(cfg, str):
-        _lookup(cfg)
-        return
-    if isinstance(cfg, dict):
-        if 'type' not in cfg:
-            raise ValueError('fsdp_auto_wrap_policy dict needs a "type" key '
-                             f'naming a policy; got {cfg!r}; registered: '
-                             f'{", ".join(registered_policies())}')
-        policy_type = cfg['type']
-        if callable(policy_type):
-            return
-        _lookup(policy_type)
-        return
-    raise TypeError('fsdp_auto_wrap_policy must be None, a registered name, '
-                    f'dict(type=NAME, ...) or a callable; got {cfg!r}')
+    _policy_and_kwargs(cfg)
+    return cfg
 
 
 def resolve_wrap_policy(cfg: PolicyCfg,
@@ -191,17 +176,9 @@ def resolve_wrap_policy(cfg: PolicyCfg,
         ValueError: unknown name (the message lists the registered ones).
         TypeError: a registered entry that is not callable.
     """
-    check_wrap_policy(cfg)
-    if cfg is None:
-        return None
-    if isinstance(cfg, str):
-        policy, kwargs = _lookup(cfg), {}
-    elif isinstance(cfg, dict):
-        kwargs = copy.copy(cfg)
-        policy_type = kwargs.pop('type')
-        policy = policy_type if callable(policy_type) else _lookup(policy_type)
-    else:
-        return cfg
+    policy, kwargs = _policy_and_kwargs(cfg)
+    if policy is cfg:  # None, or a callable as given
+        return policy
     bind = getattr(policy, 'bind_to_model', None)
     if bind is not None and model is not None:
         kwargs = bind(model, kwargs)

@@ -26,5 +26,4 @@ class MMTensorParallelDDP(MMBucketDataParallel):
     """
 
     holds_shards = True
-    tensor_parallel_wrapper = 'MMTensorParallelDDP'
     pipeline_stage_args = {}
