@@ -389,3 +389,31 @@ def test_sync_bn_ignored_on_one_process(base_cfg):
     assert check_config(_apply(
         base_cfg, {'sync_bn': 'torch', 'launcher': 'none'})) == check_config(
             base_cfg)
+
+
+def test_a_users_wrapper_checks_its_own_arguments(base_cfg):
+    # A wrapper of the user's own, not built on mmpar's base: the builder
+    # still calls its check_cfg at start-up (and mmpar's shared checks).
+    from mmpar.registry import MODEL_WRAPPERS
+
+    class UsersWrapper(torch.nn.Module):
+
+        @classmethod
+        def check_cfg(cls, cfg):
+            if cfg.get('overlap') not in (None, True, False):
+                raise ValueError(f'model_wrapper_cfg.overlap='
+                                 f'{cfg["overlap"]!r}; allowed: True, False')
+
+    name = 'TestUsersWrapper'
+    MODEL_WRAPPERS.register_module(name=name, module=UsersWrapper)
+    try:
+        cfg = _apply(base_cfg, {'model_wrapper_cfg': dict(type=name)})
+        check_config(cfg)
+        cfg['model_wrapper_cfg']['overlap'] = 'yes'
+        with pytest.raises(ValueError, match="overlap='yes'; allowed"):
+            check_config(cfg)
+        cfg['model_wrapper_cfg'] = dict(type=name, sync_strategy='often')
+        with pytest.raises(ValueError, match="sync_strategy='often'"):
+            check_config(cfg)
+    finally:
+        del MODEL_WRAPPERS.module_dict[name]

@@ -91,17 +91,21 @@ def _notice_twin(wrapper_type: str, name: str) -> None:
 def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
     """Validate a wrapper config before any process-group work.
 
-    Checks the type and its arguments (``check_cfg``; for another
-    registry's wrapper StepMixin's: ``sync_strategy``, ``buffer_sync``).
-    The config is not modified.
+    Checks the type and its arguments: mmpar's wrappers' ``check_cfg``;
+    for any other wrapper, StepMixin's (``sync_strategy``, ``buffer_sync``)
+    and then the class's own ``check_cfg`` where it defines one (a user's
+    wrapper may). The config is not modified.
     """
     if model_wrapper_cfg is None:
         return
     if not isinstance(model_wrapper_cfg, dict):
         raise TypeError('model_wrapper_cfg must be a dict, got '
                         f'{type(model_wrapper_cfg).__name__}')
-    declared(model_wrapper_cfg.get('type', DEFAULT_WRAPPER)).check_cfg(
-        {k: v for k, v in model_wrapper_cfg.items() if k != 'type'})
+    cls = wrapper_class(model_wrapper_cfg.get('type', DEFAULT_WRAPPER))
+    args = {k: v for k, v in model_wrapper_cfg.items() if k != 'type'}
+    declared(cls).check_cfg(args)
+    if not issubclass(cls, StepMixin) and hasattr(cls, 'check_cfg'):
+        cls.check_cfg(args)
 
 
 def build_model_wrapper(model_wrapper_cfg: Optional[dict],
