@@ -71,8 +71,9 @@ class WholeMatrixOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group['params']
-        params = [params] if isinstance(params, torch.Tensor) else list(
-            params)
+        # A list once: a generator (``module.parameters()``) is read here.
+        params = param_group['params'] = [params] if isinstance(
+            params, torch.Tensor) else list(params)
         if MATRIX not in param_group:
             for matrix in (True, False):
                 mine = [p for p in params if (p.ndim == 2) == matrix]

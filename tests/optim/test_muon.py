@@ -213,3 +213,24 @@ def test_another_whole_matrix_optimizer_plugs_in():
     # AdamW's first step moves each element by about its lr (1e-3).
     moved = model.output.weight.detach() - before['output.weight']
     assert float(moved.abs().max()) == pytest.approx(1e-3, rel=0.05)
+
+
+@pytest.mark.parametrize('matrix', [True, False, None])
+def test_a_group_given_as_a_generator_keeps_its_parameters(matrix):
+    """torch's idiom, ``dict(params=module.parameters(), ...)``: every
+    parameter lands in a group (a generator is read once, not used up
+    before torch's ``add_param_group`` sees it)."""
+    layers = torch.nn.Sequential(torch.nn.Linear(3, 3, bias=False),
+                                 torch.nn.Linear(3, 3))
+    first, second = layers
+    optim = Muon([first.weight], lr=0.02)
+    extra = dict(params=second.parameters())  # a 2-D weight and a bias
+    if matrix is not None:
+        extra['params'] = (p for p in second.parameters()
+                           if (p.ndim == 2) == matrix)
+        extra['matrix'] = matrix
+    optim.add_param_group(extra)
+    held = [p for group in optim.param_groups for p in group['params']]
+    expected = {True: 2, False: 2, None: 3}[matrix]
+    assert len(held) == expected
+    assert all(isinstance(g['params'], list) for g in optim.param_groups)
