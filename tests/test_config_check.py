@@ -391,12 +391,17 @@ def test_sync_bn_ignored_on_one_process(base_cfg):
             base_cfg)
 
 
-def test_a_users_wrapper_checks_its_own_arguments(base_cfg):
-    # A wrapper of the user's own, not built on mmpar's base: the builder
-    # still calls its check_cfg at start-up (and mmpar's shared checks).
+@pytest.mark.parametrize('on_mmpars_base', [False, True])
+def test_a_users_wrapper_checks_its_own_arguments(base_cfg, on_mmpars_base):
+    # A wrapper of the user's own, on mmpar's base (StepMixin) or not, with
+    # a check_cfg that does not call super(): the builder calls it at
+    # start-up, and mmpar's shared checks (sync_strategy) still run.
     from mmpar.registry import MODEL_WRAPPERS
+    from mmpar.wrappers.base import StepMixin
+    bases = (StepMixin, torch.nn.Module) if on_mmpars_base else (
+        torch.nn.Module, )
 
-    class UsersWrapper(torch.nn.Module):
+    class UsersWrapper(*bases):
 
         @classmethod
         def check_cfg(cls, cfg):

@@ -258,13 +258,12 @@ class StepMixin:
     def eval_forward_module(self) -> nn.Module:
         """What ``val_step``/``test_step`` call forward on.
 
-        The wrapped module by default, as MMEngine's DDP does: evaluation
-        needs no gradient bookkeeping, and DDP's forward may broadcast
-        buffers, a collective that has no place in evaluation (FSDP2's
-        module is its sharded root, whose forward all-gathers). FSDP1
-        overrides this with its root, so parameters are all-gathered.
+        The wrapper itself by default: FSDP must run forward through its root
+        so parameters are all-gathered. DDP overrides this with the plain
+        module, as MMEngine does, because DDP's forward may broadcast buffers,
+        a collective that has no place in evaluation.
         """
-        return self.module
+        return self
 
     def forward_backward(self, data: Any, optim_wrapper) -> Dict[str, Any]:
         """Forward and backward of one batch; returns the log variables.

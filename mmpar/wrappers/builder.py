@@ -91,10 +91,10 @@ def _notice_twin(wrapper_type: str, name: str) -> None:
 def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
     """Validate a wrapper config before any process-group work.
 
-    Checks the type and its arguments: mmpar's wrappers' ``check_cfg``;
-    for any other wrapper, StepMixin's (``sync_strategy``, ``buffer_sync``)
-    and then the class's own ``check_cfg`` where it defines one (a user's
-    wrapper may). The config is not modified.
+    Checks the type and its arguments: ``sync_strategy`` and
+    ``buffer_sync`` for every wrapper, then the class's own ``check_cfg``
+    where it has one (mmpar's wrappers; a user's may, with or without
+    mmpar's base). The config is not modified.
     """
     if model_wrapper_cfg is None:
         return
@@ -103,8 +103,8 @@ def check_wrapper_cfg(model_wrapper_cfg: Optional[dict]) -> None:
                         f'{type(model_wrapper_cfg).__name__}')
     cls = wrapper_class(model_wrapper_cfg.get('type', DEFAULT_WRAPPER))
     args = {k: v for k, v in model_wrapper_cfg.items() if k != 'type'}
-    declared(cls).check_cfg(args)
-    if not issubclass(cls, StepMixin) and hasattr(cls, 'check_cfg'):
+    StepMixin.check_cfg(args)
+    if getattr(cls, 'check_cfg', None) is not None:
         cls.check_cfg(args)
 
 

@@ -63,3 +63,7 @@ class MMDistributedDataParallel(StepMixin, DistributedDataParallel):
         # forced_sync buckets as big as DDP's own (bucket_cap_mb, 25 MiB by
         # default).
         self._init_forced_sync(self.bucket_bytes_cap / 2**20)
+
+    @property
+    def eval_forward_module(self) -> nn.Module:
+        return self.module

@@ -78,3 +78,8 @@ class PythonDataParallel(StepMixin, nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @property
+    def eval_forward_module(self) -> nn.Module:
+        # Evaluation needs no gradient bookkeeping: skip the wrapper.
+        return self.module

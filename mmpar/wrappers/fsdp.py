@@ -225,10 +225,6 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
     def state_module(self) -> nn.Module:
         return self  # the FSDP root
 
-    @property
-    def eval_forward_module(self) -> nn.Module:
-        return self  # the FSDP root all-gathers the parameters
-
     def load_full_state_dict(self, state_dict: dict, strict: bool = True):
         # Flat parameters are no DTensors: torch's API cuts them.
         return full_state.load_through_torch(self, state_dict, strict)

@@ -200,6 +200,11 @@ class MMFullyShard(StepMixin, nn.Module):
         return dict(zip(('shard', 'replicate'),
                         mesh_groups(self.device_mesh)[::-1]))
 
+    @property
+    def eval_forward_module(self) -> nn.Module:
+        # The sharded root: its forward hook all-gathers the parameters.
+        return self.module
+
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
 
