@@ -105,11 +105,11 @@ class ParallelOptimMixin:
         """Whether this micro-batch's backward syncs gradients: the bound
         model's ``no_sync()`` or nothing, by its ``sync_strategy``."""
         model = self.model
-        if model is None or model.sync_strategy == 'multi_auto_sync' or (
-                model.sync_strategy == 'single_auto_sync'
-                and self.should_sync()):
+        if model is None or model.sync_strategy == 'multi_auto_sync':
             return contextlib.nullcontext()
-        return model.no_sync()
+        if model.sync_strategy == 'forced_sync' or not self.should_sync():
+            return model.no_sync()
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor, terms: Optional[dict] = None,
                  **kwargs) -> None:
