@@ -118,17 +118,6 @@ class ParallelDims:
         """The product of the sizes of ``axes`` (names of :data:`AXES`)."""
         return math.prod(getattr(self, axis) for axis in axes)
 
-    def __getattr__(self, name: str):
-        # From the axes table: a flattened axis's size (``dp``, ``dp_cp``,
-        # ``efsdp``, ...) and ``<axis>_enabled`` (its size > 1).
-        if name in FLATTENED:
-            return self.size_of(FLATTENED[name])
-        axis = name[:-len('_enabled')] if name.endswith('_enabled') else ''
-        if axis in AXES or axis in FLATTENED:
-            return getattr(self, axis) > 1
-        raise AttributeError(
-            f'{type(self).__name__!r} object has no attribute {name!r}')
-
     @property
     def shape(self) -> Tuple[int, ...]:
         """Sizes in mesh order, :data:`AXES`."""
@@ -153,6 +142,18 @@ class ParallelDims:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# From the axes table, as properties (so dir(), help() and class access see
+# them): each flattened axis's size (``dp``, ``dp_cp``, ``efsdp``, ...) and
+# ``<axis>_enabled`` (its size > 1) for every axis, flattened or not.
+for _name, _axes in FLATTENED.items():
+    setattr(ParallelDims, _name,
+            property(lambda self, axes=_axes: self.size_of(axes)))
+for _name in (*AXES, *FLATTENED):
+    setattr(ParallelDims, f'{_name}_enabled',
+            property(lambda self, name=_name: getattr(self, name) > 1))
+del _name, _axes
 
 
 def _pick(parallel, new: str, old: str) -> Optional[int]:

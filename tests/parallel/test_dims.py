@@ -183,3 +183,12 @@ def test_cp_layout_groups():
     assert layout.groups['dp_cp'] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert layout.groups['dp_shard_cp'] == layout.groups['dp_cp']
     assert layout.coords(6) == (1, 1, 0)
+
+
+def test_flattened_sizes_and_enabled_flags_are_properties():
+    # Made from the axes table, yet visible as any property is (dir(),
+    # help(), IDEs): not answered by a __getattr__.
+    from mmpar.parallel.axes import AXES, FLATTENED
+    names = [*FLATTENED, *(f'{a}_enabled' for a in (*AXES, *FLATTENED))]
+    for name in names:
+        assert isinstance(vars(ParallelDims).get(name), property), name
