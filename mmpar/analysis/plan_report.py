@@ -82,12 +82,19 @@ def _memory_lines(plan: Plan) -> List[str]:
     lines = [f'per-rank memory (rank {plan.rank}; model {plan.model_cls}, '
              f'{plan.param_numel:,} trainable params, '
              f'{plan.param_bytes_per_elem} bytes each{held}):']
-    total = ('total', *(sum(r[i] for r in plan.memory) for i in (1, 2)))
-    return lines + [f'  {name:<34} {count:>14,}  {_fmt_bytes(size):>11}'
-                    for name, count, size in plan.memory + [total]]
+    total_count = total_bytes = 0
+    for name, count, num_bytes in plan.memory:
+        lines.append(f'  {name:<34} {count:>14,}  {_fmt_bytes(num_bytes):>11}')
+        total_count += count
+        total_bytes += num_bytes
+    lines.append(f'  {"total":<34} {total_count:>14,}  '
+                 f'{_fmt_bytes(total_bytes):>11}')
+    return lines
 
 
 def _estimate_lines(plan: Plan, budget: Optional[float]) -> List[str]:
+    if plan.estimate is None:
+        return []
     lines = ['', f'predicted memory of rank {plan.rank} (docs/topology.md, '
              '"Memory"):']
     for name, value in plan.estimate.rows():

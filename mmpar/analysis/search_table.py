@@ -116,9 +116,14 @@ class SearchResult:
     notes: List[str] = field(default_factory=list)
 
     @property
+    def measured(self) -> List[Row]:
+        return [r for r in self.rows if r.status == MEASURED]
+
+    @property
     def best(self) -> Optional[Row]:
         """The fastest candidate measured to the end, or None."""
-        return next((r for r in self.rows if r.status == MEASURED), None)
+        measured = self.measured
+        return measured[0] if measured else None
 
     @property
     def as_written(self) -> Optional[Row]:
