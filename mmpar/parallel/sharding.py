@@ -28,8 +28,9 @@ SHARDING_STRATEGIES = {
     '_HYBRID_SHARD_ZERO2': Strategy(hybrid=True, shards=True,
                                     reshard_after_forward=False),
 }
-# The strategy of a hybrid one on a one-rank replicate side.
+# The strategy of a hybrid one on a one-rank replicate side, and back.
 UNHYBRID = {'HYBRID_SHARD': 'FULL_SHARD', '_HYBRID_SHARD_ZERO2': 'SHARD_GRAD_OP'}
+HYBRID = {v: k for k, v in UNHYBRID.items()}
 
 
 def strategy_name(value: Any, key: str = 'sharding_strategy',

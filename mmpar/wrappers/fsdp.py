@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from mmpar.device import current_device, uses_accelerator
 from mmpar.parallel.mesh import fallback_data_mesh
-from mmpar.parallel.sharding import (SHARDING_STRATEGIES, UNHYBRID,
+from mmpar.parallel.sharding import (HYBRID, SHARDING_STRATEGIES, UNHYBRID,
                                      is_hybrid)
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers import fsdp_args as args
@@ -172,9 +172,8 @@ class MMFullyShardedDataParallel(StepMixin, FullyShardedDataParallel):
                     'data axis; allowed: a 1-D device_mesh, got '
                     f'{mesh.mesh_dim_names}')
             process_group = (mesh.get_group(1), mesh.get_group(0))
-            if not is_hybrid(name):  # the hybrid twin, from the one table
-                name = {v: k for k, v in UNHYBRID.items()}[name]
-                strategy = ShardingStrategy[name]
+            if not is_hybrid(name):  # its hybrid twin
+                strategy = ShardingStrategy[HYBRID[name]]
         elif not is_hybrid(strategy):
             return strategy, process_group
         if not (isinstance(process_group, tuple) and len(process_group) == 2):
