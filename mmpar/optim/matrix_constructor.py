@@ -86,6 +86,19 @@ def route(model: nn.Module, adamw_modules: Sequence[str]) -> Dict[int, bool]:
     return routes
 
 
+def refuse_flat_parameters(model: nn.Module, optimizer_type) -> None:
+    """FSDP1 keeps each rank's slice of a flat parameter (several matrices
+    end to end, cut at any offset): no matrix can be gathered by its own
+    layout, and its 1-D views would all go to AdamW silently."""
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigError(
+            f'{KEY}.type={optimizer_type!r} needs whole weight matrices, '
+            'and MMFullyShardedDataParallel (FSDP1) holds flat parameters; '
+            'allowed: model_wrapper_cfg.type MMFullyShard (FSDP2), '
+            'MMDistributedDataParallel, tp / pp layouts, or another '
+            f'{KEY}.type')
+
+
 def _adamw_groups(groups: List[dict], routes: Dict[int, bool],
                   base: dict, adamw: dict) -> List[dict]:
     """Each group split by rule; an AdamW part's lr and decay (MMEngine's
@@ -113,7 +126,7 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
 
     Raises:
         ConfigError: an optimizer that is not a whole-matrix one, a bad
-            ``adamw_modules``, or FSDP1 (flat parameters).
+            ``adamw_modules``, or FSDP1 (:func:`refuse_flat_parameters`).
     """
 
     def __init__(self, optim_wrapper_cfg: dict,
@@ -138,17 +151,7 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
     def __call__(self, model: nn.Module):
         optimizer_cfg = dict(self.optimizer_cfg)
         optimizer_type = optimizer_cfg.pop('type')
-        # FSDP1 keeps each rank's slice of a flat parameter (several
-        # matrices end to end, cut at any offset): no matrix can be gathered
-        # by its own layout, and its 1-D views would all go to AdamW.
-        if any(isinstance(m, FullyShardedDataParallel)
-               for m in model.modules()):
-            raise ConfigError(
-                f'{KEY}.type={optimizer_type!r} needs whole weight matrices,'
-                ' and MMFullyShardedDataParallel (FSDP1) holds flat '
-                'parameters; allowed: model_wrapper_cfg.type MMFullyShard '
-                '(FSDP2), MMDistributedDataParallel, tp / pp layouts, or '
-                f'another {KEY}.type')
+        refuse_flat_parameters(model, optimizer_type)
         adamw_modules = optimizer_cfg.pop('adamw_modules', ADAMW_MODULES)
         if isinstance(adamw_modules, str) or not all(
                 isinstance(n, str) for n in adamw_modules):
