@@ -31,10 +31,8 @@ def tool_env(**extra) -> dict:
 
 def _served() -> bool:
     """Tool processes fork from the fork server unless
-    MMPAR_TEST_FRESH_TOOLS=1, or on CUDA machines, where the GPU checks run
-    every tool exactly as a user does."""
-    return (os.environ.get('MMPAR_TEST_FRESH_TOOLS') != '1'
-            and not torch.cuda.is_available())
+    MMPAR_TEST_FRESH_TOOLS=1; on CPU and CUDA machines alike."""
+    return os.environ.get('MMPAR_TEST_FRESH_TOOLS') != '1'
 
 
 def tool_python(fresh: bool = False) -> str:
@@ -43,6 +41,21 @@ def tool_python(fresh: bool = False) -> str:
     if _served() and not fresh:
         return os.path.join(fork_server().bin, 'python')
     return sys.executable
+
+
+def server_env() -> dict:
+    """The fork server's own environment (what its imports see): the
+    session's, without a test's rank (each request brings its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in (
+        'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',
+        'MASTER_ADDR', 'MASTER_PORT')}
+    env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
+    env['OMP_NUM_THREADS'] = '1'
+    # Its imports' CUDA availability checks ask NVML, which leaves CUDA
+    # uninitialised for the children (tests/fork_server.py cuda_in_use); the
+    # children get their request's environment, without it.
+    env['PYTORCH_NVML_BASED_CUDA_CHECK'] = '1'
+    return env
 
 
 class _ForkServer:
@@ -62,20 +75,16 @@ class _ForkServer:
         self.env = dict(MMPAR_FORK_SOCKET=socket_path,
                         MMPAR_REAL_PYTHON=sys.executable,
                         MMPAR_FORK_TOOLS=str(ROOT / 'tools'))
-        # The server's own environment (what the imports see) is the
-        # session's, without a test's rank; each request brings its own.
-        env = {k: v for k, v in os.environ.items() if k not in (
-            'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',
-            'MASTER_ADDR', 'MASTER_PORT')}
-        env['PYTHONPATH'] = str(ROOT) + os.pathsep + env.get('PYTHONPATH', '')
-        env['OMP_NUM_THREADS'] = '1'
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / 'tests' / 'fork_server.py'),
              socket_path, shim],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+            cwd=ROOT, env=server_env(), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        if self.proc.stdout.readline().strip() != 'ready':
-            raise RuntimeError('tests/fork_server.py did not start')
+        said = self.proc.stdout.readline().strip()
+        if said != 'ready':
+            raise RuntimeError(
+                f'tests/fork_server.py did not start ({said or "no answer"});'
+                ' MMPAR_TEST_FRESH_TOOLS=1 runs the tools without it')
         atexit.register(self.close)
 
     def close(self) -> None:

@@ -228,8 +228,32 @@ def _no_first_round_jitter() -> None:
     dynamic_rendezvous._delay = _delay
 
 
-def main() -> None:
-    path, shim = sys.argv[1:3]
+def cuda_in_use() -> str:
+    """Why a child forked from here could not use CUDA, or ''.
+
+    A forked child can initialise CUDA itself only if this process never
+    did: torch refuses once its lazy init ran here ("Cannot re-initialize
+    CUDA in forked subprocess"), and the driver is not fork-safe once loaded
+    (``torch.cuda.is_available()`` without NVML's check, a device count or
+    any kernel loads it). ``tests/e2e.py`` starts the server with
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so the availability checks that
+    MMEngine's and transformers' imports make ask NVML instead (torch's
+    "does not poison fork" route) and children find CUDA untouched, as a new
+    interpreter does."""
+    import torch
+    if torch.cuda.is_initialized():
+        return 'torch.cuda is initialized in the fork server'
+    try:
+        with open('/proc/self/maps') as maps:
+            if 'libcuda.so' in maps.read():
+                return 'the CUDA driver (libcuda.so) is loaded in the server'
+    except OSError:  # not Linux: torch's own check above stands alone
+        pass
+    return ''
+
+
+def preload() -> None:
+    """Import what the tools import, and cheapen torchrun's rendezvous."""
     # What every tool imports before reading its config: paid once here.
     # Not torch.distributed.run itself: a child runs it as __main__.
     import torch  # noqa: F401
@@ -263,6 +287,18 @@ def main() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.mixtral.modeling_mixtral  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+
+
+def main() -> None:
+    path, shim = sys.argv[1:3]
+    preload()
+    # The same server on a CUDA machine: what it imported must leave CUDA to
+    # the children, or it does not start (tests/e2e.py says how to run the
+    # suite without it).
+    why_not = cuda_in_use()
+    if why_not:
+        print(f'not fork-safe: {why_not}', flush=True)
+        raise SystemExit(1)
     # The finalizers those imports registered (~180, nearly all torch.library
     # operator registrations) are not a child's: its exit (atexit handlers,
     # as mmpar.failures.exit_process runs them) would unregister each

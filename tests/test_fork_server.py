@@ -129,3 +129,40 @@ def test_other_interpreter_uses_are_the_real_python(tmp_path):
     out = subprocess.run(['python', '-c', 'import sys; print(sys.executable)'],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == sys.executable
+
+
+# A CUDA machine as far as torch's Python side can tell (a CUDA build that
+# NVML says has one GPU), where every call that would initialise CUDA in this
+# process (the runtime's device count, which loads the driver; torch's lazy
+# init) is recorded instead. These are torch's private seams for exactly
+# those two steps; the CPU wheel has no CUDA to initialise otherwise.
+CUDA_MACHINE = '''
+import sys, torch
+inits = []
+torch._C._cuda_getDeviceCount = lambda: inits.append('device count') or 1
+torch.cuda._lazy_init = lambda: inits.append('lazy init')
+# Imported (not called) where torch's build has CUDA.
+torch._C._cuda_getCurrentRawStream = lambda *a: inits.append('a stream')
+nvml = []
+torch.cuda._raw_device_count_nvml = lambda: nvml.append(1) or 1
+sys.path.insert(0, 'tests')
+import fork_server
+fork_server.preload()
+print('nvml asked', len(nvml), 'inits', inits, 'why not', fork_server.cuda_in_use())
+'''
+
+
+def test_on_a_cuda_machine_the_server_leaves_cuda_to_its_children():
+    """The fork server serves CUDA machines too: its imports (MMEngine's
+    and transformers' check whether CUDA is there) must not initialise CUDA
+    in the server, or no child could use it. In the server's environment
+    they ask NVML (``PYTORCH_NVML_BASED_CUDA_CHECK=1``, tests/e2e.py)."""
+    from tests.e2e import server_env
+    proc = subprocess.run([sys.executable, '-c', CUDA_MACHINE], cwd=ROOT,
+                          env=server_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout.strip().splitlines()[-1]
+    asked = int(said.split()[2])
+    assert asked > 0, said  # the imports did look for CUDA
+    assert said.endswith(f'nvml asked {asked} inits [] why not'), said
