@@ -7,6 +7,7 @@ it pickles bound methods, so ``builtins.getattr`` would have to be allowed too,
 which defeats the restricted unpickler. mmpar instead stores that state as
 plain lists and numbers and rebuilds the buffers after loading.
 """
+import copy
 import os
 import os.path as osp
 import pickle
@@ -44,10 +45,25 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
-        return type(obj)((k, to_plain(v)) for k, v in obj.items())
+        return _same_kind(obj, {k: to_plain(v) for k, v in obj.items()})
+    if isinstance(obj, tuple) and hasattr(obj, '_fields'):  # a namedtuple
+        return type(obj)(*(to_plain(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_plain(v) for v in obj)
     return obj
+
+
+def _same_kind(obj: dict, items: dict) -> dict:
+    """``items`` in a dict of ``obj``'s class. Not ``type(obj)(pairs)``: a
+    ``Counter`` (MMEngine's ``MultiStepParamScheduler.milestones``) would
+    count the pairs, and a ``defaultdict`` takes its factory first."""
+    if type(obj) is dict:
+        return items
+    same = copy.copy(obj)  # its class and attributes (a default_factory)
+    same.clear()
+    for key, value in items.items():
+        same[key] = value
+    return same
 
 
 def to_cpu(state: Any) -> Any:
@@ -62,7 +78,7 @@ def from_plain(obj: Any) -> Any:
         if obj.get(_BUFFER_TAG):
             return HistoryBuffer(obj['log_history'], obj['count_history'],
                                  obj['max_length'])
-        return type(obj)((k, from_plain(v)) for k, v in obj.items())
+        return _same_kind(obj, {k: from_plain(v) for k, v in obj.items()})
     return obj
 
 
@@ -106,6 +122,9 @@ def atomic_save(checkpoint: dict, path: str) -> None:
     ``*.tmp`` file that nothing loads.
     """
     tmp_path = f'{path}.{os.getpid()}.tmp'
+    # As MMEngine's save does (its LocalBackend.put): CheckpointHook's
+    # out_dir need not exist yet.
+    os.makedirs(osp.dirname(path) or '.', exist_ok=True)
     try:
         with open(tmp_path, 'wb') as file:
             torch.save(checkpoint, file)
