@@ -94,6 +94,20 @@ class SkippableDefaultSampler(MMEngineDefaultSampler):
         return iter(indices)
 
 
+def _iterate_without_a_draw(dataloader):
+    """``iter(dataloader)``, leaving torch's global generator as it was.
+
+    Why: a ``DataLoader`` iterator draws its base seed from the global
+    generator when made. The uninterrupted run made the iterator a resume
+    goes on with before its checkpoint (the draw is in the saved RNG state);
+    the resumed run, whose states were just restored, makes it again, and
+    every later draw (dropout) would come one off."""
+    state = torch.get_rng_state()
+    iterator = iter(dataloader)
+    torch.set_rng_state(state)
+    return iterator
+
+
 class _ReplayAnsweredIterator:
     """Answers MMEngine's ``k`` replay calls to ``next()`` without loading
     data (the sampler already starts after those batches), then delegates."""
@@ -161,7 +175,7 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
         # The sampler never ends, so the loader's own iterator serves (what
         # MMEngine's loop wraps it in only restarts a finite one).
         self.dataloader_iterator = _ReplayAnsweredIterator(
-            iter(self.dataloader), self.iter)
+            _iterate_without_a_draw(self.dataloader), self.iter)
 
 
 @LOOPS.register_module('EpochBasedTrainLoop')
@@ -204,7 +218,9 @@ class ResumableEpochBasedTrainLoop(MMEngineEpochBasedTrainLoop):
         self.runner.model.train()
         # Batch indices go on from the skipped ones, as in an uninterrupted
         # run (the logger and interval hooks read them).
-        for idx, data_batch in enumerate(self.dataloader, start=skipped):
+        batches = (_iterate_without_a_draw(self.dataloader) if skipped else
+                   self.dataloader)
+        for idx, data_batch in enumerate(batches, start=skipped):
             self.batches_in_epoch = idx + 1
             self.run_iter(idx, data_batch)
         self.runner.call_hook('after_train_epoch')
