@@ -64,6 +64,12 @@ def _run(request: dict, fds: list, shim: str) -> int:
     if args and args[0] == '-u':
         unbuffered, args = True, args[1:]
     _streams(unbuffered)
+    # As a new interpreter's: numpy's global generator is seeded from the OS
+    # at import (MMEngine draws a run's seed from it when the config sets
+    # none); a forked child would repeat the server's draws. Python's random
+    # reseeds itself in a forked child.
+    import numpy
+    numpy.random.seed()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL

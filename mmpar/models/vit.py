@@ -57,7 +57,7 @@ class DigitsViT(BaseModel):
         depth: number of :class:`TransformerBlock`.
         num_heads: attention heads per block.
         mlp_ratio: MLP hidden width over ``embed_dim``.
-        dropout: dropout in attention and MLP (0 keeps resumes bit-exact).
+        dropout: dropout in attention and MLP.
         data_preprocessor: MMEngine data preprocessor config.
 
     ``forward(inputs, data_samples, mode)``: ``'loss'`` returns

@@ -42,14 +42,17 @@ def saved_position(runner, by_epoch: bool) -> dict:
     Returns:
         ``global_batch``; ``epoch_samples``: the global samples of the
         current epoch trained so far (0 at an epoch's end; ``None`` for a
-        loop without epochs, whose position is ``iter * global_batch``).
+        loop without epochs, whose position is ``iter * global_batch``);
+        ``sampler_seed``: the seed of the train sampler's order.
     """
     batches = getattr(runner.train_loop, 'batches_in_epoch', None)
     if batches is not None and by_epoch:
         batches = 0
     batch = global_batch(runner)
+    sampler = getattr(runner.train_dataloader, 'sampler', None)
     return dict(global_batch=batch,
-                epoch_samples=None if batches is None else batches * batch)
+                epoch_samples=None if batches is None else batches * batch,
+                sampler_seed=getattr(sampler, 'seed', None))
 
 
 def restore_position(runner, saved: Optional[dict]) -> None:
@@ -65,6 +68,13 @@ def restore_position(runner, saved: Optional[dict]) -> None:
     if not saved:
         return
     loop = runner.train_loop
+    # The saved run's order: its sampler's seed was drawn at random when the
+    # config set none (MMEngine's default), and this run's sampler, built
+    # before the checkpoint was read, drew another.
+    reseed = getattr(getattr(loop.dataloader, 'sampler', None), 'reseed',
+                     None)
+    if reseed is not None and saved.get('sampler_seed') is not None:
+        reseed(saved['sampler_seed'])
     within_epoch = getattr(loop, 'resume_within_epoch', None)
     epoch_samples = saved.get('epoch_samples')
     if within_epoch is not None and not epoch_samples:

@@ -41,6 +41,11 @@ class SkippableInfiniteSampler(MMEngineInfiniteSampler):
         # MMEngine builds the index generator once, in __init__.
         self.indices = self._indices_of_rank()
 
+    def reseed(self, seed: int) -> None:
+        """Draw the order from ``seed`` (a resumed run's: the saved one)."""
+        self.seed = seed
+        self.indices = self._indices_of_rank()
+
     def _infinite_indices(self) -> Iterator[int]:
         # The global stream is a concatenation of permutations of the data
         # set; rank r takes positions r, r + W, ... Skipping n per-rank
@@ -85,6 +90,11 @@ class SkippableDefaultSampler(MMEngineDefaultSampler):
             raise ValueError(f'cannot skip {num_samples} samples on '
                              f'{self.world_size} data ranks: not a multiple')
         self._start = num_samples
+
+    def reseed(self, seed: int) -> None:
+        """Draw each epoch's order from ``seed`` (a resumed run's: the saved
+        one)."""
+        self.seed = seed
 
     def __iter__(self) -> Iterator[int]:
         # This rank holds global positions rank, rank + W, ...: the first

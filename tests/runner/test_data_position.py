@@ -176,3 +176,42 @@ def test_resume_at_an_epoch_boundary_may_change_the_global_batch():
                      dict(global_batch=16, epoch_samples=0))
     restore_position(_runner(4, 2, loop), None)  # an older checkpoint
     assert loop.told == []
+
+
+SEEDLESS = '''_base_ = ['{base}']
+custom_imports = dict(imports=['tests.sample_recording'],
+                      allow_failed_imports=False)
+model = dict(depth=1, embed_dim=16, num_heads=2)
+train_dataloader = dict(batch_size=8, dataset=dict(
+    type='RecordedDigits', num_samples=40, split='train'))
+train_cfg = dict({loop}, val_interval=1000)
+val_dataloader = val_cfg = val_evaluator = None
+param_scheduler = []
+default_hooks = dict(checkpoint=dict(by_epoch=False, interval=3,
+                                     max_keep_ckpts=-1))
+custom_hooks = [dict(type='RecordSamples')]
+randomness = dict(seed=None)  # MMEngine's default: a random seed a run
+'''
+
+
+@pytest.mark.parametrize('base,loop', [
+    ('vit_digits_iter.py', "_delete_=True, by_epoch=False, max_iters=6"),
+    ('vit_digits.py', 'by_epoch=True, max_epochs=2'),
+], ids=['iterations', 'epochs'])
+def test_a_run_without_a_seed_resumes_in_its_own_order(tmp_path, base,
+                                                       loop):
+    """Without a configured seed each run's sampler draws its own; the
+    resumed run reads on in the saved run's order, not in a new one."""
+    from tests.e2e import ROOT, run_tool
+    from tests.sample_recording import read_records
+    config = tmp_path / 'seedless.py'
+    config.write_text(SEEDLESS.format(
+        base=ROOT / 'configs/vit_digits' / base, loop=loop))
+    straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+    run_tool(['python', 'tools/train.py', config, '--work-dir', straight])
+    run_tool(['python', 'tools/train.py', config, '--work-dir', resumed,
+              '--resume', straight / 'iter_3.pth'])
+    read, reread = read_records(straight), read_records(resumed)
+    assert sorted(reread) == [it for it in sorted(read) if it > 3]
+    for it in reread:
+        assert reread[it][0] == read[it][0], it
