@@ -71,8 +71,8 @@ def restore_position(runner, saved: Optional[dict]) -> None:
     # The saved run's order: its sampler's seed was drawn at random when the
     # config set none (MMEngine's default), and this run's sampler, built
     # before the checkpoint was read, drew another.
-    reseed = getattr(getattr(loop.dataloader, 'sampler', None), 'reseed',
-                     None)
+    sampler = getattr(getattr(loop, 'dataloader', None), 'sampler', None)
+    reseed = getattr(sampler, 'reseed', None)
     if reseed is not None and saved.get('sampler_seed') is not None:
         reseed(saved['sampler_seed'])
     within_epoch = getattr(loop, 'resume_within_epoch', None)
