@@ -54,8 +54,9 @@ class NonFiniteGuard:
 
     Args:
         action: ``'stop'`` or ``'skip'``.
-        max_skips: with ``'skip'``, stop once this many steps in a row were
-            skipped (None: never).
+        max_skips: with ``'skip'``, how many steps in a row may be
+            skipped: the next non-finite loss after them stops the run
+            (None: never stops).
         where: says where training is (``'iteration 3 (epoch 1)'``).
         warn: logs a skipped step.
     """
@@ -89,11 +90,11 @@ class NonFiniteGuard:
         reason = ''
         if self.action == 'skip':
             if (self.max_skips is None
-                    or self._skips_in_a_row + 1 < self.max_skips):
+                    or self._skips_in_a_row < self.max_skips):
                 self._skip_next_step = True
                 return
-            reason = (f' ({self.max_skips} steps in a row skipped, '
-                      f'max_skips={self.max_skips})')
+            reason = (f' ({self._skips_in_a_row} steps in a row skipped '
+                      f'already, max_skips={self.max_skips})')
         terms = terms if terms else {'loss': loss}
         values = ', '.join(
             f'{name}={float(torch.as_tensor(value).detach()):.6g}'

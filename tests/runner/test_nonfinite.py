@@ -72,11 +72,19 @@ def test_stop_single_process_names_iteration_and_terms():
     assert 'rank(s) [0]' in message and 'loss=nan' in message
 
 
-def test_skip_gives_up_after_max_skips():
+@pytest.mark.parametrize('max_skips', [1, 2])
+def test_skip_gives_up_after_max_skips(max_skips):
+    """``max_skips=N`` skips N steps in a row (docs/troubleshooting.md);
+    the next non-finite loss stops the run."""
     batches = _batches_with_nan()
     batches[3]['targets'][0, 0] = float('inf')  # second window bad too
-    with pytest.raises(NonFiniteLossError, match='max_skips=2'):
-        _train(make_model(), batches, NonFiniteLossHook('skip', max_skips=2))
+    batches[5]['targets'][0, 0] = float('nan')  # and the third
+    hook = NonFiniteLossHook('skip', max_skips=max_skips)
+    with pytest.raises(NonFiniteLossError,
+                       match=f'{max_skips} steps in a row skipped already, '
+                       f'max_skips={max_skips}'):
+        _train(make_model(), batches, hook)
+    assert hook.num_skipped == max_skips
 
 
 @pytest.mark.parametrize('kwargs', [dict(action='retry'), dict(max_skips=0)])
