@@ -37,8 +37,9 @@ class NonFiniteLossHook(Hook):
 
     Args:
         action: ``'stop'`` or ``'skip'``.
-        max_skips: with ``'skip'``, stop once this many steps in a row were
-            skipped (None: never).
+        max_skips: with ``'skip'``, how many steps in a row may be
+            skipped: the next non-finite loss after them stops the run
+            (None: never stops).
     """
 
     priority = 'VERY_HIGH'
