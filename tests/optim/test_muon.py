@@ -167,6 +167,24 @@ def test_newton_schulz_is_torch_muons():
                                    atol=0, rtol=0)
 
 
+@pytest.mark.parametrize('nesterov', [False, True])
+def test_bf16_momentum_buffer_holds_the_momentum(nesterov):
+    """Newton-Schulz works on a copy: a bfloat16 parameter's momentum buffer
+    after 3 steps is the momentum of its gradients, bit for bit (without
+    nesterov the buffer is the matrix orthogonalised, and the in-place
+    normalisation used to rescale it)."""
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 6, generator=gen).bfloat16())
+    optimizer = Muon([param], lr=0.02, nesterov=nesterov)
+    expected = torch.zeros(8, 6, dtype=torch.bfloat16)
+    for _ in range(3):
+        param.grad = torch.randn(8, 6, generator=gen).bfloat16()
+        expected.lerp_(param.grad, 1 - 0.95)
+        optimizer.step()
+    torch.testing.assert_close(optimizer.state[param]['momentum_buffer'],
+                               expected, atol=0, rtol=0)
+
+
 def test_owners_and_chunks():
     assert chunk_sizes(5, 2) == [3, 2]
     assert chunk_sizes(2, 4) == [1, 1, 0, 0]
