@@ -123,10 +123,16 @@ def test_state_dict_resumes_bit_exact_with_scheduler():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_paramwise_cfg_scales_adamw_settings():
+@pytest.mark.parametrize('muon', [dict(lr=0.02),
+                                  dict(lr=0.02, weight_decay=0.0),
+                                  dict(lr=0.0, weight_decay=0.1)],
+                         ids=['muon-defaults', 'muon-decay-0', 'muon-lr-0'])
+def test_paramwise_cfg_scales_adamw_settings(muon):
     """A decay multiplier of 0 on 1-D parameters gives the norms no decay;
-    an lr multiplier scales AdamW's lr for AdamW's parameters."""
-    cfg = dict(optimizer=dict(type='Muon', lr=0.02, adamw=ADAMW),
+    an lr multiplier scales AdamW's lr for AdamW's parameters; also where
+    Muon's own lr or decay is 0 (base x multiplier is 0 there, and AdamW's
+    base used to apply)."""
+    cfg = dict(optimizer=dict(type='Muon', adamw=ADAMW, **muon),
                paramwise_cfg=dict(flat_decay_mult=0.0, custom_keys={
                    'tok_embeddings': dict(lr_mult=0.5)}))
     model = tiny_llama()
@@ -134,9 +140,11 @@ def test_paramwise_cfg_scales_adamw_settings():
     by_param = {id(p): g for g in groups for p in g['params']}
     embed = by_param[id(model.tok_embeddings.weight)]
     assert not embed['matrix'] and embed['lr'] == pytest.approx(1.5e-3)
+    assert embed['weight_decay'] == ADAMW['weight_decay']
     assert by_param[id(model.norm.weight)]['weight_decay'] == 0
     wq = by_param[id(model.layers['0'].attn.wq.weight)]
-    assert wq['matrix'] and wq['lr'] == 0.02 and wq['weight_decay'] == 0.1
+    assert wq['matrix'] and wq['lr'] == muon['lr']
+    assert wq['weight_decay'] == muon.get('weight_decay', 0.1)
 
 
 @pytest.mark.parametrize('optimizer, match', [
