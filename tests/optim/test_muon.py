@@ -2,6 +2,7 @@
 weights to torch.optim.Muon + torch.optim.AdamW, checkpoints, schedulers,
 and the errors. The layouts: tests/optim/test_muon_layouts.py."""
 import copy
+import re
 
 import pytest
 import torch
@@ -156,6 +157,19 @@ def test_paramwise_cfg_scales_adamw_settings(muon):
 ])
 def test_bad_keys_name_the_key(optimizer, match):
     with pytest.raises(ConfigError, match=match):
+        built(tiny_llama(), dict(optimizer=optimizer))
+
+
+@pytest.mark.parametrize('adamw', [
+    dict(lr=-1e-3), dict(betas=(1.5, 0.999)), dict(eps=-1.0),
+    dict(betas=0.9)], ids=['lr', 'betas', 'eps', 'betas-not-a-pair'])
+def test_adamw_values_torch_refuses_are_named_at_build(adamw):
+    """Refused when the optimizer is built (they were accepted: a negative
+    lr trained by gradient ascent, a bare beta failed in the first step)."""
+    optimizer = dict(type='Muon', lr=0.02, adamw=adamw)
+    with pytest.raises(ConfigError, match=re.escape(
+            f'optim_wrapper.optimizer: adamw={adamw!r}: torch.optim.AdamW '
+            'refuses it: ')):
         built(tiny_llama(), dict(optimizer=optimizer))
 
 
