@@ -36,6 +36,16 @@ def make_model(seed=0, **kwargs) -> ToyModel:
     return ToyModel(**kwargs)
 
 
+def make_head_only_model() -> ToyModel:
+    """A model whose last layer alone trains (fine-tuning a head): FSDP1's
+    one flat parameter over 2 ranks puts it wholly in rank 1's shard, so
+    rank 0 has no gradient to clip."""
+    model = make_model()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith('net.4.'))
+    return model
+
+
 def make_batches(num_batches=4, batch_size=8, in_dim=8, out_dim=4, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [

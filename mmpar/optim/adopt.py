@@ -12,16 +12,19 @@ methods, so a subclass's ``backward`` / ``step`` / ``optim_context`` run
 and its counters (``inner_count``, the accumulation window) advance as the
 caller expects. Nothing of the object is replaced; only while one ``step``
 runs does its norm clip (MMEngine's ``clip_func`` attribute, torch's
-``clip_grad_norm_``) go through the global one, which a sharded or split
-model needs to clip as one process would.
+``clip_grad_norm_``, and MMEngine's ``_clip_grad``, which calls it) go
+through the global one on every rank, which a sharded or split model needs
+to clip as one process would.
 """
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 
-from mmpar.optim.optim_wrapper import ParallelOptimMixin
+from mmpar.optim.optim_wrapper import (ParallelOptimMixin,
+                                       clip_grad_norm_on_every_rank)
 
 
 class _Forward:
@@ -59,12 +62,22 @@ class _Forward:
             return
         # MMEngine's _clip_grad calls self.clip_func: for this step only, the
         # global norm (torch's would clip FSDP1 by each rank's shard, a
-        # pipeline stage by its own stage's norm).
+        # pipeline stage by its own stage's norm), called on every rank as
+        # mmpar's own wrappers call it (MMEngine's _clip_grad skips a rank
+        # without gradients, which would leave the others in the
+        # collective). A subclass's own _clip_grad is left to run.
         inner.clip_func = self.clip_grad_norm
+        own_clip = type(inner)._clip_grad is not \
+            MMEngineOptimWrapper._clip_grad
+        if not own_clip:
+            inner._clip_grad = functools.partial(
+                clip_grad_norm_on_every_rank, inner)
         try:
             yield
         finally:
             inner.clip_func = torch.nn.utils.clip_grad_norm_
+            if not own_clip:
+                del inner._clip_grad
 
 
 class AdoptedOptimWrapper(ParallelOptimMixin, _Forward):

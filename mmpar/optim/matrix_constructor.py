@@ -31,6 +31,7 @@ import inspect
 from typing import Dict, List, Optional, Sequence
 
 import torch
+from mmengine.logging import MMLogger
 from mmengine.optim import DefaultOptimWrapperConstructor
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -99,20 +100,21 @@ def refuse_flat_parameters(model: nn.Module, optimizer_type) -> None:
             f'{KEY}.type')
 
 
-def _adamw_groups(groups: List[dict], routes: Dict[int, bool],
-                  base: dict, adamw: dict) -> List[dict]:
-    """Each group split by rule; an AdamW part's lr and decay (MMEngine's
-    base value times a multiplier) rescaled to AdamW's base values."""
+def _adamw_groups(groups: List[dict], multipliers: List[dict],
+                  routes: Dict[int, bool], adamw: dict) -> List[dict]:
+    """Each group split by rule; an AdamW part's lr and decay are its
+    group's multipliers (``multipliers``, in the order of ``groups``) times
+    AdamW's base values."""
     split = []
-    for group in groups:
+    for group, multiplier in zip(groups, multipliers):
         for matrix in (True, False):
             params = [p for p in group['params'] if routes[id(p)] == matrix]
             if not params:
                 continue
             part = dict(group, params=params, matrix=matrix)
             for key in ('lr', 'weight_decay') if not matrix else ():
-                if key in part and base[key]:
-                    part[key] = part[key] / base[key] * adamw[key]
+                if key in multiplier:
+                    part[key] = multiplier[key] * adamw[key]
                 else:
                     part.pop(key, None)
             split.append(part)
@@ -148,6 +150,23 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
                          paramwise_cfg)
         self.optimizer_class = cls
 
+    def _multipliers(self, model: nn.Module) -> List[dict]:
+        """The groups ``paramwise_cfg`` makes with a base lr and weight
+        decay of 1: each group's multipliers, which the groups themselves
+        (base x multiplier) lose where a base is 0. Not logged again."""
+        bases = self.base_lr, self.base_wd
+        self.base_lr, self.base_wd = (None if b is None else 1.0
+                                      for b in bases)
+        logger = MMLogger.get_current_instance()
+        disabled, logger.disabled = logger.disabled, True
+        multipliers: List[dict] = []
+        try:
+            self.add_params(multipliers, model)
+        finally:
+            self.base_lr, self.base_wd = bases
+            logger.disabled = disabled
+        return multipliers
+
     def __call__(self, model: nn.Module):
         optimizer_cfg = dict(self.optimizer_cfg)
         optimizer_type = optimizer_cfg.pop('type')
@@ -163,12 +182,12 @@ class WholeMatrixOptimWrapperConstructor(DefaultOptimWrapperConstructor):
         groups: List[dict] = []
         if self.paramwise_cfg:
             self.add_params(groups, model)
+            multipliers = self._multipliers(model)
         else:
-            groups = [dict(params=list(model.parameters()))]
-        base = {key: optimizer_cfg.get(key) for key in ('lr', 'weight_decay')}
+            groups = multipliers = [dict(params=list(model.parameters()))]
         adamw = dict(ADAMW_DEFAULTS, **optimizer_cfg.get('adamw') or {})
-        groups = _adamw_groups(groups, route(model, adamw_modules), base,
-                               adamw)
+        groups = _adamw_groups(groups, multipliers,
+                               route(model, adamw_modules), adamw)
         try:
             optimizer = self.optimizer_class(groups, **optimizer_cfg)
         except (TypeError, ValueError) as err:

@@ -49,8 +49,9 @@ class WholeMatrixOptimizer(Optimizer):
             keyword arguments); torch's defaults for the rest.
 
     Raises:
-        ValueError: an ``adamw`` key AdamW does not take, or a ``matrix``
-            group with a parameter that is not 2-D.
+        ValueError: an ``adamw`` key AdamW does not take or a value it
+            refuses, or a ``matrix`` group with a parameter that is not
+            2-D.
     """
 
     def __init__(self, params: Iterable, defaults: dict,
@@ -61,6 +62,14 @@ class WholeMatrixOptimizer(Optimizer):
                 f'adamw: {unknown} are not arguments of torch.optim.AdamW; '
                 f'allowed: {sorted(ADAMW_DEFAULTS)}')
         self.adamw_defaults = dict(ADAMW_DEFAULTS, **(adamw or {}))
+        try:
+            # torch's AdamW checks its arguments' values (lr, betas, eps,
+            # weight_decay...), not its groups': checked here, not found
+            # wrong in the first step, or never (a negative lr).
+            AdamW([torch.empty(0)], **self.adamw_defaults)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f'adamw={adamw!r}: torch.optim.AdamW refuses '
+                             f'it: {err}') from err
         self._adamw: Optional[AdamW] = None
         self._built = False
         super().__init__(params, defaults)

@@ -33,7 +33,12 @@ def newton_schulz(matrix: torch.Tensor, coefficients: Tuple[float, float,
     ``U V^T`` of ``matrix = U S V^T``, in bfloat16 (torch's products, bit
     for bit: :mod:`mmpar.optim.bf16_matmul`)."""
     a, b, c = coefficients
-    ortho = matrix.bfloat16()
+    # A copy even of a bfloat16 matrix: without nesterov it is the momentum
+    # buffer, which the in-place division below would rescale where it is
+    # the buffer itself (one process, DDP) but not where it is a gathered
+    # copy (FSDP2, tp), so the layouts would train apart. torch 2.13's Muon
+    # rescales it (pytorch/pytorch#194664 copies as here).
+    ortho = matrix.to(torch.bfloat16, copy=True)
     tall = matrix.size(0) > matrix.size(1)
     if tall:
         ortho = ortho.T

@@ -63,6 +63,26 @@ class SteppedModel(Protocol):
         """Called before every optimizer step (forced sync's all-reduce)."""
 
 
+def clip_grad_norm_on_every_rank(optim_wrapper: MMEngineOptimWrapper) -> None:
+    """MMEngine's ``OptimWrapper._clip_grad`` for a collective norm clip.
+
+    MMEngine skips ``clip_func`` where no parameter has a gradient, but the
+    global-norm clip is a collective: a rank without gradients (under FSDP1
+    a rank whose flat shard holds only frozen parameters) must still join
+    it, or the ranks go out of step and hang (one in the norm's all-reduce,
+    the other in the next forward's all-gather). So it is called on every
+    rank, with an empty list where there is nothing to clip, and the norm is
+    logged as MMEngine logs it.
+    """
+    params = [
+        p for group in optim_wrapper.optimizer.param_groups
+        for p in group['params'] if p.requires_grad and p.grad is not None
+    ]
+    norm = optim_wrapper.clip_func(params, **optim_wrapper.clip_grad_kwargs)
+    optim_wrapper.message_hub.update_scalar(
+        f'train/{optim_wrapper.grad_name}', float(norm))
+
+
 class ParallelOptimMixin:
     """The parallel parts of mmpar's optim wrappers (see the module doc)."""
 
@@ -100,6 +120,17 @@ class ParallelOptimMixin:
         groups = self.model.clip_groups if self.model is not None else ()
         return clip_grad_norm_(params, max_norm, norm_type,
                                extra_groups=groups, **kwargs)
+
+    def _clip_grad(self) -> None:
+        """MMEngine's ``_clip_grad``, but the global-norm clip runs on every
+        rank (:func:`clip_grad_norm_on_every_rank`); a value clip as
+        MMEngine's."""
+        # MMEngine's private hook: its step has no public seam between the
+        # gradients and the optimizer's step.
+        if self.clip_func != self.clip_grad_norm:
+            super()._clip_grad()
+            return
+        clip_grad_norm_on_every_rank(self)
 
     def grad_sync_context(self) -> ContextManager:
         """Whether this micro-batch's backward syncs gradients: the bound

@@ -2,6 +2,7 @@
 weights to torch.optim.Muon + torch.optim.AdamW, checkpoints, schedulers,
 and the errors. The layouts: tests/optim/test_muon_layouts.py."""
 import copy
+import re
 
 import pytest
 import torch
@@ -123,10 +124,16 @@ def test_state_dict_resumes_bit_exact_with_scheduler():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_paramwise_cfg_scales_adamw_settings():
+@pytest.mark.parametrize('muon', [dict(lr=0.02),
+                                  dict(lr=0.02, weight_decay=0.0),
+                                  dict(lr=0.0, weight_decay=0.1)],
+                         ids=['muon-defaults', 'muon-decay-0', 'muon-lr-0'])
+def test_paramwise_cfg_scales_adamw_settings(muon):
     """A decay multiplier of 0 on 1-D parameters gives the norms no decay;
-    an lr multiplier scales AdamW's lr for AdamW's parameters."""
-    cfg = dict(optimizer=dict(type='Muon', lr=0.02, adamw=ADAMW),
+    an lr multiplier scales AdamW's lr for AdamW's parameters; also where
+    Muon's own lr or decay is 0 (base x multiplier is 0 there, and AdamW's
+    base used to apply)."""
+    cfg = dict(optimizer=dict(type='Muon', adamw=ADAMW, **muon),
                paramwise_cfg=dict(flat_decay_mult=0.0, custom_keys={
                    'tok_embeddings': dict(lr_mult=0.5)}))
     model = tiny_llama()
@@ -134,9 +141,11 @@ def test_paramwise_cfg_scales_adamw_settings():
     by_param = {id(p): g for g in groups for p in g['params']}
     embed = by_param[id(model.tok_embeddings.weight)]
     assert not embed['matrix'] and embed['lr'] == pytest.approx(1.5e-3)
+    assert embed['weight_decay'] == ADAMW['weight_decay']
     assert by_param[id(model.norm.weight)]['weight_decay'] == 0
     wq = by_param[id(model.layers['0'].attn.wq.weight)]
-    assert wq['matrix'] and wq['lr'] == 0.02 and wq['weight_decay'] == 0.1
+    assert wq['matrix'] and wq['lr'] == muon['lr']
+    assert wq['weight_decay'] == muon.get('weight_decay', 0.1)
 
 
 @pytest.mark.parametrize('optimizer, match', [
@@ -148,6 +157,19 @@ def test_paramwise_cfg_scales_adamw_settings():
 ])
 def test_bad_keys_name_the_key(optimizer, match):
     with pytest.raises(ConfigError, match=match):
+        built(tiny_llama(), dict(optimizer=optimizer))
+
+
+@pytest.mark.parametrize('adamw', [
+    dict(lr=-1e-3), dict(betas=(1.5, 0.999)), dict(eps=-1.0),
+    dict(betas=0.9)], ids=['lr', 'betas', 'eps', 'betas-not-a-pair'])
+def test_adamw_values_torch_refuses_are_named_at_build(adamw):
+    """Refused when the optimizer is built (they were accepted: a negative
+    lr trained by gradient ascent, a bare beta failed in the first step)."""
+    optimizer = dict(type='Muon', lr=0.02, adamw=adamw)
+    with pytest.raises(ConfigError, match=re.escape(
+            f'optim_wrapper.optimizer: adamw={adamw!r}: torch.optim.AdamW '
+            'refuses it: ')):
         built(tiny_llama(), dict(optimizer=optimizer))
 
 
@@ -165,6 +187,24 @@ def test_newton_schulz_is_torch_muons():
         expected = -newton_schulz(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
         torch.testing.assert_close(param.data, expected.float() * scale,
                                    atol=0, rtol=0)
+
+
+@pytest.mark.parametrize('nesterov', [False, True])
+def test_bf16_momentum_buffer_holds_the_momentum(nesterov):
+    """Newton-Schulz works on a copy: a bfloat16 parameter's momentum buffer
+    after 3 steps is the momentum of its gradients, bit for bit (without
+    nesterov the buffer is the matrix orthogonalised, and the in-place
+    normalisation used to rescale it)."""
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 6, generator=gen).bfloat16())
+    optimizer = Muon([param], lr=0.02, nesterov=nesterov)
+    expected = torch.zeros(8, 6, dtype=torch.bfloat16)
+    for _ in range(3):
+        param.grad = torch.randn(8, 6, generator=gen).bfloat16()
+        expected.lerp_(param.grad, 1 - 0.95)
+        optimizer.step()
+    torch.testing.assert_close(optimizer.state[param]['momentum_buffer'],
+                               expected, atol=0, rtol=0)
 
 
 def test_owners_and_chunks():

@@ -111,6 +111,36 @@ def test_two_sharded_mesh_dims_each_matrix_once(run_dist, placements):
     assert sum(1 for mine in calls if mine) > 1
 
 
+def _bf16_muon_weights(sharded: bool):
+    """A bfloat16 matrix after 3 Muon steps without nesterov, whole or as
+    Shard(0) over the ranks (FSDP2's layout); its full value."""
+    from mmpar.optim import Muon
+    gen = torch.Generator().manual_seed(0)
+    weight, *grads = [torch.randn(8, 6, generator=gen).bfloat16()
+                      for _ in range(4)]
+    mesh = init_device_mesh('cpu', (dist.get_world_size(), )) \
+        if sharded else None
+
+    def laid_out(tensor):
+        return distribute_tensor(tensor, mesh, [Shard(0)],
+                                 src_data_rank=None) if sharded else tensor
+
+    param = torch.nn.Parameter(laid_out(weight))
+    optimizer = Muon([param], lr=0.02, nesterov=False)
+    for grad in grads:
+        param.grad = laid_out(grad.clone())
+        optimizer.step()
+    return param.full_tensor() if sharded else param.detach()
+
+
+def test_bf16_without_nesterov_fsdp2_equals_one_process(run_dist):
+    """Bit for bit (the orthogonalised momentum buffer used to be rescaled
+    in place in one process, not in a gathered copy under FSDP2)."""
+    expected = _bf16_muon_weights(False)
+    for weight in run_dist(_bf16_muon_weights, True):
+        torch.testing.assert_close(weight, expected, atol=0, rtol=0)
+
+
 # --------------------------------------------------------- the Runner
 
 

@@ -22,8 +22,8 @@ from mmpar.wrappers import fsdp_args
 from mmpar.wrappers.policies import (modules_to_wrap, resolve_wrap_policy,
                                      size_based)
 from tests.toy import (ToyModel, assert_states_close, make_batches,
-                       make_model, make_optim_wrapper, shard_batch,
-                       train_reference)
+                       make_head_only_model, make_model, make_optim_wrapper,
+                       shard_batch, train_reference)
 
 FSDP1, FSDP2 = 'MMFullyShardedDataParallel', 'MMFullyShard'
 # fp32 on CPU: a sharded reduce-scatter and a global-norm all-reduce differ
@@ -32,6 +32,7 @@ ATOL, RTOL = 1e-6, 1e-5
 CLIP = 0.05  # far below the gradient norm here, so clipping is active
 FROZEN = 'net.2.bias'
 LINEAR_POLICY = dict(type='module_class', module_classes=['Linear'])
+HANG_TIMEOUT_S = 60  # far below the pool's 120 s collective timeout
 
 PARITY_CASES = [
     (FSDP1, dict(sharding_strategy='FULL_SHARD',
@@ -199,6 +200,35 @@ def test_clipping_uses_the_global_norm(run_dist, wrapper_type):
         # mmpar's optim wrapper clips with the one global-norm clip from
         # construction on (no per-step swap).
         assert global_clip
+
+
+def _train_head_only(batches):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapper = _wrap(FSDP1, make_head_only_model())
+    trainable_numel = sum(p.numel() for p in wrapper.parameters()
+                          if p.requires_grad)
+    optim_wrapper = make_optim_wrapper(wrapper.module, clip=CLIP)
+    for batch in batches:
+        wrapper.train_step(shard_batch(batch, rank, world), optim_wrapper)
+    norm = MessageHub.get_current_instance().get_scalar('train/grad_norm')
+    return wrapper.full_state_dict(), trainable_numel, norm.current()
+
+
+def test_fsdp1_clip_with_a_rank_without_gradients(run_dist):
+    # MMEngine's _clip_grad skips the clip on a rank without gradients;
+    # the global-norm clip is a collective, so the other rank used to wait
+    # in its all-reduce while this one was in the next all-gather (hang).
+    batches = make_batches(num_batches=2, batch_size=8)
+    expected = train_reference(make_head_only_model(), batches, clip=CLIP)
+    expected_norm = MessageHub.get_current_instance().get_scalar(
+        'train/grad_norm').current()
+    results = run_dist(_train_head_only, batches, timeout=HANG_TIMEOUT_S)
+    assert min(numel for _, numel, _ in results) == 0  # rank 0: none
+    for state, _, norm in results:
+        assert_states_close(state, expected, atol=ATOL, rtol=RTOL)
+        # Logged on every rank, the rank without gradients included.
+        assert norm == pytest.approx(expected_norm, rel=1e-5)
+    assert expected_norm > CLIP  # clipping was active
 
 
 def _grad_shapes_after_first_micro_batch(wrapper_type, sync_strategy):

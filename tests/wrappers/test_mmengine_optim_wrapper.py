@@ -14,7 +14,8 @@ import torch.distributed as dist
 from mmengine.optim import OptimWrapper, OptimWrapperDict
 
 from mmpar.registry import MODEL_WRAPPERS
-from tests.toy import assert_states_close, make_batches, make_model, shard_batch
+from tests.toy import (assert_states_close, make_batches,
+                       make_head_only_model, make_model, shard_batch)
 
 # The issue's bound is rtol 1e-4, atol 1e-5; these are the sibling parity
 # tests' (only the summation order differs from one process).
@@ -22,6 +23,7 @@ ATOL, RTOL = 1e-6, 1e-5
 CLIP = 0.05  # far below the gradient norm: clipping is active
 LR, ACCUMULATE, NUM_BATCHES = 0.1, 2, 6
 LINEAR = dict(type='module_class', module_classes=['Linear'])
+HANG_TIMEOUT_S = 60  # far below the pool's 120 s collective timeout
 
 CASES = {
     'ddp-single': dict(type='MMDistributedDataParallel'),
@@ -82,7 +84,8 @@ def _outside_loop(wrapper_cfg, build_model, batches, cls=OptimWrapper):
         wrapper.train_step(shard_batch(batch, rank, world), optim_wrapper)
     counts = dict(inner_count=optim_wrapper.inner_count,
                   num_steps=getattr(optim_wrapper, 'num_steps', None),
-                  clip_func=optim_wrapper.clip_func)
+                  clip_func=optim_wrapper.clip_func,
+                  own_clip_grad='_clip_grad' in vars(optim_wrapper))
     return wrapper.full_state_dict(), counts
 
 
@@ -110,6 +113,22 @@ def test_downstream_subclass_runs_its_own_step(run_dist):
     for state, counts in results:
         assert_states_close(state, expected, atol=ATOL, rtol=RTOL)
         assert counts['num_steps'] == NUM_BATCHES // ACCUMULATE
+
+
+def test_fsdp1_clip_with_a_rank_without_gradients(run_dist):
+    # MMEngine's _clip_grad skips the clip on a rank without gradients (rank
+    # 0 here: its flat shard holds frozen parameters only); the global-norm
+    # clip is a collective, so the ranks went out of step and hung.
+    batches = make_batches(num_batches=NUM_BATCHES, batch_size=8)
+    expected = _one_process(make_head_only_model(), batches)
+    results = run_dist(_outside_loop,
+                       dict(type='MMFullyShardedDataParallel'),
+                       make_head_only_model, batches, timeout=HANG_TIMEOUT_S)
+    for state, counts in results:
+        assert_states_close(state, expected, atol=ATOL, rtol=RTOL)
+        # The caller's object is MMEngine's again after every step.
+        assert counts['clip_func'] is torch.nn.utils.clip_grad_norm_
+        assert not counts['own_clip_grad']
 
 
 def _gpt2():
