@@ -398,8 +398,15 @@ def test_a_users_wrapper_checks_its_own_arguments(base_cfg, on_mmpars_base):
     # start-up, and mmpar's shared checks (sync_strategy) still run.
     from mmpar.registry import MODEL_WRAPPERS
     from mmpar.wrappers.base import StepMixin
-    bases = (StepMixin, torch.nn.Module) if on_mmpars_base else (
-        torch.nn.Module, )
+
+    class OwnSteps(torch.nn.Module):
+        # Off mmpar's base a wrapper brings MMEngine's step interface itself,
+        # as MMEngine's wrappers do: the Runner trains through train_step.
+
+        def train_step(self, data, optim_wrapper):
+            return self.module.train_step(data, optim_wrapper)
+
+    bases = (StepMixin, torch.nn.Module) if on_mmpars_base else (OwnSteps, )
 
     class UsersWrapper(*bases):
 
@@ -422,3 +429,21 @@ def test_a_users_wrapper_checks_its_own_arguments(base_cfg, on_mmpars_base):
             check_config(cfg)
     finally:
         del MODEL_WRAPPERS.module_dict[name]
+
+
+@pytest.mark.parametrize('name,why', [
+    ('DataParallel', 'no train_step'),
+    ('DistributedDataParallel', 'no train_step'),
+    ('MMPipelineParallel', 'parallel.pp and parallel.pipeline')])
+def test_registered_classes_that_cannot_wrap_are_refused(base_cfg, name, why):
+    # torch's DataParallel / DistributedDataParallel (in MMEngine's
+    # registry) have no train_step; mmpar's pipeline wrapper is built by
+    # pipeline_parallelize. They failed at run time (TypeError,
+    # AttributeError); now at start-up, and are not offered as allowed.
+    cfg = _apply(base_cfg, {'model_wrapper_cfg': dict(type=name)})
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    message = str(info.value)
+    assert f"model_wrapper_cfg.type={name!r}" in message and why in message
+    allowed = message.split('allowed: ')[-1].split(', ')
+    assert 'MMDistributedDataParallel' in allowed and name not in allowed

@@ -64,6 +64,9 @@ class StepMixin:
     #: gradients over it only, so it can wrap an expert-parallel model
     #: (``parallel.ep > 1``).
     expert_parallel: ClassVar[bool] = False
+    #: Named by ``model_wrapper_cfg.type``; False: mmpar builds it itself
+    #: (the pipeline wrapper, from ``parallel.pp`` and ``parallel.pipeline``).
+    from_config: ClassVar[bool] = True
 
     module: nn.Module
     # The data-parallel group gradients are reduced over (None: the world).

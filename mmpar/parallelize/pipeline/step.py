@@ -126,6 +126,7 @@ class MMPipelineParallel(StepMixin, nn.Module):
     # Data-parallel sync happens in the stages (FSDP2) or at the step
     # (finish_grad_sync): never a no_sync window at this level.
     sync_strategy = 'multi_auto_sync'
+    from_config = False
 
     def __init__(self, stages: Sequence[nn.Module], stage_indices: List[int],
                  num_stages: int, schedule: str, schedule_cls: type,
