@@ -28,6 +28,7 @@ from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallel.experts import check_expert_model
 from mmpar.parallel.sequence import SHARDED_ATTR
+from mmpar.parallelize.pipeline.schedules import check_evaluates
 from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
 from mmpar.registry import (DATA_SAMPLERS, DATASETS, HOOKS, METRICS, MODELS,
                             OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS)
@@ -438,6 +439,23 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
                   f'{2 * cp} (or another parallel.cp)')
 
 
+def check_pipeline_evaluation(cfg: Any, plan: ResolvedPlan) -> None:
+    """A pipeline whose schedule cannot evaluate (the V schedules) with a
+    val loop, which training runs. (A test loop is not refused here: a
+    training config commonly inherits one it never runs; the test step
+    refuses it.)"""
+    pp = plan.dims.pp if plan.dims is not None else \
+        plan.parallel.pp or plan.parallel.pipeline_parallelism
+    if plan.pipeline is None or pp in (None, 1) or \
+            cfg.get('val_dataloader') is None:
+        return
+    with _as_config_error():
+        check_evaluates(plan.pipeline.schedule,
+                        'val_dataloader and val_cfg are set, so training '
+                        'validates; set them and val_evaluator to None to '
+                        'train without validation')
+
+
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -496,6 +514,7 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
                            plan.parallel)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
+    check_pipeline_evaluation(cfg, plan)
     return plan
 
 

@@ -447,3 +447,21 @@ def test_registered_classes_that_cannot_wrap_are_refused(base_cfg, name, why):
     assert f"model_wrapper_cfg.type={name!r}" in message and why in message
     allowed = message.split('allowed: ')[-1].split(', ')
     assert 'MMDistributedDataParallel' in allowed and name not in allowed
+
+
+@pytest.mark.parametrize('schedule', ['ZBVZeroBubble', 'DualPipeV'])
+def test_v_schedule_with_a_val_loop_is_refused(base_cfg, monkeypatch,
+                                               schedule):
+    # torch 2.13 cannot evaluate a V schedule: the run failed at its first
+    # validation. A training-only job (the test loop a config inherits is
+    # never run by training) still passes.
+    _as_torchrun(monkeypatch, 2)
+    cfg = _apply(base_cfg, {'launcher': 'pytorch', 'parallel': dict(
+        pp=2, pipeline=dict(schedule=schedule, stages_per_rank=2))})
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    for text in (f'parallel.pipeline.schedule={schedule!r}',
+                 'val_dataloader and val_cfg are set', '1F1B'):
+        assert text in str(info.value)
+    check_config(_apply(cfg, {'val_dataloader': None, 'val_cfg': None,
+                              'val_evaluator': None}))
