@@ -32,7 +32,7 @@ from mmpar.parallelize.pipeline.schedules import check_evaluates
 from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
 from mmpar.registry import (DATA_SAMPLERS, DATASETS, HOOKS, METRICS, MODELS,
                             OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS)
-from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
+from mmpar.wrappers.builder import DEFAULT_WRAPPER, declared, wrapper_class
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
@@ -135,9 +135,11 @@ def check_custom_imports(custom_imports: Any) -> None:
                   'importable from PYTHONPATH')
 
 
-def _init_arg_names(cls: type) -> Optional[set]:
+def _init_arg_names(cls: type, forwarded: Iterable[str] = ()
+                    ) -> Optional[set]:
     """Keyword arguments ``cls(...)`` accepts, following ``**kwargs`` up the
-    MRO; None if the chain ends in an open ``**kwargs``."""
+    MRO; where ``cls`` declares what its ``**kwargs`` carry (``forwarded``),
+    those; None if the chain ends in an open ``**kwargs``."""
     names = set()
     for klass in cls.__mro__:
         if '__init__' not in vars(klass):
@@ -145,16 +147,20 @@ def _init_arg_names(cls: type) -> Optional[set]:
         params = inspect.signature(vars(klass)['__init__']).parameters
         names.update(n for n, p in params.items()
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return names - {'self', 'module'}
+        if forwarded or not any(p.kind == p.VAR_KEYWORD
+                                for p in params.values()):
+            return (names | set(forwarded)) - {'self', 'module'}
     return None
 
 
-def check_init_args(key: str, section: dict, cls: Any) -> None:
+def check_init_args(key: str, section: dict, cls: Any,
+                    forwarded: Iterable[str] = ()) -> None:
     """Keys of ``section`` that ``cls(...)`` does not take (e.g. a
     misspelt model argument): named here, not reported later as a failure
-    of whatever the build was doing (building on the meta device)."""
-    allowed = _init_arg_names(cls) if inspect.isclass(cls) else None
+    of whatever the build was doing (building on the meta device).
+    ``forwarded``: what ``cls``'s ``**kwargs`` carry, where it says."""
+    allowed = _init_arg_names(cls, forwarded) if inspect.isclass(cls) \
+        else None
     if allowed is None:
         return
     for name, value in section.items():
@@ -172,8 +178,9 @@ def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     strategy, the class's own check)."""
     if wrapper_cfg is None:
         return
-    check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(
-        wrapper_cfg.get('type', DEFAULT_WRAPPER)))
+    wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
+    check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(wrapper),
+                    declared(wrapper).forwarded_kwargs)
     for key, value in wrapper_cfg.items():
         if key in WRAPPER_BOOL_KEYS and not isinstance(value, bool):
             _fail(f'model_wrapper_cfg.{key}', value, 'allowed: True, False')

@@ -92,6 +92,23 @@ CASES = {
         'model_wrapper_cfg': dict(type=FSDP,
                                   mixed_precision=dict(param_dtype='fp12'))
     }, ["mixed_precision.param_dtype='fp12'", 'bf16, bfloat16']),
+    'unknown tp_plan argument': ({
+        'parallel': dict(tp=2, tp_plan=dict(type='digits_vit',
+                                            sequence_parallel=False))
+    }, ['parallel.tp_plan.sequence_parallel=False',
+        "digits_vit_tp_plan() takes no argument 'sequence_parallel'",
+        'no keys besides type']),
+    'unknown module_plan argument': ({
+        'parallel': dict(tp=2, tp_plan=dict(
+            type='module_plan', plan={'blocks.*.mlp.fc1': 'colwise'},
+            strict=True))
+    }, ['parallel.tp_plan.strict=True', 'allowed: plan']),
+    'misspelt fully_shard argument (FSDP2)': ({
+        'model_wrapper_cfg': dict(type='MMFullyShard',
+                                  reshard_after_foward=False)
+    }, ['model_wrapper_cfg.reshard_after_foward=False',
+        "MMFullyShard takes no argument 'reshard_after_foward'",
+        'reshard_after_forward', 'shard_placement_fn']),
     'DDP key on FSDP': ({
         'model_wrapper_cfg': dict(type=FSDP, bucket_cap_mb=25)
     }, ['model_wrapper_cfg.bucket_cap_mb=25',
@@ -465,3 +482,10 @@ def test_v_schedule_with_a_val_loop_is_refused(base_cfg, monkeypatch,
         assert text in str(info.value)
     check_config(_apply(cfg, {'val_dataloader': None, 'val_cfg': None,
                               'val_evaluator': None}))
+
+
+def test_fully_shard_arguments_forwarded_to_torch_pass(base_cfg):
+    # MMFullyShard passes **kwargs to torch's fully_shard: its arguments
+    # are allowed (the typo above is refused with them listed).
+    check_config(_apply(base_cfg, {'model_wrapper_cfg': dict(
+        type='MMFullyShard', shard_placement_fn=None, ignored_params=None)}))
