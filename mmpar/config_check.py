@@ -10,6 +10,7 @@ is allowed. It reads the config and never changes it.
 import contextlib
 import importlib
 import inspect
+import math
 import numbers
 import os.path as osp
 from typing import Any, Iterable, Iterator, Optional
@@ -30,6 +31,7 @@ from mmpar.parallel.experts import check_expert_model
 from mmpar.parallel.sequence import SHARDED_ATTR
 from mmpar.parallelize.pipeline.schedules import check_evaluates
 from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
+from mmpar.parallelize.tensor import splits_sequence
 from mmpar.registry import (DATA_SAMPLERS, DATASETS, HOOKS, METRICS, MODELS,
                             OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS)
 from mmpar.wrappers.builder import DEFAULT_WRAPPER, declared, wrapper_class
@@ -463,6 +465,36 @@ def check_pipeline_evaluation(cfg: Any, plan: ResolvedPlan) -> None:
                         'train without validation')
 
 
+def check_sequence_parallel(cfg: Any, dims: Optional[ParallelDims],
+                            parallel: ParallelConfig) -> None:
+    """Under a tp plan that splits the sequence (sequence parallelism,
+    ``tp_plan='llama'``), every sequence length the config names divides
+    by tp; with ``cp > 1`` each cp rank's part does (``length / cp``
+    tokens, after :func:`check_context_parallel`'s ``2 x cp`` check).
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    tp = dims.tp if dims is not None else parallel.tp
+    cp = (dims.cp if dims is not None else parallel.cp) or 1
+    if not is_int(tp) or tp <= 1 or cp < 1 or parallel.tp_plan is None:
+        return  # no tp, or a layout not known yet (-1)
+    with _as_config_error():
+        split = splits_sequence(parallel.tp_plan)
+    if not split:
+        return
+    multiple = cp * math.lcm(2, tp) if cp > 1 else tp
+    for key, length in config_seq_lens(cfg):
+        if (length // cp) % tp:
+            what = f"each cp rank's {length // cp} tokens (parallel.cp=" \
+                f'{cp})' if cp > 1 else 'the sequence'
+            _fail(key, length,
+                  f'parallel.tp_plan={parallel.tp_plan!r} splits {what} '
+                  f'over parallel.tp={tp} (sequence parallelism); '
+                  f'allowed: a multiple of {multiple}, or a tp plan that '
+                  "keeps the sequence whole (Llama: 'llama_no_sp')")
+
+
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -515,6 +547,7 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
             find_unused_parameters=bool(cfg.get('find_unused_parameters')))
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
+    check_sequence_parallel(cfg, plan.dims, plan.parallel)
     with _as_config_error():
         check_expert_model(cfg.get('model'), lambda: _model_class(cfg),
                            plan.dims if plan.dims is not None else
