@@ -71,6 +71,10 @@ CASES = {
     "cpu_offload='yes'": ({
         'parallel': dict(use_fsdp=True, cpu_offload='yes')
     }, ["parallel.cpu_offload='yes'", 'True or False']),
+    'sync_module_states without use_fsdp': ({
+        'parallel': dict(sync_module_states=False)
+    }, ['parallel.sync_module_states=False is an FSDP option',
+        'parallel.use_fsdp=False', 'leave sync_module_states at True']),
     'unknown FSDP wrap policy': ({
         'model_wrapper_cfg': dict(type=FSDP, fsdp_auto_wrap_policy='by_sizee')
     }, ["fsdp_auto_wrap_policy='by_sizee'", 'module_class, size_based']),
