@@ -15,7 +15,7 @@ import numbers
 import os.path as osp
 from typing import Any, Iterable, Iterator, Optional
 
-
+import torch
 from mmengine.hooks import EMAHook
 from mmengine.model import BaseAveragedModel
 
@@ -259,14 +259,46 @@ def check_optim_wrapper(optim_wrapper: Any, scope: Optional[str]) -> None:
     if 'accumulative_counts' in optim_wrapper:
         _check_positive_int('optim_wrapper.accumulative_counts',
                             optim_wrapper['accumulative_counts'])
-    clip_grad = optim_wrapper.get('clip_grad')
-    if clip_grad is not None:
-        if not isinstance(clip_grad, dict):
-            _fail('optim_wrapper.clip_grad', clip_grad,
-                  'allowed: None or dict(max_norm=...)')
-        if clip_grad.get('type', 'norm') not in ('norm', 'value'):
-            _fail('optim_wrapper.clip_grad.type', clip_grad['type'],
-                  'allowed: norm, value')
+    if optim_wrapper.get('clip_grad') is not None:
+        check_clip_grad(optim_wrapper['clip_grad'])
+
+
+# clip_grad's type -> the torch function MMEngine's OptimWrapper hands the
+# other keys to (mmpar's global-norm clip takes the same), and its limit.
+CLIP_FUNCTIONS = {'norm': (torch.nn.utils.clip_grad_norm_, 'max_norm'),
+                  'value': (torch.nn.utils.clip_grad_value_, 'clip_value')}
+
+
+def check_clip_grad(clip_grad: Any) -> None:
+    """``optim_wrapper.clip_grad``: its keys are the clip function's
+    arguments, its limit a number > 0 (a negative ``max_norm`` flips every
+    gradient: training would ascend), ``norm_type`` a p > 0 or 'inf'."""
+    key = 'optim_wrapper.clip_grad'
+    if not isinstance(clip_grad, dict):
+        _fail(key, clip_grad, 'allowed: None or dict(max_norm=...)')
+    clip_type = clip_grad.get('type', 'norm')
+    if clip_type not in CLIP_FUNCTIONS:
+        _fail(f'{key}.type', clip_type, 'allowed: norm, value')
+    function, limit = CLIP_FUNCTIONS[clip_type]
+    allowed = list(inspect.signature(function).parameters)[1:]
+    for name, value in clip_grad.items():
+        if name != 'type' and name not in allowed:
+            _fail(f'{key}.{name}', value,
+                  f'clip_grad type={clip_type!r} (torch.nn.utils.'
+                  f'{function.__name__}) takes no argument {name!r}; '
+                  f'allowed: type, {", ".join(allowed)}')
+    if limit not in clip_grad:
+        raise ConfigError(f'{key} has no {limit!r}; allowed: '
+                          f'dict(type={clip_type!r}, {limit}=<a number > 0>)')
+    _check_positive_number(f'{key}.{limit}', clip_grad[limit])
+    norm_type = clip_grad.get('norm_type', 2.0)
+    try:
+        p = None if isinstance(norm_type, bool) else float(norm_type)
+    except (TypeError, ValueError):
+        p = None
+    if p is None or not p > 0:  # nan too; 0 would divide by zero
+        _fail(f'{key}.norm_type', norm_type,
+              "allowed: a number > 0 (the p of the p-norm) or 'inf'")
 
 
 def check_train_cfg(train_cfg: Any) -> None:

@@ -172,6 +172,21 @@ CASES = {
     'unknown clip_grad type': ({
         'optim_wrapper.clip_grad.type': 'l3'
     }, ["optim_wrapper.clip_grad.type='l3'", 'norm, value']),
+    'negative clip max_norm': ({
+        'optim_wrapper.clip_grad': dict(max_norm=-1.0)
+    }, ['optim_wrapper.clip_grad.max_norm=-1.0', 'a number > 0']),
+    'misspelt clip_grad key': ({
+        'optim_wrapper.clip_grad': dict(maxnorm=1.0)
+    }, ['optim_wrapper.clip_grad.maxnorm=1.0', "no argument 'maxnorm'",
+        'allowed: type, max_norm, norm_type, error_if_nonfinite']),
+    'clip norm_type not a number': ({
+        'optim_wrapper.clip_grad': dict(max_norm=1.0, norm_type='two')
+    }, ["optim_wrapper.clip_grad.norm_type='two'", "a number > 0",
+        "'inf'"]),
+    'value clip without clip_value': ({
+        'optim_wrapper.clip_grad': dict(type='value', max_norm=1.0)
+    }, ['optim_wrapper.clip_grad.max_norm=1.0', "type='value'",
+        'allowed: type, clip_value, foreach']),
     'typo in train_cfg': ({
         'train_cfg.max_epoch': 3
     }, ["train_cfg.max_epoch=3", "unknown key 'max_epoch'", 'max_epochs']),
@@ -493,3 +508,11 @@ def test_fully_shard_arguments_forwarded_to_torch_pass(base_cfg):
     # are allowed (the typo above is refused with them listed).
     check_config(_apply(base_cfg, {'model_wrapper_cfg': dict(
         type='MMFullyShard', shard_placement_fn=None, ignored_params=None)}))
+
+
+@pytest.mark.parametrize('clip_grad', [
+    dict(max_norm=1.0, norm_type='inf'), dict(max_norm=0.5, norm_type=1),
+    dict(type='value', clip_value=0.1),
+    dict(max_norm=1.0, error_if_nonfinite=True, foreach=None)])
+def test_clip_grad_forms_the_optim_wrapper_takes_pass(base_cfg, clip_grad):
+    check_config(_apply(base_cfg, {'optim_wrapper.clip_grad': clip_grad}))
