@@ -19,7 +19,8 @@ import torch
 from mmengine.hooks import EMAHook
 from mmengine.model import BaseAveragedModel
 
-from mmpar.checkpoint.format import check_async_save, checkpoint_format
+from mmpar.checkpoint.format import (check_async_save, check_published_keys,
+                                     checkpoint_format)
 from mmpar.checks import check_int, is_int
 from mmpar.datasets.packed_check import check_document_attention
 from mmpar.device import accelerator_type
@@ -645,6 +646,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     with _as_config_error():
         check_hooks(cfg, scope)
         checkpoint_format(cfg)
+        check_published_keys(cfg)
     plan = check_layout(cfg, world_size)
     check_fused_checkpoints(cfg, plan)
     check_checkpoint_paths(cfg)

@@ -243,6 +243,12 @@ CASES = {
             'blocks.*.attn.qkv': dict(style='colwise', fused=3)}))
     }, ["checkpoint_format='sharded' is not allowed",
         'blocks.*.attn.qkv', "allowed: checkpoint_format='full'"]),
+    'published_keys with sharded checkpoints': ({
+        'checkpoint_format': 'sharded',
+        'default_hooks.checkpoint.published_keys': ['meta', 'state_dict']
+    }, ["default_hooks.checkpoint.published_keys=['meta', 'state_dict']",
+        "checkpoint_format='sharded'", "allowed: checkpoint_format='full'",
+        'tools/convert_checkpoint.py']),
     'unknown log level': ({
         'log_level': 'LOUD'
     }, ["log_level='LOUD'", 'DEBUG, INFO, WARNING, ERROR, CRITICAL']),
