@@ -10,15 +10,17 @@ is allowed. It reads the config and never changes it.
 import contextlib
 import importlib
 import inspect
+import math
 import numbers
 import os.path as osp
 from typing import Any, Iterable, Iterator, Optional
 
-
+import torch
 from mmengine.hooks import EMAHook
 from mmengine.model import BaseAveragedModel
 
-from mmpar.checkpoint.format import check_async_save, checkpoint_format
+from mmpar.checkpoint.format import (check_async_save, check_published_keys,
+                                     checkpoint_format)
 from mmpar.checks import check_int, is_int
 from mmpar.datasets.packed_check import check_document_attention
 from mmpar.device import accelerator_type
@@ -28,10 +30,12 @@ from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallel.experts import check_expert_model
 from mmpar.parallel.sequence import SHARDED_ATTR
+from mmpar.parallelize.pipeline.schedules import check_evaluates
 from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
+from mmpar.parallelize.tensor import splits_sequence
 from mmpar.registry import (DATA_SAMPLERS, DATASETS, HOOKS, METRICS, MODELS,
                             OPTIM_WRAPPERS, OPTIMIZERS, PARAM_SCHEDULERS)
-from mmpar.wrappers.builder import DEFAULT_WRAPPER, wrapper_class
+from mmpar.wrappers.builder import DEFAULT_WRAPPER, declared, wrapper_class
 
 LOG_LEVELS = ('DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL')
 # Keys of ``train_cfg`` MMEngine's built-in train loops accept.
@@ -134,9 +138,11 @@ def check_custom_imports(custom_imports: Any) -> None:
                   'importable from PYTHONPATH')
 
 
-def _init_arg_names(cls: type) -> Optional[set]:
+def _init_arg_names(cls: type, forwarded: Iterable[str] = ()
+                    ) -> Optional[set]:
     """Keyword arguments ``cls(...)`` accepts, following ``**kwargs`` up the
-    MRO; None if the chain ends in an open ``**kwargs``."""
+    MRO; where ``cls`` declares what its ``**kwargs`` carry (``forwarded``),
+    those; None if the chain ends in an open ``**kwargs``."""
     names = set()
     for klass in cls.__mro__:
         if '__init__' not in vars(klass):
@@ -144,16 +150,20 @@ def _init_arg_names(cls: type) -> Optional[set]:
         params = inspect.signature(vars(klass)['__init__']).parameters
         names.update(n for n, p in params.items()
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            return names - {'self', 'module'}
+        if forwarded or not any(p.kind == p.VAR_KEYWORD
+                                for p in params.values()):
+            return (names | set(forwarded)) - {'self', 'module'}
     return None
 
 
-def check_init_args(key: str, section: dict, cls: Any) -> None:
+def check_init_args(key: str, section: dict, cls: Any,
+                    forwarded: Iterable[str] = ()) -> None:
     """Keys of ``section`` that ``cls(...)`` does not take (e.g. a
     misspelt model argument): named here, not reported later as a failure
-    of whatever the build was doing (building on the meta device)."""
-    allowed = _init_arg_names(cls) if inspect.isclass(cls) else None
+    of whatever the build was doing (building on the meta device).
+    ``forwarded``: what ``cls``'s ``**kwargs`` carry, where it says."""
+    allowed = _init_arg_names(cls, forwarded) if inspect.isclass(cls) \
+        else None
     if allowed is None:
         return
     for name, value in section.items():
@@ -171,8 +181,9 @@ def check_wrapper_args(wrapper_cfg: Optional[dict]) -> None:
     strategy, the class's own check)."""
     if wrapper_cfg is None:
         return
-    check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(
-        wrapper_cfg.get('type', DEFAULT_WRAPPER)))
+    wrapper = wrapper_cfg.get('type', DEFAULT_WRAPPER)
+    check_init_args('model_wrapper_cfg', wrapper_cfg, wrapper_class(wrapper),
+                    declared(wrapper).forwarded_kwargs)
     for key, value in wrapper_cfg.items():
         if key in WRAPPER_BOOL_KEYS and not isinstance(value, bool):
             _fail(f'model_wrapper_cfg.{key}', value, 'allowed: True, False')
@@ -249,14 +260,46 @@ def check_optim_wrapper(optim_wrapper: Any, scope: Optional[str]) -> None:
     if 'accumulative_counts' in optim_wrapper:
         _check_positive_int('optim_wrapper.accumulative_counts',
                             optim_wrapper['accumulative_counts'])
-    clip_grad = optim_wrapper.get('clip_grad')
-    if clip_grad is not None:
-        if not isinstance(clip_grad, dict):
-            _fail('optim_wrapper.clip_grad', clip_grad,
-                  'allowed: None or dict(max_norm=...)')
-        if clip_grad.get('type', 'norm') not in ('norm', 'value'):
-            _fail('optim_wrapper.clip_grad.type', clip_grad['type'],
-                  'allowed: norm, value')
+    if optim_wrapper.get('clip_grad') is not None:
+        check_clip_grad(optim_wrapper['clip_grad'])
+
+
+# clip_grad's type -> the torch function MMEngine's OptimWrapper hands the
+# other keys to (mmpar's global-norm clip takes the same), and its limit.
+CLIP_FUNCTIONS = {'norm': (torch.nn.utils.clip_grad_norm_, 'max_norm'),
+                  'value': (torch.nn.utils.clip_grad_value_, 'clip_value')}
+
+
+def check_clip_grad(clip_grad: Any) -> None:
+    """``optim_wrapper.clip_grad``: its keys are the clip function's
+    arguments, its limit a number > 0 (a negative ``max_norm`` flips every
+    gradient: training would ascend), ``norm_type`` a p > 0 or 'inf'."""
+    key = 'optim_wrapper.clip_grad'
+    if not isinstance(clip_grad, dict):
+        _fail(key, clip_grad, 'allowed: None or dict(max_norm=...)')
+    clip_type = clip_grad.get('type', 'norm')
+    if clip_type not in CLIP_FUNCTIONS:
+        _fail(f'{key}.type', clip_type, 'allowed: norm, value')
+    function, limit = CLIP_FUNCTIONS[clip_type]
+    allowed = list(inspect.signature(function).parameters)[1:]
+    for name, value in clip_grad.items():
+        if name != 'type' and name not in allowed:
+            _fail(f'{key}.{name}', value,
+                  f'clip_grad type={clip_type!r} (torch.nn.utils.'
+                  f'{function.__name__}) takes no argument {name!r}; '
+                  f'allowed: type, {", ".join(allowed)}')
+    if limit not in clip_grad:
+        raise ConfigError(f'{key} has no {limit!r}; allowed: '
+                          f'dict(type={clip_type!r}, {limit}=<a number > 0>)')
+    _check_positive_number(f'{key}.{limit}', clip_grad[limit])
+    norm_type = clip_grad.get('norm_type', 2.0)
+    try:
+        p = None if isinstance(norm_type, bool) else float(norm_type)
+    except (TypeError, ValueError):
+        p = None
+    if p is None or not p > 0:  # nan too; 0 would divide by zero
+        _fail(f'{key}.norm_type', norm_type,
+              "allowed: a number > 0 (the p of the p-norm) or 'inf'")
 
 
 def check_train_cfg(train_cfg: Any) -> None:
@@ -438,6 +481,53 @@ def check_context_parallel(cfg: Any, dims: Optional[ParallelDims],
                   f'{2 * cp} (or another parallel.cp)')
 
 
+def check_pipeline_evaluation(cfg: Any, plan: ResolvedPlan) -> None:
+    """A pipeline whose schedule cannot evaluate (the V schedules) with a
+    val loop, which training runs. (A test loop is not refused here: a
+    training config commonly inherits one it never runs; the test step
+    refuses it.)"""
+    pp = plan.dims.pp if plan.dims is not None else \
+        plan.parallel.pp or plan.parallel.pipeline_parallelism
+    if plan.pipeline is None or pp in (None, 1) or \
+            cfg.get('val_dataloader') is None:
+        return
+    with _as_config_error():
+        check_evaluates(plan.pipeline.schedule,
+                        'val_dataloader and val_cfg are set, so training '
+                        'validates; set them and val_evaluator to None to '
+                        'train without validation')
+
+
+def check_sequence_parallel(cfg: Any, dims: Optional[ParallelDims],
+                            parallel: ParallelConfig) -> None:
+    """Under a tp plan that splits the sequence (sequence parallelism,
+    ``tp_plan='llama'``), every sequence length the config names divides
+    by tp; with ``cp > 1`` each cp rank's part does (``length / cp``
+    tokens, after :func:`check_context_parallel`'s ``2 x cp`` check).
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    tp = dims.tp if dims is not None else parallel.tp
+    cp = (dims.cp if dims is not None else parallel.cp) or 1
+    if not is_int(tp) or tp <= 1 or cp < 1 or parallel.tp_plan is None:
+        return  # no tp, or a layout not known yet (-1)
+    with _as_config_error():
+        split = splits_sequence(parallel.tp_plan)
+    if not split:
+        return
+    multiple = cp * math.lcm(2, tp) if cp > 1 else tp
+    for key, length in config_seq_lens(cfg):
+        if (length // cp) % tp:
+            what = f"each cp rank's {length // cp} tokens (parallel.cp=" \
+                f'{cp})' if cp > 1 else 'the sequence'
+            _fail(key, length,
+                  f'parallel.tp_plan={parallel.tp_plan!r} splits {what} '
+                  f'over parallel.tp={tp} (sequence parallelism); '
+                  f'allowed: a multiple of {multiple}, or a tp plan that '
+                  "keeps the sequence whole (Llama: 'llama_no_sp')")
+
+
 def _check_together(cfg: Any, keys: Iterable[str]) -> None:
     present = [k for k in keys if cfg.get(k) is not None]
     if present and len(present) != len(keys):
@@ -490,12 +580,14 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
             find_unused_parameters=bool(cfg.get('find_unused_parameters')))
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
+    check_sequence_parallel(cfg, plan.dims, plan.parallel)
     with _as_config_error():
         check_expert_model(cfg.get('model'), lambda: _model_class(cfg),
                            plan.dims if plan.dims is not None else
                            plan.parallel)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
+    check_pipeline_evaluation(cfg, plan)
     return plan
 
 
@@ -554,6 +646,7 @@ def check_config(cfg: Any, world_size: Optional[int] = None
     with _as_config_error():
         check_hooks(cfg, scope)
         checkpoint_format(cfg)
+        check_published_keys(cfg)
     plan = check_layout(cfg, world_size)
     check_fused_checkpoints(cfg, plan)
     check_checkpoint_paths(cfg)

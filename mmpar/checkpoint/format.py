@@ -37,6 +37,27 @@ def checkpoint_format(cfg) -> str:
                                                    'full'))
 
 
+def check_published_keys(cfg) -> None:
+    """``default_hooks.checkpoint.published_keys`` needs full checkpoints:
+    MMEngine's CheckpointHook publishes after training by loading the last
+    (and best) checkpoint as one file, and a sharded one is a directory
+    (the finished run would exit 1 with a FileNotFoundError).
+
+    Raises:
+        ValueError: naming the key, the value and what is allowed.
+    """
+    hook = ((cfg or {}).get('default_hooks') or {}).get('checkpoint')
+    keys = hook.get('published_keys') if isinstance(hook, dict) else None
+    if keys is not None and checkpoint_format(cfg) == 'sharded':
+        raise ValueError(
+            f'default_hooks.checkpoint.published_keys={keys!r} is not '
+            "allowed with checkpoint_format='sharded': publishing loads the "
+            'checkpoint as one file, and a sharded one is a directory; '
+            "allowed: checkpoint_format='full', or no published_keys and "
+            'tools/convert_checkpoint.py to turn a sharded checkpoint into '
+            'one full file')
+
+
 def sharded_hook_names(default_hooks: Optional[dict]) -> Optional[dict]:
     """``default_hooks`` with CheckpointHook naming directories without
     ``.pth`` (``epoch_{}`` / ``iter_{}``) unless the user chose a template.

@@ -18,7 +18,7 @@ wrapper composes with which axis) is checked by :mod:`mmpar.parallelize`.
 """
 import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from mmpar.checks import check_int
@@ -27,6 +27,8 @@ from mmpar.parallel.dims import REST, ParallelDims, resolve_dims
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, is_hybrid
 
 SEED_SIZE_KEYS = ('model_parallelism', 'pipeline_parallelism')
+# The FSDP wrapper arguments the section sets (with use_fsdp only).
+FSDP_KEYS = ('cpu_offload', 'sharding_strategy', 'sync_module_states')
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,9 @@ class ParallelConfig:
                 f'not allowed; allowed: {", ".join(SHARDING_STRATEGIES)}')
         if not self.use_fsdp:
             # FSDP options without FSDP would be silently ignored.
-            for key, default in (('cpu_offload', False),
-                                 ('sharding_strategy', 'FULL_SHARD')):
-                if getattr(self, key) != default:
+            for field in fields(self):
+                key, default = field.name, field.default
+                if key in FSDP_KEYS and getattr(self, key) != default:
                     raise ValueError(
                         f'parallel.{key}={getattr(self, key)!r} is an FSDP '
                         'option but parallel.use_fsdp=False; set '
@@ -159,7 +161,4 @@ class ParallelConfig:
     @property
     def fsdp_kwargs(self) -> dict:
         """The FSDP wrapper arguments this section sets."""
-        return dict(
-            cpu_offload=self.cpu_offload,
-            sharding_strategy=self.sharding_strategy,
-            sync_module_states=self.sync_module_states)
+        return {key: getattr(self, key) for key in FSDP_KEYS}

@@ -20,6 +20,7 @@ See docs/tensor_parallel.md. Helpers for this rank's part of a DTensor
 live in :mod:`mmpar.parallel.dtensor`.
 """
 import copy
+import inspect
 from typing import Callable, Dict, List, Tuple, Union
 
 from torch import nn
@@ -66,12 +67,33 @@ def resolve_tp_plan(cfg: PlanCfg) -> Tuple[Callable, dict]:
                          f'registered: {", ".join(registered_plans())}')
     kwargs = copy.deepcopy({k: v for k, v in cfg.items() if k != 'type'})
     plan = cfg['type'] if callable(cfg['type']) else _lookup(cfg['type'])
+    _check_plan_kwargs(plan, kwargs)
     if plan is module_plan:
         if 'plan' not in kwargs:
             raise ValueError("parallel.tp_plan type='module_plan' needs "
                              "'plan', a dict of module-name pattern -> style")
         check_module_plan_data(kwargs['plan'])
     return plan, kwargs
+
+
+def _check_plan_kwargs(plan: Callable, kwargs: dict) -> None:
+    """The keys of ``tp_plan`` besides ``type`` are keyword arguments of
+    ``plan(model, tp_mesh, ...)``: refuse one it does not take."""
+    try:
+        params = list(inspect.signature(plan).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin)
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return
+    allowed = [p.name for p in params
+               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key, value in kwargs.items():
+        if key not in allowed:
+            name = getattr(plan, '__name__', repr(plan))
+            raise ValueError(
+                f'parallel.tp_plan.{key}={value!r} is not allowed: the plan '
+                f'function {name}() takes no argument {key!r}; allowed: '
+                + (', '.join(allowed) if allowed else 'no keys besides type'))
 
 
 def check_tp_plan(cfg: PlanCfg) -> None:
@@ -81,6 +103,22 @@ def check_tp_plan(cfg: PlanCfg) -> None:
         ValueError / TypeError: as :func:`resolve_tp_plan`.
     """
     resolve_tp_plan(cfg)
+
+
+# Registered plans that split the sequence over tp between the blocks
+# (sequence-parallel norms: mmpar/models/llama.py's TP_PLAN). A
+# ``module_plan`` says so by its 'sequence_parallel' entries.
+SEQUENCE_PARALLEL_PLANS = ('llama', )
+
+
+def splits_sequence(cfg: PlanCfg) -> bool:
+    """Whether the ``tp_plan`` config splits each rank's sequence over
+    tp (sequence parallelism), so that its length must divide by tp."""
+    plan, kwargs = resolve_tp_plan(cfg)
+    if plan is module_plan:
+        return any(entry['style'] == 'sequence_parallel' for entry in
+                   check_module_plan_data(kwargs['plan']).values())
+    return any(plan is _lookup(name) for name in SEQUENCE_PARALLEL_PLANS)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: PlanCfg,

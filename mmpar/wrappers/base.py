@@ -64,6 +64,13 @@ class StepMixin:
     #: gradients over it only, so it can wrap an expert-parallel model
     #: (``parallel.ep > 1``).
     expert_parallel: ClassVar[bool] = False
+    #: Named by ``model_wrapper_cfg.type``; False: mmpar builds it itself
+    #: (the pipeline wrapper, from ``parallel.pp`` and ``parallel.pipeline``).
+    from_config: ClassVar[bool] = True
+    #: Keyword arguments ``__init__`` passes on through an open ``**kwargs``
+    #: (to a function it names, e.g. torch's ``fully_shard``): the config
+    #: check allows them besides ``__init__``'s own. Empty: not declared.
+    forwarded_kwargs: ClassVar[Tuple[str, ...]] = ()
 
     module: nn.Module
     # The data-parallel group gradients are reduced over (None: the world).

@@ -20,28 +20,53 @@ USE_FSDP_WRAPPER = 'MMFullyShardedDataParallel'
 
 
 def registered_wrappers() -> list:
-    """Names a ``model_wrapper_cfg.type`` may take (mmpar's, then MMEngine's)."""
+    """Names a ``model_wrapper_cfg.type`` may take (mmpar's, then
+    MMEngine's), without those that cannot wrap a model from a config."""
     MODEL_WRAPPERS.parent.import_from_location()
-    return list(dict.fromkeys([*MODEL_WRAPPERS.module_dict,
-                               *MODEL_WRAPPERS.parent.module_dict]))
+    classes = {**MODEL_WRAPPERS.parent.module_dict,
+               **MODEL_WRAPPERS.module_dict}
+    return [name for name in dict.fromkeys([
+        *MODEL_WRAPPERS.module_dict, *MODEL_WRAPPERS.parent.module_dict])
+            if not _unusable(classes[name])]
+
+
+def _unusable(cls: type) -> str:
+    """Why ``cls`` cannot be a ``model_wrapper_cfg.type`` ('' if it can):
+    the Runner trains through the wrapper's ``train_step`` (torch's
+    ``DataParallel`` and ``DistributedDataParallel``, in MMEngine's
+    registry, have none), and mmpar's pipeline wrapper is built by
+    ``pipeline_parallelize``, not from a config."""
+    if not callable(getattr(cls, 'train_step', None)):
+        return ('cannot wrap a model here: it has no train_step, through '
+                "which the Runner trains (torch's classes lack MMEngine's "
+                'step interface)')
+    if issubclass(cls, StepMixin) and not cls.from_config:
+        return ('cannot wrap a model here: mmpar builds it itself from '
+                'parallel.pp and parallel.pipeline, not from '
+                'model_wrapper_cfg')
+    return ''
 
 
 def wrapper_class(wrapper_type) -> type:
     """Resolve a wrapper type (a registered name or a class).
 
     Raises:
-        ValueError: naming the unknown type and the registered ones.
+        ValueError: naming the unknown type, or one that cannot wrap a
+            model from a config, and the registered ones that can.
     """
     if isinstance(wrapper_type, type):
-        return wrapper_type
-    wrapper_type = _mmpar_twin(wrapper_type)
-    with DefaultScope.overwrite_default_scope(SCOPE):
-        cls = MODEL_WRAPPERS.get(wrapper_type) if isinstance(
-            wrapper_type, str) else None
-    if cls is None:
-        raise ValueError(
-            f'model_wrapper_cfg.type={wrapper_type!r} is not a registered '
-            f'model wrapper; allowed: {", ".join(registered_wrappers())}')
+        cls = wrapper_type
+    else:
+        wrapper_type = _mmpar_twin(wrapper_type)
+        with DefaultScope.overwrite_default_scope(SCOPE):
+            cls = MODEL_WRAPPERS.get(wrapper_type) if isinstance(
+                wrapper_type, str) else None
+    reason = ('is not a registered model wrapper' if cls is None else
+              _unusable(cls))
+    if reason:
+        name = getattr(wrapper_type, '__name__', wrapper_type)
+        raise ValueError(f'model_wrapper_cfg.type={name!r} {reason}; '
+                         f'allowed: {", ".join(registered_wrappers())}')
     return cls
 
 

@@ -7,6 +7,7 @@ and FSDP1 wrappers do), so MMEngine's ``is_model_wrapper`` and every
 ``model.module`` access keep working, and the steps come from StepMixin.
 """
 import contextlib
+import inspect
 from typing import Iterator, Optional, Union
 
 import torch.distributed as dist
@@ -104,6 +105,15 @@ class MMFullyShard(StepMixin, nn.Module):
     meta_materialize = 'after'
     expert_parallel = True
     supports_forced_sync = False
+    # **kwargs go to fully_shard: its keyword arguments but those set here
+    # from the wrapper's own (device_mesh, reshard_after_forward,
+    # mixed_precision, cpu_offload).
+    forwarded_kwargs = tuple(
+        name for name, param in inspect.signature(
+            fully_shard).parameters.items()
+        if param.kind == param.KEYWORD_ONLY and
+        name not in ('mesh', 'reshard_after_forward', 'mp_policy',
+                     'offload_policy'))
     cfg_checks = dict(sharding_strategy=_strategy,
                       cpu_offload=_normalize_cpu_offload,
                       fsdp_auto_wrap_policy=check_wrap_policy,

@@ -54,3 +54,41 @@ def test_dataset_default_length_is_checked():
     with pytest.raises(ConfigError, match=r'train_dataloader.dataset.'
                        r'context_length=128 is not allowed'):
         check_config(cfg, 6)
+
+
+def _with_length(length, world_size, **parallel):
+    cfg = Config.fromfile(LLAMA)
+    cfg.merge_from_dict({f'parallel.{k}': v for k, v in parallel.items()})
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        cfg[loader].dataset.context_length = length
+    return check_config(cfg, world_size)
+
+
+@pytest.mark.parametrize('length,world_size,parallel,named', [
+    # The sequence-parallel plan splits the sequence over tp: 15 tokens on
+    # 2 tp ranks failed in the first call's dry run, misleadingly.
+    (15, 2, dict(tp=2), ['train_dataloader.dataset.context_length=15 is '
+                         "not allowed; parallel.tp_plan='llama' splits the "
+                         'sequence over parallel.tp=2',
+                         'allowed: a multiple of 2', "'llama_no_sp'"]),
+    # cp=2 first: 12 = 2 x 2 x 3 chunks, each cp rank's 6 tokens over tp=4.
+    (12, 8, dict(cp=2, tp=4), ["splits each cp rank's 6 tokens "
+                               '(parallel.cp=2) over parallel.tp=4',
+                               'allowed: a multiple of 8']),
+])
+def test_sequence_parallel_lengths_divide_by_tp(length, world_size,
+                                                parallel, named):
+    with pytest.raises(ConfigError) as err:
+        _with_length(length, world_size, tp_plan='llama', **parallel)
+    for text in named:
+        assert text in str(err.value)
+
+
+@pytest.mark.parametrize('length,world_size,parallel', [
+    (16, 2, dict(tp=2, tp_plan='llama')),
+    (8, 8, dict(cp=2, tp=4, tp_plan='llama')),  # 4 tokens per cp rank
+    (15, 2, dict(tp=2, tp_plan='llama_no_sp')),  # the sequence stays whole
+])
+def test_lengths_a_sequence_parallel_split_takes_pass(length, world_size,
+                                                      parallel):
+    _with_length(length, world_size, **parallel)

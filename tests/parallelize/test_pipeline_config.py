@@ -67,6 +67,9 @@ def test_theoretical_bubble_of_an_unknown_schedule_lists_the_known():
      r"split_points=\['layers.1', 'layers.2'\] is not allowed; allowed: 1 "
      r'names \(pp=2 x stages_per_rank=1'),
     (dict(split_points='layers.2'), r"split_points='layers.2'"),
+    # Not iterable: the message was only "'int' object is not iterable".
+    (dict(split_points=3), r'parallel.pipeline.split_points=3 is not '
+     r'allowed; allowed: a list of module names'),
     (dict(num_stages=2), r'parallel.pipeline.num_stages=2 is not allowed'),
     (dict(reshard_per_microbatch=1),
      r'parallel.pipeline.reshard_per_microbatch=1 is not allowed; allowed: '

@@ -80,7 +80,7 @@ class PipelineConfig:
             kwargs = dict(cfg)
             points = kwargs.get('split_points')
             if points is not None:
-                if isinstance(points, str) or not all(
+                if not isinstance(points, (list, tuple)) or not all(
                         isinstance(p, str) for p in points):
                     _fail('split_points', points,
                           'a list of module names, e.g. ["blocks.2"]')

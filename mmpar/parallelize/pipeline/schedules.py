@@ -27,6 +27,10 @@ V_SCHEDULES = ('ZBVZeroBubble', 'DualPipeV')
 ZERO_BUBBLE_SCHEDULES = ('InterleavedZeroBubble', 'ZBVZeroBubble',
                          'DualPipeV')
 
+# torch 2.13 runs a V schedule's backward actions in eval too ("can't
+# steal_bwd_input if this stage doesn't have backward"): the others validate.
+EVAL_SCHEDULES = tuple(name for name in _TORCH if name not in V_SCHEDULES)
+
 for _name, _cls in _TORCH.items():
     if PIPELINE_SCHEDULES.get(_name) is None:
         PIPELINE_SCHEDULES.register_module(name=_name, module=_cls)
@@ -43,6 +47,21 @@ def schedule_class(name: str) -> type:
                          'allowed; allowed: a registered schedule name')
     return lookup_callable(PIPELINE_SCHEDULES, name,
                            'parallel.pipeline.schedule')
+
+
+def check_evaluates(name: str, loop: str) -> None:
+    """Refuse schedule ``name`` for a job that runs a val or test loop
+    (``loop`` says which, for the message) where it cannot (the V
+    schedules, :data:`EVAL_SCHEDULES`).
+
+    Raises:
+        ValueError: naming the key, the value and what is allowed.
+    """
+    if name in V_SCHEDULES:
+        raise ValueError(
+            f'parallel.pipeline.schedule={name!r} cannot run validation/test '
+            f'in torch 2.13 ({loop}); allowed for a job with a val/test '
+            f'loop: {", ".join(EVAL_SCHEDULES)}')
 
 
 def is_multi_stage(name: str) -> bool:

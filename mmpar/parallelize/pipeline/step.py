@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from mmpar.optim.tokens import TOKENS_KEY, is_token_counted
 from mmpar.parallel.sequence import shard_batch
-from mmpar.parallelize.pipeline.schedules import V_SCHEDULES
+from mmpar.parallelize.pipeline.schedules import check_evaluates
 from mmpar.parallelize.pipeline.split import pipeline_kwargs
 from mmpar.registry import MODEL_WRAPPERS
 from mmpar.wrappers.base import StepMixin
@@ -126,6 +126,7 @@ class MMPipelineParallel(StepMixin, nn.Module):
     # Data-parallel sync happens in the stages (FSDP2) or at the step
     # (finish_grad_sync): never a no_sync window at this level.
     sync_strategy = 'multi_auto_sync'
+    from_config = False
 
     def __init__(self, stages: Sequence[nn.Module], stage_indices: List[int],
                  num_stages: int, schedule: str, schedule_cls: type,
@@ -349,15 +350,9 @@ class MMPipelineParallel(StepMixin, nn.Module):
     def predict(self, data: Any) -> list:
         """Predictions of a preprocessed batch, forward-only through the
         stages, on every pp rank."""
-        if self.schedule_name in V_SCHEDULES:
-            # torch 2.13: a V schedule's eval still runs its backward
-            # actions ("can't steal_bwd_input if this stage doesn't have
-            # backward").
-            raise RuntimeError(
-                f'parallel.pipeline.schedule={self.schedule_name!r} cannot '
-                'run validation/test in torch 2.13; allowed for a job with '
-                'a val/test loop: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, '
-                'InterleavedZeroBubble')
+        # check_config refuses a val loop at start-up; a test run (which
+        # it cannot tell from a training one) stops here.
+        check_evaluates(self.schedule_name, 'a val/test step was called')
         _, rest, _ = self._batch_parts(data)
         outputs = self._run(data, False)
         preds = _call(self.model.pipeline_predict, outputs, rest, None) \
