@@ -34,9 +34,11 @@ INDEX_NAME = 'model.safetensors.index.json'
 CONFIG_NAME = 'config.json'
 # Config keys that change what the weights compute without changing any
 # shape: a mismatch would load silently and give other logits.
+# Heads too: 2 heads of 16 and 4 of 8 have the same weight shapes.
 ARCHITECTURE_KEYS = ('model_type', 'hidden_act', 'rms_norm_eps',
                      'rope_parameters', 'rope_scaling', 'attention_bias',
-                     'mlp_bias', 'tie_word_embeddings')
+                     'mlp_bias', 'tie_word_embeddings', 'num_attention_heads',
+                     'num_key_value_heads', 'head_dim')
 
 
 def is_hf_checkpoint(path: str) -> bool:

@@ -85,6 +85,13 @@ def test_shape_and_key_errors_name_file_and_key(hf_dir, tmp_path):
     # config.json says what no shape shows: another rope base.
     with pytest.raises(ValueError, match="config.json: rope_parameters="):
         read_hf_state_dict(hf_dir, _llama(rope_theta=500000.0))
+    # Or another split of the same width into heads (the same shapes).
+    heads = LLAMA['num_heads'] * 2
+    with pytest.raises(ValueError, match=r"config.json: num_attention_heads="
+                       rf"{LLAMA['num_heads']}, but the model is configured "
+                       rf'with num_attention_heads={heads}'):
+        read_hf_state_dict(hf_dir, _llama(num_heads=heads,
+                                          num_kv_heads=heads))
 
 
 def test_tied_embeddings_export_and_load(tmp_path):
