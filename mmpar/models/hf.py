@@ -7,7 +7,7 @@ needs it (CI installs it from ``requirements-test.txt``; users with
 directory.
 """
 import os.path as osp
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from mmengine.model import BaseModel
@@ -62,6 +62,17 @@ def _pretrained_config(transformers, path: str):
             'model.safetensors or its index); nothing is downloaded')
     return transformers.AutoConfig.from_pretrained(path,
                                                    local_files_only=True)
+
+
+def _configured(model_cfg: dict) -> Tuple[Any, str]:
+    """The ``model`` section's Hugging Face config, read without building
+    the model, and the key it came from (for messages)."""
+    transformers = import_transformers()
+    pretrained = model_cfg.get('pretrained')
+    if pretrained is not None and model_cfg.get('config') is None:
+        return (_pretrained_config(transformers, pretrained),
+                f'model.pretrained={pretrained!r} config.json')
+    return _hf_config(transformers, model_cfg.get('config')), 'model.config'
 
 
 @MODELS.register_module()
@@ -151,15 +162,19 @@ class HFCausalLM(LMPipelineOutputs, BaseModel):
         """
         if ep <= 1:
             return
-        transformers = import_transformers()
-        pretrained = model_cfg.get('pretrained')
-        if pretrained is not None and model_cfg.get('config') is None:
-            hf_config = _pretrained_config(transformers, pretrained)
-            source = f'model.pretrained={pretrained!r} config.json'
-        else:
-            hf_config = _hf_config(transformers, model_cfg.get('config'))
-            source = 'model.config'
+        hf_config, source = _configured(model_cfg)
         check_hf_expert_parallel(hf_config, ep, source)
+
+    @classmethod
+    def tied_weights_key(cls, model_cfg: dict) -> Optional[str]:
+        """At start-up (:func:`mmpar.parallel.tied.check_tied_model`, under
+        tp or pp), before any process group: the key of
+        ``tie_word_embeddings`` (``'model.config.tie_word_embeddings'``)
+        when the configured model ties its head to its embedding (as set,
+        or as its ``model_type`` defaults), else None."""
+        hf_config, source = _configured(model_cfg)
+        return f'{source}.tie_word_embeddings' \
+            if getattr(hf_config, 'tie_word_embeddings', False) else None
 
     @property
     def decoder_layer_class(self) -> str:

@@ -14,7 +14,10 @@ make it easy to parallelise:
   another stage, and :meth:`Llama.logits` skips what is missing (see
   :func:`pipeline_split_points`).
 * Embeddings are untied by default: tied weights cannot live on two pipeline
-  stages or take two different tensor-parallel layouts.
+  stages or take two different tensor-parallel layouts, so
+  ``tie_embeddings=True`` is refused under ``parallel.tp > 1`` or
+  ``parallel.pp > 1`` (:mod:`mmpar.parallel.tied`); data parallelism
+  (DDP, FSDP) trains it.
 """
 import math
 from typing import Dict, List, Optional, Tuple, Union
@@ -363,7 +366,8 @@ class Llama(LMPipelineOutputs, BaseModel):
         max_seq_len: longest sequence the rotary tables cover.
         rope_theta: rotary base.
         norm_eps: RMSNorm epsilon.
-        tie_embeddings: share the input embedding with the output head.
+        tie_embeddings: share the input embedding with the output head
+            (refused under ``parallel.tp > 1`` or ``parallel.pp > 1``).
         init_std: standard deviation of the weight initialisation.
         moe: None (dense SwiGLU MLPs) or a dict of
             :class:`~mmpar.models.moe.MoEConfig` keys (``num_experts``,
@@ -416,6 +420,14 @@ class Llama(LMPipelineOutputs, BaseModel):
                 f"parallel.ep={ep} splits each layer's experts evenly over "
                 f'its ranks; allowed: a multiple of {ep} (or another '
                 'parallel.ep)')
+
+    @classmethod
+    def tied_weights_key(cls, model_cfg: dict) -> Optional[str]:
+        """At start-up (:func:`mmpar.parallel.tied.check_tied_model`, under
+        tp or pp): ``'model.tie_embeddings'`` when it ties the head to the
+        embedding, else None."""
+        return 'model.tie_embeddings' if model_cfg.get('tie_embeddings') \
+            else None
 
     def __init__(self,
                  vocab_size: int = 256,

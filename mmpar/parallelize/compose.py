@@ -43,6 +43,7 @@ from torch import nn
 from mmpar.failures import ConfigError
 from mmpar.parallel.axes import REPLICATE_EXPERT_SHARD
 from mmpar.parallel.sharding import SHARDING_STRATEGIES, strategy_name
+from mmpar.parallel.tied import refuse_shared_parameters
 from mmpar.parallel.topology import ParallelTopology
 from mmpar.parallelize.activation import apply_activation_checkpointing
 from mmpar.parallelize.compile import apply_compile
@@ -151,7 +152,8 @@ def parallelize(model: nn.Module,
         The wrapped model.
 
     Raises:
-        ConfigError: a combination the layout cannot train.
+        ConfigError: a combination the layout cannot train (tied weights
+            under tp or pp among them).
     """
     if plan is None:
         try:
@@ -175,6 +177,9 @@ def parallelize(model: nn.Module,
         # (pp: before the split, while every rank holds the whole model.)
         broadcast_before_sharding(model)
     if dims.tp_enabled:
+        # The plan would give tied weights two layouts (the pipeline split
+        # refuses them under pp alone).
+        refuse_shared_parameters(model, dims.tp, dims.pp)
         model = apply_tp(model, topology.mesh['tp'], plan.parallel.tp_plan)
     apply_expert_parallel(model, topology.mesh['ep'], topology.dp_cp.group)
     if dims.cp_enabled:

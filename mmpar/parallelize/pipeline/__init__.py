@@ -48,7 +48,7 @@ def pipeline_parallelize(model: nn.Module, topology, config: PipelineConfig,
     """
     dims = topology.dims
     try:
-        check_protocol(model)
+        check_protocol(model, dims.pp)
         num_stages = config.num_stages(dims.pp)
         starts = stage_starts(model, config.split_points, num_stages)
     except ValueError as err:

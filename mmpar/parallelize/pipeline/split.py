@@ -20,7 +20,9 @@ entries of the preprocessed batch that every stage needs besides the hidden
 state: each stage gets its micro-batch's rows of them, by keyword, in
 ``pipeline_layer(layer, hidden, doc_ids=...)`` (torch's schedules cut a
 ``step``'s keyword tensors per micro-batch and hand them to every stage).
-Every parameter must belong to one of the three parts. A stage is a deep copy
+Every parameter must belong to one of the three parts, and no two parameters
+may share one tensor (tied weights: the stages would hold two copies, each
+trained on its own gradient). A stage is a deep copy
 of the model with the modules of other stages set to ``None`` (as torchtitan
 does), so parameter names stay the original ones and one checkpoint loads at
 any layout. Its ``forward(x)`` runs ``pipeline_embed`` (first stage), its own
@@ -32,19 +34,30 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from mmpar.parallel.tied import refuse_shared_parameters
+
 LAYERS_ATTR = 'pipeline_layers'
 PARTS = ('pipeline_pre', 'pipeline_post')
 METHODS = ('pipeline_embed', 'pipeline_head', 'pipeline_loss',
            'pipeline_predict')
 
 
-def check_protocol(model: nn.Module) -> None:
-    """Refuse a model that cannot be split, naming what is missing.
+def check_protocol(model: nn.Module, pp: int = 2) -> None:
+    """Refuse a model that cannot be split over ``parallel.pp=pp`` stages,
+    naming what is missing.
+
+    Args:
+        model: the plain (possibly tensor-parallel) model.
+        pp: ``parallel.pp``, for the messages (a model is split only when
+            it is > 1).
 
     Raises:
         ValueError: a missing attribute or method, a layers container that
             is not ordered, or a parameter outside the three parts.
+        ConfigError: parameters that share one tensor (tied weights),
+            which two stages would hold as two.
     """
+    refuse_shared_parameters(model, None, pp)
     name = type(model).__name__
     missing = [a for a in (LAYERS_ATTR, ) + PARTS + METHODS
                if not hasattr(model, a)]
