@@ -29,6 +29,7 @@ from mmpar.failures import ConfigError
 from mmpar.parallel.config import ParallelConfig
 from mmpar.parallel.dims import ParallelDims
 from mmpar.parallel.experts import check_expert_model
+from mmpar.parallel.tied import check_tied_model
 from mmpar.parallel.sequence import SHARDED_ATTR
 from mmpar.parallelize.pipeline.schedules import check_evaluates
 from mmpar.parallelize.resolved import ResolvedPlan, resolve_plan
@@ -581,10 +582,11 @@ def check_layout(cfg: Any, world_size: Optional[int] = None
         check_wrapper_args(plan.given_wrapper_cfg)
     check_context_parallel(cfg, plan.dims, plan.parallel)
     check_sequence_parallel(cfg, plan.dims, plan.parallel)
+    layout = plan.dims if plan.dims is not None else plan.parallel
     with _as_config_error():
+        check_tied_model(cfg.get('model'), lambda: _model_class(cfg), layout)
         check_expert_model(cfg.get('model'), lambda: _model_class(cfg),
-                           plan.dims if plan.dims is not None else
-                           plan.parallel)
+                           layout)
     check_document_attention(cfg, plan.dims.pp if plan.dims is not None else
                              plan.parallel.pp)
     check_pipeline_evaluation(cfg, plan)

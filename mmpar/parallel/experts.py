@@ -43,8 +43,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch.distributed.tensor import DTensor
 
-from mmpar.parallel.tied import check_tied_model
-
 
 @dataclass(frozen=True)
 class SharedGroup:
@@ -239,22 +237,17 @@ def check_expert_model(model_cfg: Any, model_class: Callable[[], Any],
     split or staged says so (its classmethod ``check_expert_parallel(
     model_cfg, ep, pp)``, with ``ep=1`` when ep does not split: Llama,
     HFCausalLM); any other model is checked against the protocol when it
-    is built. Tied weights are checked against tp and pp first
-    (:func:`mmpar.parallel.tied.check_tied_model`).
+    is built.
 
     Args:
         model_cfg: the ``model`` section.
-        model_class: returns the model's class (called under tp, ep or pp
-            only).
+        model_class: returns the model's class (called under ep or pp only).
         layout: the ``ParallelDims``, or the ``ParallelConfig`` while the
-            world size is unknown (its ``tp``, ``ep`` and ``pp``).
+            world size is unknown (its ``ep`` and ``pp``).
 
     Raises:
         ValueError: naming the key, the value and what is allowed.
     """
-    # (The config check's one model-against-layout call: tied weights are
-    # the same kind of question, asked of the same class.)
-    check_tied_model(model_cfg, model_class, layout)
     ep, pp = layout.ep, layout.pp
     splits = ep is not None and ep > 1
     if not splits and (pp is None or pp <= 1):
