@@ -41,3 +41,21 @@ def test_train_rejects_bad_config_at_start(case, tmp_path):
         assert text in output, output[-2000:]
     assert 'Traceback' not in output, output[-3000:]
     assert 'Epoch(train)' not in output
+
+
+def test_test_refuses_a_checkpoint_without_the_models_weights(tmp_path):
+    """tools/test.py evaluates the checkpoint given: one that lacks the
+    model's parameters (another model's) is refused, not evaluated at the
+    random initialisation with exit 0."""
+    import torch
+    other = tmp_path / 'other_model.pth'
+    torch.save(dict(state_dict={'tok_embeddings.weight': torch.zeros(4, 2),
+                                'norm.weight': torch.ones(2)}), other)
+    proc = run_tool(['python', 'tools/test.py', DEFAULT_CONFIG, other,
+                     '--work-dir', tmp_path / 'work'], timeout=120,
+                    check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-2000:]
+    assert f'{other} lacks' in output and 'parameters of DigitsViT' in output
+    assert 'Traceback' not in output, output[-3000:]
+    assert 'Epoch(test)' not in output

@@ -19,6 +19,7 @@ from torch import nn
 
 from mmpar.checkpoint import pipeline
 from mmpar.checkpoint.files import CheckpointLoadError
+from mmpar.failures import ConfigError
 from mmpar.wrappers import full_state
 from mmpar.wrappers.base import describe
 from mmpar.wrappers.local_state import plain_name
@@ -67,12 +68,21 @@ def _revise(state: dict, revise_keys: list) -> dict:
 
 
 def load_model_state(model: nn.Module, checkpoint: dict, strict: bool,
-                     revise_keys: list) -> dict:
+                     revise_keys: list, every_parameter: bool = False,
+                     source: str = 'the checkpoint') -> dict:
     """Load a full checkpoint's weights into ``model`` under any layout
-    (every rank calls it); returns the checkpoint."""
+    (every rank calls it); returns the checkpoint.
+
+    Raises:
+        ConfigError: ``every_parameter`` and a parameter of a model
+            held whole on each rank (one process, DDP, the data-parallel
+            wrappers) is not in the checkpoint ``source``.
+    """
     info = describe(model)
     state = _revise(checkpoint.get('state_dict', checkpoint), revise_keys)
     if info.pipeline is None and not info.holds_shards:
+        if every_parameter:
+            _refuse_missing_parameters(info.state_module, state, source)
         # MMEngine's load into a module (its strictness report), as its
         # Runner's load_checkpoint does.
         load_state_dict(info.state_module, state, strict)
@@ -82,6 +92,19 @@ def load_model_state(model: nn.Module, checkpoint: dict, strict: bool,
     else:
         info.load_full_state(state, strict)
     return checkpoint
+
+
+def _refuse_missing_parameters(module: nn.Module, state: dict,
+                               source: str) -> None:
+    names = [name for name, _ in module.named_parameters()]
+    missing = [name for name in names if name not in state]
+    if missing:
+        raise ConfigError(
+            f'{source} lacks {len(missing)} of the {len(names)} parameters '
+            f'of {type(module).__name__} ({", ".join(missing[:5])}'
+            f'{", ..." if len(missing) > 5 else ""}): they would be '
+            'evaluated at their random initialisation. Give the checkpoint '
+            "of this config's model")
 
 
 def _is_full_optim_state(state: dict) -> bool:

@@ -166,6 +166,18 @@ class Runner(MMEngineRunner):
             if ac_cfg is not None:
                 self.cfg['activation_checkpointing'] = ac_cfg
 
+    def test(self) -> dict:
+        """MMEngine's test; the checkpoint it loads (``load_from``, what
+        ``tools/test.py CONFIG CHECKPOINT`` gives) must hold every parameter
+        of the model: one it lacks would be evaluated at its random
+        initialisation, a result of no checkpoint at all (MMEngine only
+        warns)."""
+        self._loading_to_evaluate = True
+        try:
+            return super().test()
+        finally:
+            self._loading_to_evaluate = False
+
     def build_optim_wrapper(self, optim_wrapper):
         """MMEngine's, building mmpar's optim wrappers (for MMEngine's names
         too) and binding them to the model: they own the global-norm clip
@@ -319,8 +331,10 @@ class Runner(MMEngineRunner):
         else:
             checkpoint = ckpt.load_checkpoint_file(filename, map_location)
         self._after_load_hooks(checkpoint)
-        checkpoint = ckpt.load_model_state(self.model, checkpoint, strict,
-                                           revise_keys)
+        checkpoint = ckpt.load_model_state(
+            self.model, checkpoint, strict, revise_keys,
+            every_parameter=getattr(self, '_loading_to_evaluate', False),
+            source=filename)
         # Name-keyed (full) optimizer state, as sharded runs save it, becomes
         # this process's own form for MMEngine's resume.
         ckpt.localize_optim_state(self.model, self.optim_wrapper, checkpoint,
