@@ -79,8 +79,11 @@ def _unit_lines(plan: Plan) -> List[str]:
 def _memory_lines(plan: Plan) -> List[str]:
     held = f'; this rank: pp stage(s) {plan.pp_stages}' \
         if plan.pp_stages else ''
+    count = f'{plan.param_numel:,} trainable params' \
+        if plan.trainable_numel == plan.param_numel else \
+        f'{plan.param_numel:,} params ({plan.trainable_numel:,} trainable)'
     lines = [f'per-rank memory (rank {plan.rank}; model {plan.model_cls}, '
-             f'{plan.param_numel:,} trainable params, '
+             f'{count}, '
              f'{plan.param_bytes_per_elem} bytes each{held}):']
     total_count = total_bytes = 0
     for name, count, num_bytes in plan.memory:
