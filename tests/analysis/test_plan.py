@@ -284,7 +284,10 @@ def test_pipeline_memory_counts_only_this_ranks_stages(schedule,
     v = len(stages_of_rank[0])
     pipeline = dict(schedule=schedule, stages_per_rank=v,
                     split_points=None if v > 1 else ['blocks.2'])
-    plans = [_pp_plan(2, rank, parallel=dict(pipeline=pipeline))
+    # ZBVZeroBubble cannot validate in torch 2.13: train without it.
+    no_val = dict(val_dataloader=None, val_cfg=None, val_evaluator=None) \
+        if schedule == 'ZBVZeroBubble' else {}
+    plans = [_pp_plan(2, rank, parallel=dict(pipeline=pipeline), **no_val)
              for rank in (0, 1)]
     numels = _stage_numels(plans[0], 2 * v)
     assert sum(numels) == plans[0].param_numel
