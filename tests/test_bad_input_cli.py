@@ -41,3 +41,33 @@ def test_train_rejects_bad_config_at_start(case, tmp_path):
         assert text in output, output[-2000:]
     assert 'Traceback' not in output, output[-3000:]
     assert 'Epoch(train)' not in output
+
+
+PLAN_CASES = {
+    'missing config': (['nope.py', '--world-size', '2'],
+                       "config 'nope.py' does not exist"),
+    'pair without =': ([DEFAULT_CONFIG, '--world-size', '2',
+                        '--cfg-options', 'model.depth'],
+                       "'model.depth' is not KEY=VALUE"),
+    'world size 0': ([DEFAULT_CONFIG, '--world-size', '0'],
+                     '--world-size=0 is not a number of ranks; allowed: 1 '
+                     'or more'),
+    'rank outside the world': ([DEFAULT_CONFIG, '--world-size', '2',
+                                '--rank', '2'],
+                               '--rank=2 is outside --world-size=2; '
+                               'allowed: 0 to 1'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(PLAN_CASES))
+def test_plan_rejects_bad_arguments(case):
+    """tools/plan.py: exit 2 as argparse does, one line naming the argument,
+    the value and what is allowed, no traceback."""
+    args, expected = PLAN_CASES[case]
+    proc = run_tool(['python', 'tools/plan.py'] + args, timeout=120,
+                    check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert 'plan.py: error: ' in proc.stderr and expected in proc.stderr, \
+        output[-2000:]
+    assert 'Traceback' not in output, output[-3000:]
