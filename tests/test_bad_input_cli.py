@@ -71,3 +71,25 @@ def test_plan_rejects_bad_arguments(case):
     assert 'plan.py: error: ' in proc.stderr and expected in proc.stderr, \
         output[-2000:]
     assert 'Traceback' not in output, output[-3000:]
+
+
+@pytest.mark.parametrize('script,args,usage', [
+    ('dist_train.sh', [DEFAULT_CONFIG], 'CONFIG NPROC [train.py options]'),
+    ('dist_verify.sh', [DEFAULT_CONFIG],
+     'CONFIG NPROC [verify.py options]'),
+    ('dist_test.sh', [DEFAULT_CONFIG, 'x.pth'],
+     'CONFIG CHECKPOINT NPROC [test.py options]'),
+])
+def test_dist_scripts_without_nproc_print_their_usage(script, args, usage):
+    """No torchrun starts: the usage line and exit 2, not set -u's
+    '$2: unbound variable'; --help prints the usage and exits 0."""
+    proc = run_tool(['bash', f'tools/{script}'] + args, timeout=60,
+                    check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f'usage: bash tools/{script} {usage}',
+        f'{script}: error: missing NPROC']
+    helped = run_tool(['bash', f'tools/{script}', '--help'], timeout=60,
+                      check=False)
+    assert (helped.returncode, helped.stdout) == \
+        (0, f'usage: bash tools/{script} {usage}\n')
