@@ -59,3 +59,55 @@ def test_test_refuses_a_checkpoint_without_the_models_weights(tmp_path):
     assert f'{other} lacks' in output and 'parameters of DigitsViT' in output
     assert 'Traceback' not in output, output[-3000:]
     assert 'Epoch(test)' not in output
+
+
+PLAN_CASES = {
+    'missing config': (['nope.py', '--world-size', '2'],
+                       "config 'nope.py' does not exist"),
+    'pair without =': ([DEFAULT_CONFIG, '--world-size', '2',
+                        '--cfg-options', 'model.depth'],
+                       "'model.depth' is not KEY=VALUE"),
+    'world size 0': ([DEFAULT_CONFIG, '--world-size', '0'],
+                     '--world-size=0 is not a number of ranks; allowed: 1 '
+                     'or more'),
+    'rank outside the world': ([DEFAULT_CONFIG, '--world-size', '2',
+                                '--rank', '2'],
+                               '--rank=2 is outside --world-size=2; '
+                               'allowed: 0 to 1'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(PLAN_CASES))
+def test_plan_rejects_bad_arguments(case):
+    """tools/plan.py: exit 2 as argparse does, one line naming the argument,
+    the value and what is allowed, no traceback."""
+    args, expected = PLAN_CASES[case]
+    proc = run_tool(['python', 'tools/plan.py'] + args, timeout=120,
+                    check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert 'plan.py: error: ' in proc.stderr and expected in proc.stderr, \
+        output[-2000:]
+    assert 'Traceback' not in output, output[-3000:]
+
+
+@pytest.mark.parametrize('script,args,usage', [
+    ('dist_train.sh', [DEFAULT_CONFIG], 'CONFIG NPROC [train.py options]'),
+    ('dist_verify.sh', [DEFAULT_CONFIG],
+     'CONFIG NPROC [verify.py options]'),
+    ('dist_test.sh', [DEFAULT_CONFIG, 'x.pth'],
+     'CONFIG CHECKPOINT NPROC [test.py options]'),
+])
+def test_dist_scripts_without_nproc_print_their_usage(script, args, usage):
+    """No torchrun starts: the usage line and exit 2, not set -u's
+    '$2: unbound variable'; --help prints the usage and exits 0."""
+    proc = run_tool(['bash', f'tools/{script}'] + args, timeout=60,
+                    check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f'usage: bash tools/{script} {usage}',
+        f'{script}: error: missing NPROC']
+    helped = run_tool(['bash', f'tools/{script}', '--help'], timeout=60,
+                      check=False)
+    assert (helped.returncode, helped.stdout) == \
+        (0, f'usage: bash tools/{script} {usage}\n')

@@ -5,4 +5,5 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/torchrun.sh"
+mmpar_need_args "CONFIG CHECKPOINT NPROC" "[test.py options]" "$@"
 mmpar_torchrun "$3" "$HERE/test.py" "$1" "$2" --launcher pytorch "${@:4}"

@@ -9,4 +9,5 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/torchrun.sh"
+mmpar_need_args "CONFIG NPROC" "[train.py options]" "$@"
 mmpar_torchrun "$2" "$HERE/train.py" "$1" --launcher pytorch "${@:3}"

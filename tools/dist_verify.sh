@@ -12,6 +12,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 source "$HERE/torchrun.sh"
+mmpar_need_args "CONFIG NPROC" "[verify.py options]" "$@"
 REF_RANKS=1
 AGAINST=()
 # A reference other than the default one process: choose it (and refuse a

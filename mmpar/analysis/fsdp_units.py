@@ -22,11 +22,18 @@ class PlanError(ValueError):
 
 @dataclass
 class FsdpUnit:
-    """One FSDP unit: the module and the parameters its flat param holds."""
+    """One FSDP unit: the module and the parameters its flat param holds.
+
+    ``numel`` and ``numel_per_rank`` count every parameter (the weights);
+    ``trainable`` and ``trainable_per_rank`` the elements that get a
+    gradient and optimizer state (:func:`fsdp_units` says which).
+    """
     name: str
     cls: str
     numel: int
     numel_per_rank: int
+    trainable: int
+    trainable_per_rank: int
 
 
 def resolve_policy(policy_cfg, model: Optional[nn.Module] = None,
@@ -73,6 +80,13 @@ def fsdp_units(model: nn.Module, policy: Optional[Callable],
     of the shard size: a rank holds ``ceil(numel / shard_size)``. FSDP2
     (``per_param``) shards every parameter along dim 0, padded per parameter:
     a rank holds ``ceil(rows / shard_size) * row_numel`` for each.
+
+    Frozen parameters (``requires_grad=False``) are weights but get no
+    gradient: FSDP2 leaves each one without a gradient or optimizer state.
+    FSDP1 gives a flat parameter with any trainable parameter a whole
+    gradient (torch's ``_flat_param.py``; its frozen parameters' optimizer
+    state, which they do not get, is over-counted with it) and one with
+    none no gradient.
     """
     from mmpar.wrappers.policies import modules_to_wrap
     chosen = [] if policy is None else modules_to_wrap(model, policy)
@@ -87,14 +101,25 @@ def fsdp_units(model: nn.Module, policy: Optional[Callable],
     units = []
     for unit in roots:
         params = [p for p, u in owner.items() if u is unit]
-        numel = sum(p.numel() for p in params)
+        held = _unit_numel(params, shard_size, per_param)
         if per_param:
-            per_rank = sum(
-                math.ceil(p.shape[0] / shard_size) * (p.numel() // p.shape[0])
-                if p.dim() else p.numel() for p in params)
+            trained = _unit_numel([p for p in params if p.requires_grad],
+                                  shard_size, per_param)
         else:
-            per_rank = math.ceil(numel / shard_size)
-        units.append(
-            FsdpUnit(names[unit] or '(root)', type(unit).__name__, numel,
-                     per_rank))
+            trained = held if any(p.requires_grad for p in params) else (0, 0)
+        units.append(FsdpUnit(names[unit] or '(root)', type(unit).__name__,
+                              *held, *trained))
     return units
+
+
+def _unit_numel(params: List[nn.Parameter], shard_size: int,
+                per_param: bool) -> Tuple[int, int]:
+    """``(elements, elements a rank holds)`` of ``params`` in one unit."""
+    numel = sum(p.numel() for p in params)
+    if per_param:
+        per_rank = sum(
+            math.ceil(p.shape[0] / shard_size) * (p.numel() // p.shape[0])
+            if p.dim() else p.numel() for p in params)
+    else:
+        per_rank = math.ceil(numel / shard_size)
+    return numel, per_rank

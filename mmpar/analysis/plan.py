@@ -63,7 +63,8 @@ class Plan:
     per_param_shards: bool  # FSDP2's shards; FSDP1's are flat per unit
     wrapper_args: dict
     model_cls: str
-    param_numel: int
+    param_numel: int  # every parameter: the weights
+    trainable_numel: int  # requires_grad: gradients and optimizer state
     param_bytes_per_elem: int
     axes: Dict[str, Tuple[str, List[int]]] = field(default_factory=dict)
     shard_size: int = 1
@@ -337,8 +338,9 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
     parallel = resolved.parallel
     explicit = resolved.given_wrapper_cfg is not None
     wrapper_cfg = copy.deepcopy(resolved.wrapper_cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
+    # Frozen parameters (requires_grad=False) are weights every layout
+    # holds, but get no gradient and no optimizer state.
+    params = list(model.parameters())
     elem = params[0].element_size() if params else 4
     kwargs = {k: v for k, v in wrapper_cfg.items() if k != 'type'}
     wrapper_cls = declared(wrapper_cfg['type'])
@@ -353,7 +355,8 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         f'default for parallel.use_fsdp={parallel.use_fsdp}',
         wrapper_args=resolved_wrapper_args(wrapper_cls, kwargs),
         model_cls=type(model).__name__,
-        param_numel=numel,
+        param_numel=sum(p.numel() for p in params),
+        trainable_numel=sum(p.numel() for p in params if p.requires_grad),
         param_bytes_per_elem=elem)
     if plan.world_size == 1:
         plan.notes.append('world size 1: the Runner does not wrap the model')
@@ -401,26 +404,27 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
         reduce=data_axis_args(wrapper_cfg, topology)['process_group'])
     plan.axes = {role: _named_axis(group, topology)
                  for role, group in groups.items()}
+    # This rank's elements: every parameter (held) and the trainable ones
+    # (their gradients and optimizer state).
     if sharded:
         _plan_fsdp(plan, units_stages, policy, key, kwargs)
-        per_rank = sum(u.numel_per_rank for u in plan.units)
+        held = sum(u.numel_per_rank for u in plan.units)
+        trained = sum(u.trainable_per_rank for u in plan.units)
     else:
-        per_rank = sum(p.numel() for stage in stages
-                       for p in stage.parameters() if p.requires_grad)
+        held, trained = _numel_held_and_trained(stages)
     if topology.dims.tp_enabled:
         # Split (and, under FSDP2, sharded) DTensors: the real local shards.
-        per_rank = sum(local_tensor(p).numel()
-                       for wrapper, stage in zip(built, stages)
-                       for p in (wrapper or stage).parameters()
-                       if p.requires_grad)
+        held, trained = _numel_held_and_trained(
+            [wrapper or stage for wrapper, stage in zip(built, stages)],
+            local_tensor)
     factor, opt_name = optimizer_state_factor(cfg)
-    plan.memory = [('params', per_rank, per_rank * elem),
-                   ('grads', per_rank, per_rank * elem)]
+    plan.memory = [('params', held, held * elem),
+                   ('grads', trained, trained * elem)]
     if factor is None:
         plan.notes.append(f'optimizer {opt_name}: state size unknown, '
                           'not counted')
     else:
-        state = factor * per_rank
+        state = factor * trained
         plan.memory.append((f'optimizer state ({opt_name}: {factor} x '
                             'params)', state, state * elem))
     pipe = resolved.pipeline if topology.dims.pp_enabled else None
@@ -437,8 +441,17 @@ def _plan_in_world(cfg, resolved: ResolvedPlan, topology, model) -> Plan:
                                 if not pipe.reshard_per_microbatch else
                                 f'{pipe.schedule} splits backward)'))
     plan.estimate = _estimate(cfg, plan, stages, wrapper_cfg, activations,
-                              per_rank * elem, pipe)
+                              held * elem, pipe)
     return plan
+
+
+def _numel_held_and_trained(modules: List[nn.Module],
+                            local=lambda p: p) -> Tuple[int, int]:
+    """``(elements of every parameter, of the trainable ones)`` of
+    ``modules``, each parameter as ``local`` gives it (its local shard)."""
+    params = [p for module in modules for p in module.parameters()]
+    return (sum(local(p).numel() for p in params),
+            sum(local(p).numel() for p in params if p.requires_grad))
 
 
 def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
@@ -488,7 +501,9 @@ def _activations(cfg, model: nn.Module, resolved: ResolvedPlan,
 
 
 def _gathered_numel(plan: Plan, pipe) -> int:
-    """Elements FSDP holds whole at the peak, parameters and gradients.
+    """Elements FSDP holds whole at the peak, parameters and gradients
+    (of the trainable parameters only, :func:`~mmpar.analysis.fsdp_units.
+    fsdp_units`).
 
     One unit's parameters and gradients at a time, as FSDP2 runs a whole
     model and as mmpar's pipeline stage runs an FSDP2 stage (it reshards
@@ -497,16 +512,16 @@ def _gathered_numel(plan: Plan, pipe) -> int:
     unsharded from the first micro-batch's backward to the reduction after
     the last (``reshard_per_microbatch=False``, the zero-bubble schedules:
     PipelineStage turns resharding after backward and gradient sync off),
-    every unit of this rank's stages, twice. The virtual-stage schedules
-    also gather every unit of this rank's stages at the start of a step
-    (torch's UNSHARD action), parameters only.
+    every unit of this rank's stages, parameters and gradients. The
+    virtual-stage schedules also gather every unit of this rank's stages at
+    the start of a step (torch's UNSHARD action), parameters only.
     """
-    largest = 2 * max(u.numel for u in plan.units)
+    largest = max(u.numel + u.trainable for u in plan.units)
     if pipe is None:
         return largest
     stages = sum(u.numel for u in plan.units)
     if not pipe.reshards_per_microbatch:
-        return 2 * stages
+        return stages + sum(u.trainable for u in plan.units)
     if pipe.stages_per_rank > 1:
         return max(stages, largest)
     return largest
@@ -526,10 +541,11 @@ def _estimate(cfg, plan: Plan, stages, wrapper_cfg: dict,
     gathered = 0
     if plan.units:
         gathered = _gathered_numel(plan, pipe) * elem // plan.dims.tp
+    grads = next(b for name, _, b in plan.memory if name == 'grads')
     optimizer = sum(b for name, _, b in plan.memory
                     if name.startswith('optimizer'))
     return MemoryEstimate(baseline=0, build=build, params=local_bytes,
-                          grads=local_bytes, optimizer=optimizer,
+                          grads=grads, optimizer=optimizer,
                           gathered_unit=gathered, activations=activations,
                           meta_init=meta)
 

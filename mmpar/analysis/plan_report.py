@@ -1,5 +1,6 @@
 """The plan as text, and the ``tools/plan.py`` command line."""
 import argparse
+import os.path as osp
 import sys
 from typing import List, Optional
 
@@ -79,8 +80,11 @@ def _unit_lines(plan: Plan) -> List[str]:
 def _memory_lines(plan: Plan) -> List[str]:
     held = f'; this rank: pp stage(s) {plan.pp_stages}' \
         if plan.pp_stages else ''
+    count = f'{plan.param_numel:,} trainable params' \
+        if plan.trainable_numel == plan.param_numel else \
+        f'{plan.param_numel:,} params ({plan.trainable_numel:,} trainable)'
     lines = [f'per-rank memory (rank {plan.rank}; model {plan.model_cls}, '
-             f'{plan.param_numel:,} trainable params, '
+             f'{count}, '
              f'{plan.param_bytes_per_elem} bytes each{held}):']
     total_count = total_bytes = 0
     for name, count, num_bytes in plan.memory:
@@ -119,7 +123,17 @@ def format_plan(plan: Plan, budget: Optional[float] = None) -> str:
     return '\n'.join(lines)
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[List[str]] = None,
+               cfg_options_action: type = DictAction) -> argparse.Namespace:
+    """``tools/plan.py``'s arguments; bad ones exit 2 naming the argument.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        cfg_options_action: parses ``--cfg-options``; ``tools/plan.py``
+            passes :class:`mmpar.cli.CfgOptionsAction` (errors that name the
+            pair), which this package cannot import: ``mmpar.cli`` imports
+            ``mmpar.analysis``.
+    """
     parser = argparse.ArgumentParser(
         description='Dry-run a config at world size N (no processes, no GPU)')
     parser.add_argument('config', help='config file')
@@ -128,7 +142,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         '--rank', type=int, default=0,
         help='the rank whose groups and memory are shown')
     parser.add_argument(
-        '--cfg-options', nargs='+', action=DictAction,
+        '--cfg-options', nargs='+', action=cfg_options_action,
         help='override config keys, e.g. parallel.dp_replicate=2')
     parser.add_argument(
         '--memory-budget', type=float, metavar='GiB',
@@ -142,12 +156,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     search.add_argument('--search', action='store_true',
                         help='search instead of printing one plan')
     add_search_arguments(search)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not osp.isfile(args.config):
+        parser.error(f'config {args.config!r} does not exist; allowed: a '
+                     'config file')
+    if args.world_size < 1:
+        parser.error(f'--world-size={args.world_size} is not a number of '
+                     'ranks; allowed: 1 or more')
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f'--rank={args.rank} is outside --world-size='
+                     f'{args.world_size}; allowed: 0 to '
+                     f'{args.world_size - 1}')
+    return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``tools/plan.py``: print the plan, or ``error: ...`` and return 2."""
-    args = parse_args(argv)
+def main(argv: Optional[List[str]] = None,
+         cfg_options_action: type = DictAction) -> int:
+    """``tools/plan.py``: print the plan, or ``error: ...`` and return 2
+    (``cfg_options_action``: as :func:`parse_args`)."""
+    args = parse_args(argv, cfg_options_action)
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
