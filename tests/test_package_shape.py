@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # from layers below. (Packages in one layer must not import each other in a
 # circle: the package-cycle test checks that.)
 LAYERS = [
-    ['mmpar.version', 'mmpar.checks', 'mmpar.failures', 'mmpar.registry'],
+    ['mmpar.version', 'mmpar.checks', 'mmpar.failures', 'mmpar.registry',
+     'mmpar.cfg_options'],
     ['mmpar.device'],
     ['mmpar.dist'],
     ['mmpar.parallel'],

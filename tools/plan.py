@@ -15,9 +15,6 @@ import sys
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 from mmpar.analysis.plan_report import main  # noqa: E402
-from mmpar.cli import CfgOptionsAction  # noqa: E402
 
 if __name__ == '__main__':
-    # The other tools' --cfg-options parsing, handed in: mmpar.cli imports
-    # mmpar.analysis, so mmpar.analysis cannot import it.
-    sys.exit(main(cfg_options_action=CfgOptionsAction))
+    sys.exit(main())

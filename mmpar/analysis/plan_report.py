@@ -4,11 +4,12 @@ import os.path as osp
 import sys
 from typing import List, Optional
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 
 from mmpar.analysis.memory import within_budget
 from mmpar.analysis.plan import Plan, PlanError, make_plan
 from mmpar.analysis.search_args import add_search_arguments
+from mmpar.cfg_options import CfgOptionsAction
 from mmpar.parallel.axes import (AXES, BY_NAME, DATA, FLATTENED, MODEL,
                                   SAMPLE_AXES)
 from mmpar.parallel.dims import ParallelismError
@@ -123,17 +124,9 @@ def format_plan(plan: Plan, budget: Optional[float] = None) -> str:
     return '\n'.join(lines)
 
 
-def parse_args(argv: Optional[List[str]] = None,
-               cfg_options_action: type = DictAction) -> argparse.Namespace:
-    """``tools/plan.py``'s arguments; bad ones exit 2 naming the argument.
-
-    Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
-        cfg_options_action: parses ``--cfg-options``; ``tools/plan.py``
-            passes :class:`mmpar.cli.CfgOptionsAction` (errors that name the
-            pair), which this package cannot import: ``mmpar.cli`` imports
-            ``mmpar.analysis``.
-    """
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """``tools/plan.py``'s arguments (default: ``sys.argv[1:]``); bad ones
+    exit 2 naming the argument."""
     parser = argparse.ArgumentParser(
         description='Dry-run a config at world size N (no processes, no GPU)')
     parser.add_argument('config', help='config file')
@@ -142,7 +135,7 @@ def parse_args(argv: Optional[List[str]] = None,
         '--rank', type=int, default=0,
         help='the rank whose groups and memory are shown')
     parser.add_argument(
-        '--cfg-options', nargs='+', action=cfg_options_action,
+        '--cfg-options', nargs='+', action=CfgOptionsAction,
         help='override config keys, e.g. parallel.dp_replicate=2')
     parser.add_argument(
         '--memory-budget', type=float, metavar='GiB',
@@ -170,11 +163,9 @@ def parse_args(argv: Optional[List[str]] = None,
     return args
 
 
-def main(argv: Optional[List[str]] = None,
-         cfg_options_action: type = DictAction) -> int:
-    """``tools/plan.py``: print the plan, or ``error: ...`` and return 2
-    (``cfg_options_action``: as :func:`parse_args`)."""
-    args = parse_args(argv, cfg_options_action)
+def main(argv: Optional[List[str]] = None) -> int:
+    """``tools/plan.py``: print the plan, or ``error: ...`` and return 2."""
+    args = parse_args(argv)
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
