@@ -62,7 +62,19 @@ def check_compile_cfg(cfg: Any, key: str = 'model_compile') -> Optional[dict]:
         raise ValueError(
             f'{key}.backend={backend!r} is not a torch.compile backend; '
             f'allowed: {", ".join(torch.compiler.list_backends())}')
+    torch_args = {k: cfg[k] for k in TORCH_KEYS if k in cfg}
+    try:
+        # torch.compile checks its arguments (mode, mode with options) when
+        # called, compiling nothing until the result runs.
+        torch.compile(_nothing, **torch_args)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ValueError(f'{key}: torch.compile refuses {torch_args}: '
+                         f'{err}') from None
     return cfg
+
+
+def _nothing() -> None:
+    """What the argument check compiles (never run)."""
 
 
 def find_blocks(model: nn.Module,

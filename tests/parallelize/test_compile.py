@@ -51,6 +51,9 @@ def test_no_blocks_names_the_fix():
     (dict(per_block='yes'), 'per_block'),
     (dict(module_classes='LlamaBlock'), 'module_classes'),
     (dict(backend='nope'), "backend='nope'"),
+    (dict(mode='reduce-overhed'), "refuses {'mode': 'reduce-overhed'}: "
+     'Unrecognized mode'),
+    (dict(mode='default', options={}), "refuses .*'options'"),
     ('fast', 'must be a dict'),
 ])
 def test_bad_cfg_names_the_key(cfg, match):
