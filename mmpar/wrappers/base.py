@@ -11,14 +11,14 @@ module reads.
 from typing import Any, Callable, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
-from mmengine.model import is_model_wrapper
+from mmengine.model import BaseModel, is_model_wrapper
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 from mmengine.optim import OptimWrapperDict
 from torch import nn
 
 from mmpar.optim import ParallelOptimMixin
 from mmpar.optim.adopt import AdoptedOptimWrapper
-from mmpar.parallel.sequence import shard_batch
+from mmpar.parallel.sequence import SETTING_ATTR, shard_batch
 from mmpar.wrappers import full_state
 from mmpar.wrappers.buffers import check_buffer_sync, sync_buffers
 from mmpar.wrappers.description import WrappedModel
@@ -356,15 +356,38 @@ class StepMixin:
         return entry
 
     def val_step(self, data: Union[dict, tuple, list]) -> list:
-        """Predictions for a validation batch (``mode='predict'``)."""
+        """Predictions for a validation batch: the model's own ``val_step``
+        where MMEngine's DDP would call it (:meth:`_models_own_step`), else
+        ``BaseModel``'s (preprocess, ``mode='predict'``)."""
+        return self._evaluate('val_step', data)
+
+    def test_step(self, data: Union[dict, tuple, list]) -> list:
+        """Predictions for a test batch: the model's own ``test_step``, as
+        :meth:`val_step`."""
+        return self._evaluate('test_step', data)
+
+    def _evaluate(self, step: str, data: Union[dict, tuple, list]) -> list:
         if not self._buffers_in_sync:
             self.sync_buffers()
+        own_step = self._models_own_step(step)
+        if own_step is not None:
+            return own_step(data)
         return self.predict(shard_batch(
             self.module, self.module.data_preprocessor(data, training=False)))
 
-    def test_step(self, data: Union[dict, tuple, list]) -> list:
-        """Predictions for a test batch (``mode='predict'``)."""
-        return self.val_step(data)
+    def _models_own_step(self, step: str) -> Optional[Callable]:
+        """The model's ``val_step``/``test_step`` when its class defines one
+        of its own (test-time augmentation, custom inference) and it can run
+        on the plain module, as MMEngine's DDP calls it: where evaluation
+        runs forward on the module itself and no context-parallel split of
+        the batch is due. Else None: the wrapper's forward (FSDP1, whose root
+        all-gathers; MMEngine's FSDP wrapper does not call it either)."""
+        if (self.eval_forward_module is not self.module
+                or getattr(self.module, SETTING_ATTR, None) is not None):
+            return None
+        if getattr(type(self.module), step, None) is getattr(BaseModel, step):
+            return None
+        return getattr(self.module, step, None)
 
     def prepare_as_pipeline_stage(self) -> None:
         """Called when the wrapper wraps a pipeline stage, whose forward and
