@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 from mmengine.optim import OptimWrapper as MMEngineOptimWrapper
 
+from mmpar.failures import ConfigError
 from mmpar.optim.optim_wrapper import (ParallelOptimMixin,
                                        clip_grad_norm_on_every_rank)
 
@@ -89,6 +90,7 @@ class AdoptedOptimWrapper(ParallelOptimMixin, _Forward):
 
     Raises:
         TypeError: not an MMEngine optim wrapper.
+        ConfigError: a subclass with its own ``update_params``.
     """
 
     def __init__(self, optim_wrapper: MMEngineOptimWrapper):
@@ -97,6 +99,18 @@ class AdoptedOptimWrapper(ParallelOptimMixin, _Forward):
                 'a model wrapper\'s train_step takes an optim wrapper '
                 '(mmengine.optim.OptimWrapper, AmpOptimWrapper or a '
                 f'subclass); got {type(optim_wrapper).__name__}')
+        if type(optim_wrapper).update_params is not \
+                MMEngineOptimWrapper.update_params:
+            # mmpar's step body calls backward, step and zero_grad itself
+            # (the gradient sync policy, the clip over every axis, the
+            # non-finite guard around them): an own update_params would be
+            # skipped, silently.
+            raise ConfigError(
+                f'optim_wrapper: {type(optim_wrapper).__name__} overrides '
+                'update_params, which a parallel wrapper\'s train_step does '
+                'not call (it calls backward, step and zero_grad, which a '
+                'subclass may override); allowed: move the change into '
+                'backward or step, or train at world size 1 (no wrapper)')
         self.inner = optim_wrapper
 
     def __getattr__(self, name: str):

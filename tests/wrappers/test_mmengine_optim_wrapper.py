@@ -226,3 +226,30 @@ def test_mmengine_runner_with_a_downstream_optim_wrapper(run_dist, tmp_path):
         # window is cut short by the epoch's end: MMEngine's max count).
         assert num_steps == 2
         assert_states_close(state, expected, atol=ATOL, rtol=RTOL)
+
+
+class OwnUpdateParams(OptimWrapper):
+    """A downstream subclass that changes update_params (halves the loss)."""
+
+    def update_params(self, loss, step_kwargs=None, zero_kwargs=None):
+        super().update_params(loss * 0.5, step_kwargs, zero_kwargs)
+
+
+def _adopt(wrapper_cfg):
+    from mmpar.failures import ConfigError
+    wrapper = MODEL_WRAPPERS.build(wrapper_cfg,
+                                   default_args=dict(module=make_model()))
+    try:
+        wrapper.parallel_optim_wrapper(_mmengine_optim_wrapper(
+            wrapper.module, OwnUpdateParams))
+    except ConfigError as err:
+        return str(err)
+    return 'adopted'
+
+
+def test_a_subclass_with_its_own_update_params_is_refused(run_dist):
+    # The wrapper's step calls backward/step/zero_grad, never update_params:
+    # the subclass's change would be skipped, training other weights than
+    # MMEngine's wrapper with no error. Refused, naming the class.
+    for said in run_dist(_adopt, CASES['ddp-single']):
+        assert 'OwnUpdateParams overrides update_params' in said, said
