@@ -43,16 +43,23 @@ def saved_position(runner, by_epoch: bool) -> dict:
         ``global_batch``; ``epoch_samples``: the global samples of the
         current epoch trained so far (0 at an epoch's end; ``None`` for a
         loop without epochs, whose position is ``iter * global_batch``);
-        ``sampler_seed``: the seed of the train sampler's order.
+        ``sampler_seed``: the seed of the train sampler's order;
+        ``samples``: the global samples an iteration loop has read (None
+        for an epoch loop).
     """
     batches = getattr(runner.train_loop, 'batches_in_epoch', None)
     if batches is not None and by_epoch:
         batches = 0
     batch = global_batch(runner)
     sampler = getattr(runner.train_dataloader, 'sampler', None)
+    samples_read = getattr(runner.train_loop, 'samples_read', None)
+    # MMEngine's save names the iteration after the running one when the
+    # save is not at an epoch's end (meta['iter'] = iter + 1).
+    samples = samples_read(runner.iter + (0 if by_epoch else 1), batch) \
+        if callable(samples_read) else None
     return dict(global_batch=batch,
                 epoch_samples=None if batches is None else batches * batch,
-                sampler_seed=getattr(sampler, 'seed', None))
+                sampler_seed=getattr(sampler, 'seed', None), samples=samples)
 
 
 def restore_position(runner, saved: Optional[dict]) -> None:
@@ -83,8 +90,11 @@ def restore_position(runner, saved: Optional[dict]) -> None:
         return
     resume_at_sample = getattr(loop, 'resume_at_sample', None)
     if within_epoch is None and resume_at_sample is not None:
-        # The stream goes on at the sample the saved run stopped at.
-        resume_at_sample(runner.iter * saved['global_batch'])
+        # The stream goes on at the sample the saved run stopped at (its own
+        # count: an earlier resume may have changed the batch).
+        samples = saved.get('samples')
+        resume_at_sample(runner.iter * saved['global_batch']
+                         if samples is None else samples)
         return
     _check_same_global_batch(runner, saved['global_batch'])
     if within_epoch is not None:

@@ -145,15 +145,26 @@ class FastResumeIterBasedTrainLoop(MMEngineIterBasedTrainLoop):
     ``mmpar.Runner`` for ``train_cfg = dict(by_epoch=False, ...)``.
     """
 
-    # Global samples read before the resume, when the resumed run reads
-    # another global batch than the saved one (else iter x global batch).
+    # Global samples the saved run had read, and the iteration it resumed
+    # at (None: not resumed; then iter x global batch).
     _resume_samples = None
+    _resume_iter = 0
 
     def resume_at_sample(self, num_samples: int) -> None:
         """Continue the sample stream after its first ``num_samples`` global
         positions (what the saved run read) instead of ``iter`` times this
         run's global batch."""
         self._resume_samples = num_samples
+        self._resume_iter = self.iter
+
+    def samples_read(self, iterations: int, global_batch: int) -> int:
+        """Global samples read by the end of iteration ``iterations``: this
+        run's ``global_batch`` an iteration since its resume, on top of what
+        the saved run had read (which may have used another batch)."""
+        if self._resume_samples is None:
+            return iterations * global_batch
+        return (self._resume_samples +
+                (iterations - self._resume_iter) * global_batch)
 
     def run(self) -> torch.nn.Module:
         if self.iter > 0:

@@ -215,3 +215,42 @@ def test_a_run_without_a_seed_resumes_in_its_own_order(tmp_path, base,
     assert sorted(reread) == [it for it in sorted(read) if it > 3]
     for it in reread:
         assert reread[it][0] == read[it][0], it
+
+
+ITERATIONS = '''_base_ = ['{base}']
+custom_imports = dict(imports=['tests.sample_recording'],
+                      allow_failed_imports=False)
+model = dict(depth=1, embed_dim=16, num_heads=2)
+train_dataloader = dict(batch_size=8, dataset=dict(
+    type='RecordedDigits', num_samples=200, split='train'))
+train_cfg = dict(_delete_=True, by_epoch=False, max_iters=6,
+                 val_interval=1000)
+val_dataloader = val_cfg = val_evaluator = None
+param_scheduler = []
+default_hooks = dict(checkpoint=dict(by_epoch=False, interval=1,
+                                     max_keep_ckpts=-1))
+custom_hooks = [dict(type='RecordSamples')]
+'''
+
+
+def test_a_second_resume_after_a_batch_change_reads_on(tmp_path):
+    """A reads 3 iterations of 8; B resumes it with batch 16 (sample 24
+    on); C resumes B's iteration 4 with B's batch: it must read what B read
+    next (sample 40 on), not iteration x batch (64) on."""
+    from tests.e2e import ROOT, run_tool
+    from tests.sample_recording import read_records
+    config = tmp_path / 'iterations.py'
+    config.write_text(ITERATIONS.format(
+        base=ROOT / 'configs/vit_digits/vit_digits_iter.py'))
+    a, b, c = (tmp_path / name for name in 'abc')
+    run_tool(['python', 'tools/train.py', config, '--work-dir', a,
+              '--cfg-options', 'train_cfg.max_iters=3'])
+    batch16 = ['--cfg-options', 'train_dataloader.batch_size=16']
+    run_tool(['python', 'tools/train.py', config, '--work-dir', b,
+              '--resume', a / 'iter_3.pth'] + batch16)
+    run_tool(['python', 'tools/train.py', config, '--work-dir', c,
+              '--resume', b / 'iter_4.pth'] + batch16)
+    read_b, read_c = read_records(b), read_records(c)
+    assert sorted(read_c) == [5, 6]
+    for it in read_c:
+        assert read_c[it][0] == read_b[it][0], it
