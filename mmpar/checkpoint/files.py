@@ -11,6 +11,7 @@ import copy
 import os
 import os.path as osp
 import pickle
+import re
 import zipfile
 from typing import Any, Union
 
@@ -20,6 +21,8 @@ from mmengine.logging import HistoryBuffer
 from mmengine.utils import apply_to
 
 _BUFFER_TAG = '__history_buffer__'
+# How torch's weights-only unpickler names a global it refuses.
+_MMENGINE_GLOBAL = re.compile(r'\bmmengine\.[\w.]+')
 
 
 class CheckpointLoadError(RuntimeError):
@@ -95,7 +98,9 @@ def load_checkpoint_file(filename: str,
         FileNotFoundError: the file does not exist.
         CheckpointLoadError: the file is truncated, corrupt or holds objects
             other than plain data; the message names the file and suggests
-            the previous checkpoint.
+            the previous checkpoint, or, for a checkpoint of MMEngine's
+            Runner, the command that converts it (never run here: it
+            unpickles arbitrary objects).
     """
     if not os.path.isfile(filename):
         raise FileNotFoundError(f'checkpoint {filename!r} does not exist')
@@ -103,14 +108,39 @@ def load_checkpoint_file(filename: str,
         mmap = map_location in ('cpu', torch.device('cpu'))
         return torch.load(filename, map_location=map_location,
                           weights_only=True, mmap=mmap)
-    except (RuntimeError, pickle.UnpicklingError, EOFError,
-            zipfile.BadZipFile, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err) else ''
+    except pickle.UnpicklingError as err:
+        found = _MMENGINE_GLOBAL.search(str(err))
+        if found is None:
+            raise _unreadable(filename, err) from None
         raise CheckpointLoadError(
-            f'cannot load checkpoint {filename!r}: it is truncated, corrupt '
-            f'or not a plain-data checkpoint ({type(err).__name__}: '
-            f'{first_line}). Resume from an earlier checkpoint in the same '
-            'directory instead.') from None
+            f'cannot load checkpoint {filename!r}: it was written by '
+            f'MMEngine\'s Runner and holds mmengine objects ({found[0]}), '
+            'which torch >= 2.6 refuses to load with weights_only=True; '
+            'mmpar loads plain-data checkpoints only. If you trust the '
+            'file, convert it once (this unpickles it in full) and load '
+            f'the copy: {_conversion_command(filename)}') from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
+        raise _unreadable(filename, err) from None
+
+
+def _unreadable(filename: str, err: Exception) -> CheckpointLoadError:
+    first_line = str(err).strip().splitlines()[0] if str(err) else ''
+    return CheckpointLoadError(
+        f'cannot load checkpoint {filename!r}: it is truncated, corrupt '
+        f'or not a plain-data checkpoint ({type(err).__name__}: '
+        f'{first_line}). Resume from an earlier checkpoint in the same '
+        'directory instead.')
+
+
+def _conversion_command(filename: str) -> str:
+    """The shell command (docs/mmengine_users.md) that rewrites a trusted
+    checkpoint of MMEngine's Runner as plain data next to it
+    (``epoch_1.pth`` -> ``epoch_1_plain.pth``), for ``load_from`` or
+    ``resume``."""
+    plain = '{}_plain{}'.format(*osp.splitext(filename))
+    return ('python -c "import torch; from mmpar.checkpoint import to_plain; '
+            f'torch.save(to_plain(torch.load({filename!r}, '
+            f'weights_only=False)), {plain!r})"')
 
 
 def atomic_save(checkpoint: dict, path: str) -> None:

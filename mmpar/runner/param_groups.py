@@ -17,9 +17,10 @@ lr and weight decay for its parameters.
 """
 import copy
 import inspect
-from typing import Dict, List
+from typing import Dict, Iterator, List, Tuple
 
 import torch
+from mmengine.model import is_model_wrapper
 from mmengine.optim import DefaultOptimWrapperConstructor, OptimWrapper
 from mmengine.registry import (OPTIM_WRAPPER_CONSTRUCTORS, OPTIM_WRAPPERS,
                                OPTIMIZERS)
@@ -27,7 +28,8 @@ from torch import nn
 
 from mmpar.failures import ConfigError
 from mmpar.wrappers.base import describe
-from mmpar.wrappers.local_state import plain_named_parameters
+from mmpar.wrappers.local_state import (plain_named_modules,
+                                        plain_named_parameters)
 
 PARAMS = 'params'
 
@@ -61,9 +63,28 @@ def _uses_add_params(constructor) -> bool:
         type(constructor).__call__ is DefaultOptimWrapperConstructor.__call__
 
 
+def _unwrapped_named_parameters(
+        model: nn.Module) -> Iterator[Tuple[str, nn.Parameter]]:
+    """:func:`plain_named_parameters` of ``model``, also without the
+    ``module.`` of MMEngine-style wrappers (``is_model_wrapper``) inside the
+    model: MMEngine's ``MMSeparateDistributedDataParallel`` wraps each child
+    in a DDP, so the plain ``fc1.weight`` is named ``fc1.module.weight``."""
+    # Deepest first, so that a wrapper inside a wrapper is unwound.
+    inner = sorted((f'{name}.' if name else ''
+                    for name, module in plain_named_modules(model)
+                    if is_model_wrapper(module)
+                    and 'module' in dict(module.named_children())),
+                   key=len, reverse=True)
+    for name, param in plain_named_parameters(model):
+        for prefix in inner:
+            if name.startswith(f'{prefix}module.'):
+                name = prefix + name[len(prefix) + len('module.'):]
+        yield name, param
+
+
 def _held(model: nn.Module) -> Dict[str, List[nn.Parameter]]:
     held: Dict[str, List[nn.Parameter]] = {}
-    for name, param in plain_named_parameters(model):
+    for name, param in _unwrapped_named_parameters(model):
         held.setdefault(name, []).append(param)
     return held
 
@@ -133,7 +154,7 @@ def _holds_plain_shapes(view: nn.Module, model: nn.Module) -> bool:
     shapes = {n: p.shape for n, p in view.named_parameters(
         remove_duplicate=False)}
     return all(shapes.get(name) == param.shape
-               for name, param in plain_named_parameters(model))
+               for name, param in _unwrapped_named_parameters(model))
 
 
 def build_with_plain_rules(cfg: dict, view: nn.Module, model: nn.Module,
