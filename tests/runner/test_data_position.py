@@ -178,24 +178,27 @@ def test_resume_at_an_epoch_boundary_may_change_the_global_batch():
     assert loop.told == []
 
 
-SEEDLESS = '''_base_ = ['{base}']
+# A tiny digits run that records the ids each iteration reads.
+RECORDED = '''_base_ = ['{base}']
 custom_imports = dict(imports=['tests.sample_recording'],
                       allow_failed_imports=False)
 model = dict(depth=1, embed_dim=16, num_heads=2)
 train_dataloader = dict(batch_size=8, dataset=dict(
-    type='RecordedDigits', num_samples=40, split='train'))
+    type='RecordedDigits', num_samples={num_samples}, split='train'))
 train_cfg = dict({loop}, val_interval=1000)
 val_dataloader = val_cfg = val_evaluator = None
 param_scheduler = []
-default_hooks = dict(checkpoint=dict(by_epoch=False, interval=3,
+default_hooks = dict(checkpoint=dict(by_epoch=False, interval={interval},
                                      max_keep_ckpts=-1))
 custom_hooks = [dict(type='RecordSamples')]
-randomness = dict(seed=None)  # MMEngine's default: a random seed a run
 '''
+ITERATIONS = "_delete_=True, by_epoch=False, max_iters=6"
+# MMEngine's default: a random seed a run.
+SEEDLESS = RECORDED + 'randomness = dict(seed=None)\n'
 
 
 @pytest.mark.parametrize('base,loop', [
-    ('vit_digits_iter.py', "_delete_=True, by_epoch=False, max_iters=6"),
+    ('vit_digits_iter.py', ITERATIONS),
     ('vit_digits.py', 'by_epoch=True, max_epochs=2'),
 ], ids=['iterations', 'epochs'])
 def test_a_run_without_a_seed_resumes_in_its_own_order(tmp_path, base,
@@ -206,7 +209,8 @@ def test_a_run_without_a_seed_resumes_in_its_own_order(tmp_path, base,
     from tests.sample_recording import read_records
     config = tmp_path / 'seedless.py'
     config.write_text(SEEDLESS.format(
-        base=ROOT / 'configs/vit_digits' / base, loop=loop))
+        base=ROOT / 'configs/vit_digits' / base, loop=loop, num_samples=40,
+        interval=3))
     straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
     run_tool(['python', 'tools/train.py', config, '--work-dir', straight])
     run_tool(['python', 'tools/train.py', config, '--work-dir', resumed,
@@ -217,21 +221,6 @@ def test_a_run_without_a_seed_resumes_in_its_own_order(tmp_path, base,
         assert reread[it][0] == read[it][0], it
 
 
-ITERATIONS = '''_base_ = ['{base}']
-custom_imports = dict(imports=['tests.sample_recording'],
-                      allow_failed_imports=False)
-model = dict(depth=1, embed_dim=16, num_heads=2)
-train_dataloader = dict(batch_size=8, dataset=dict(
-    type='RecordedDigits', num_samples=200, split='train'))
-train_cfg = dict(_delete_=True, by_epoch=False, max_iters=6,
-                 val_interval=1000)
-val_dataloader = val_cfg = val_evaluator = None
-param_scheduler = []
-default_hooks = dict(checkpoint=dict(by_epoch=False, interval=1,
-                                     max_keep_ckpts=-1))
-custom_hooks = [dict(type='RecordSamples')]
-'''
-
 
 def test_a_second_resume_after_a_batch_change_reads_on(tmp_path):
     """A reads 3 iterations of 8; B resumes it with batch 16 (sample 24
@@ -240,8 +229,9 @@ def test_a_second_resume_after_a_batch_change_reads_on(tmp_path):
     from tests.e2e import ROOT, run_tool
     from tests.sample_recording import read_records
     config = tmp_path / 'iterations.py'
-    config.write_text(ITERATIONS.format(
-        base=ROOT / 'configs/vit_digits/vit_digits_iter.py'))
+    config.write_text(RECORDED.format(
+        base=ROOT / 'configs/vit_digits/vit_digits_iter.py', loop=ITERATIONS,
+        num_samples=200, interval=1))
     a, b, c = (tmp_path / name for name in 'abc')
     run_tool(['python', 'tools/train.py', config, '--work-dir', a,
               '--cfg-options', 'train_cfg.max_iters=3'])
