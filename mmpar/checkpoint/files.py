@@ -119,7 +119,8 @@ def load_checkpoint_file(filename: str,
             'mmpar loads plain-data checkpoints only. If you trust the '
             'file, convert it once (this unpickles it in full) and load '
             f'the copy: {_conversion_command(filename)}') from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as err:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError,
+            OSError) as err:  # (OSError: mmap of a truncated file)
         raise _unreadable(filename, err) from None
 
 

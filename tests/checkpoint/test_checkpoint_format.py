@@ -49,6 +49,18 @@ def test_truncated_checkpoint_names_file_and_suggests_previous(tmp_path):
     assert 'earlier checkpoint' in str(info.value)
 
 
+def test_a_checkpoint_truncated_anywhere_is_named(tmp_path):
+    # Cut early, the memory-mapped load failed with a bare OSError (Errno
+    # 22) from deep in torch instead of naming the file.
+    path = tmp_path / 'iter_12.pth'
+    torch.save(dict(state_dict=dict(w=torch.randn(100000))), path)
+    whole = path.read_bytes()
+    for twentieths in range(1, 20):
+        path.write_bytes(whole[:len(whole) * twentieths // 20])
+        with pytest.raises(CheckpointLoadError, match='iter_12.pth'):
+            load_checkpoint_file(str(path))
+
+
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match='nope.pth'):
         load_checkpoint_file(str(tmp_path / 'nope.pth'))
