@@ -206,6 +206,8 @@ class PackedTokenDataset(Dataset):
     Raises:
         ValueError: a source with no whole window, shards of another
             vocabulary than ``tokenizer``, a bad split or weight.
+        ConfigError: shards written by another tokenizer (its recorded
+            digest, or name for older shards).
     """
 
     def __init__(self,
@@ -270,7 +272,8 @@ class PackedTokenDataset(Dataset):
             raise ValueError(f'sources[{index}] has unknown keys '
                              f'{sorted(source)}; allowed: weight, shards, '
                              'files, text_key, separator')
-        return open_shards(prefixes, self.tokenizer.vocab_size)
+        return open_shards(prefixes, self.tokenizer.vocab_size,
+                           self.tokenizer)
 
     @property
     def metainfo(self) -> dict:

@@ -141,6 +141,7 @@ def cache_key(files: Sequence[Path], tokenizer: Tokenizer,
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     described = json.dumps(
         dict(version=VERSION, files=stats, tokenizer=tokenizer.name,
+             tokenizer_digest=tokenizer.digest,
              vocab_size=tokenizer.vocab_size, options=options),
         sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:20]
@@ -167,7 +168,8 @@ def write_documents(prefix: Union[str, Path], files: Sequence[Path],
     return write_token_shard(
         prefix, map(tokenizer.encode,
                     iter_documents(files, text_key, separator)),
-        tokenizer.vocab_size, tokenizer.name, [str(p) for p in files])
+        tokenizer.vocab_size, tokenizer.name, [str(p) for p in files],
+        tokenizer.digest)
 
 
 def tokenize_files(files: Union[str, Sequence[str]], tokenizer: Tokenizer,
