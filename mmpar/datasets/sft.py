@@ -24,7 +24,7 @@ from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
 from mmpar.datasets.packed import check_count
 from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
                                         packed_window, record_sample)
-from mmpar.datasets.text_files import expand_files
+from mmpar.datasets.text_files import expand_files, jsonl_lines
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
 from mmpar.registry import DATASETS
@@ -169,12 +169,11 @@ class SFTDataset(Dataset):
         self.pad_id = pad_id
         self.samples = []
         for path in expand_files(files):
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    messages = record_messages(json.loads(line),
-                                               f'{path}:{number}')
-                    self.samples.append(render(messages, self.tokenizer,
-                                               self.template))
+            for number, line in jsonl_lines(path):
+                messages = record_messages(json.loads(line),
+                                           f'{path}:{number}')
+                self.samples.append(render(messages, self.tokenizer,
+                                           self.template))
         self.pack = pack
         self.document_attention = document_attention
         self.windows = pack_records(

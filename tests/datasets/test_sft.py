@@ -201,3 +201,13 @@ def test_shipped_instruction_set_is_regenerated():
     # Every record fits the shipped config's context: none is cut.
     data = SFTDataset('mmpar:shakespeare_sft_train.jsonl')
     assert max(len(ids) for ids, _ in data.samples) <= 129
+
+
+def test_records_may_hold_raw_line_separators(tmp_path):
+    path = tmp_path / 'ls.jsonl'
+    record = dict(prompt='Q\u2028?', response='A\x85!')
+    path.write_text(json.dumps(record, ensure_ascii=False) + '\n',
+                    encoding='utf-8')
+    data = SFTDataset(str(path), context_length=64)
+    assert len(data) == 1
+    assert 'Q\u2028?'.encode() in bytes(data[0]['inputs'].tolist())

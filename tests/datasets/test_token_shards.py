@@ -158,3 +158,14 @@ def test_prepare_data_keeps_a_non_ascii_separator(tmp_path):
     # Escapes are still read: '\n\n' (backslash, n) splits at paragraphs.
     header = prepare_main([str(tmp_path / 'par'), str(text), '--separator', r'\n\n'])
     assert header['num_documents'] == 2
+
+
+def test_jsonl_strings_may_hold_raw_line_separators(tmp_path):
+    # Valid JSON: U+2028, U+0085 and a lone '\r' raw inside strings
+    # (json.dumps(ensure_ascii=False) writes them); lines end at '\n' only.
+    texts = ['one\u2028two', 'three\x85four', 'five\rsix']
+    path = tmp_path / 'ls.jsonl'
+    path.write_bytes(''.join(
+        json.dumps(dict(text=t), ensure_ascii=False) + '\r\n'
+        for t in texts).encode('utf-8'))
+    assert list(iter_documents([path])) == texts
