@@ -36,7 +36,8 @@ from mmpar.registry import DATASETS
 # seconds that tools/prepare_data.py need not pay).
 IGNORE_INDEX = -100
 SPLITS = ('train', 'val', 'all')
-# Blending repeats the same pattern of sources every BLEND_BLOCK samples.
+# Blending repeats the same interleaved pattern of sources every BLEND_BLOCK
+# samples.
 BLEND_BLOCK = 1000
 
 
@@ -129,6 +130,22 @@ def blend_counts(weights: Sequence[float], block: int) -> List[int]:
     return counts
 
 
+def interleave(counts: Sequence[int]) -> tuple:
+    """The block's layout for per-source ``counts``: ``(sources, slots)``,
+    the source of each offset and which of that source's slots it is.
+
+    Slot ``k`` of source ``s`` sits at ``(k + 0.5) / counts[s]`` of the
+    block, so every prefix of the block holds each source's share of it to
+    within one sample (an epoch shorter than a block, or the partial block
+    at its end, keeps the weights' shares).
+    """
+    sources = np.repeat(np.arange(len(counts)), counts)
+    slots = np.concatenate([np.arange(c) for c in counts])
+    keys = (slots + 0.5) / np.asarray(counts)[sources]
+    order = np.lexsort((sources, keys))  # by key, ties to the earlier source
+    return sources[order], slots[order]
+
+
 def window_targets(window: np.ndarray, starts: np.ndarray,
                    mask_boundaries: bool) -> np.ndarray:
     """The targets of a window of ``L + 1`` tokens whose document starts
@@ -163,9 +180,12 @@ class PackedTokenDataset(Dataset):
             a shard prefix.
         context_length: tokens per window (inputs; targets the same
             shifted by one).
-        num_windows: samples per epoch; ``None``: as many as the sources
-            hold windows together. A source whose share asks for more than
-            it holds repeats its windows.
+        num_windows: samples per epoch, blended by the sources' weights:
+            every 1,000 samples (and every prefix of them) give each source
+            its share; a source whose share asks for more than it holds
+            repeats its windows. ``None``: each source's windows once, in
+            order, source after source, without blending (weights unused;
+            what validation needs).
         split: ``'train'`` (each source's first ``train_fraction`` of
             tokens, cut at a document start), ``'val'`` (the rest) or
             ``'all'``.
@@ -186,6 +206,8 @@ class PackedTokenDataset(Dataset):
     Raises:
         ValueError: a source with no whole window, shards of another
             vocabulary than ``tokenizer``, a bad split or weight.
+        ConfigError: shards written by another tokenizer (its recorded
+            digest, or name for older shards).
     """
 
     def __init__(self,
@@ -227,9 +249,11 @@ class PackedTokenDataset(Dataset):
                     f'context_length={context_length} + 1')
         self.block = BLEND_BLOCK if len(self.streams) > 1 else 1
         self.counts = blend_counts(weights, self.block)
-        self.cum_counts = np.cumsum([0] + self.counts)
+        self.block_sources, self.block_slots = interleave(self.counts)
         check_count('num_windows', num_windows, optional=True)
-        self.num_windows = num_windows or sum(self.source_windows)
+        self.blended = num_windows is not None
+        self.cum_windows = np.cumsum([0] + self.source_windows)
+        self.num_windows = num_windows or int(self.cum_windows[-1])
 
     def _open(self, index: int, source: dict,
               cache_dir: Optional[str]) -> List[TokenShard]:
@@ -248,7 +272,8 @@ class PackedTokenDataset(Dataset):
             raise ValueError(f'sources[{index}] has unknown keys '
                              f'{sorted(source)}; allowed: weight, shards, '
                              'files, text_key, separator')
-        return open_shards(prefixes, self.tokenizer.vocab_size)
+        return open_shards(prefixes, self.tokenizer.vocab_size,
+                           self.tokenizer)
 
     @property
     def metainfo(self) -> dict:
@@ -258,14 +283,18 @@ class PackedTokenDataset(Dataset):
         return self.num_windows
 
     def locate(self, idx: int) -> tuple:
-        """``(source, window)`` of sample ``idx``: blocks repeat the
-        per-source counts; a source's windows are taken in order and
-        repeat when used up."""
+        """``(source, window)`` of sample ``idx``, a function of ``idx``
+        alone (resume continues at the sample). Blended: every block
+        repeats the interleaved per-source counts; a source's windows are
+        taken in order and repeat when used up. Not blended
+        (``num_windows=None``): the sources' windows one after another."""
+        if not self.blended:
+            source = int(np.searchsorted(self.cum_windows, idx,
+                                         side='right')) - 1
+            return source, idx - int(self.cum_windows[source])
         block, offset = divmod(idx, self.block)
-        source = int(np.searchsorted(self.cum_counts, offset,
-                                     side='right')) - 1
-        used = block * self.counts[source] + offset - \
-            int(self.cum_counts[source])
+        source = int(self.block_sources[offset])
+        used = block * self.counts[source] + int(self.block_slots[offset])
         return source, used % self.source_windows[source]
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:

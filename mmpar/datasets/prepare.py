@@ -9,7 +9,6 @@ writes ``OUT_PREFIX.bin``, ``.idx`` and ``.json`` and prints the header
 with the tokens per second it tokenized.
 """
 import argparse
-import codecs
 import json
 import os.path as osp
 import time
@@ -27,6 +26,14 @@ def tokenizer_cfg(name: str) -> dict:
     if osp.isdir(name):
         return dict(type='HFTokenizer', path=name)
     return dict(type=name)
+
+
+def unescape(text: str) -> str:
+    """A command-line string with Python escapes read (``'\\n\\n'`` ->
+    two newlines); other characters, non-ASCII ones too, are kept
+    (``unicode_escape`` alone reads its input as Latin-1 and garbles
+    ``'。'``)."""
+    return text.encode('ascii', 'backslashreplace').decode('unicode_escape')
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -52,8 +59,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> dict:
     """Write the shard; returns its header plus ``tokens_per_s``."""
     args = parse_args(argv)
-    separator = None if args.separator is None else codecs.decode(
-        args.separator, 'unicode_escape')
+    separator = None if args.separator is None else unescape(
+        args.separator)
     tokenizer = build_tokenizer(tokenizer_cfg(args.tokenizer))
     start = time.perf_counter()
     header = write_documents(args.output, expand_files(args.files),

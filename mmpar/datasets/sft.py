@@ -24,7 +24,7 @@ from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
 from mmpar.datasets.packed import check_count
 from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
                                         packed_window, record_sample)
-from mmpar.datasets.text_files import expand_files
+from mmpar.datasets.text_files import expand_files, jsonl_lines
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
 from mmpar.registry import DATASETS
@@ -84,7 +84,11 @@ def render(messages: Sequence[dict], tokenizer: Tokenizer,
            ) -> Tuple[np.ndarray, np.ndarray]:
     """``(token ids, is_answer)`` of a chat: with ``template='hf'`` by the
     tokenizer's chat template (:func:`render_chat`), else every message
-    rendered by its role's format string and tokenized alone, in order.
+    rendered by its role's format string and tokenized alone, in order; an
+    assistant message's format is cut at ``{content}``: what precedes it
+    (its header, e.g. ``'### Answer:\\n'``) is tokenized alone as prompt,
+    the content and what follows it are the answer (as the ``'hf'`` path
+    counts content and end of turn, not the header).
 
     Raises:
         ValueError: a role the template lacks.
@@ -97,10 +101,16 @@ def render(messages: Sequence[dict], tokenizer: Tokenizer,
         if role not in template:
             raise ValueError(f'role {role!r} has no template; allowed: '
                              f'{", ".join(template)}')
-        tokens = tokenizer.encode(template[role].format(
-            content=message['content']))
-        ids += tokens
-        answer += [role == ANSWER_ROLE] * len(tokens)
+        header, content = '', template[role]
+        if role == ANSWER_ROLE and '{content}' in content:
+            header, rest = content.split('{content}', 1)
+            content = '{content}' + rest
+        for text, is_answer in ((header.format(), False),
+                                (content.format(content=message['content']),
+                                 role == ANSWER_ROLE)):
+            tokens = tokenizer.encode(text) if text else []
+            ids += tokens
+            answer += [is_answer] * len(tokens)
     return np.asarray(ids, np.int64), np.asarray(answer, bool)
 
 
@@ -116,7 +126,9 @@ class SFTDataset(Dataset):
         template: ``'hf'``: the chat template of the tokenizer (an
             ``HFTokenizer``), loss on each assistant message's content and
             end-of-turn tokens; ``'plain'``: :data:`DEFAULT_TEMPLATE`; a
-            dict role -> format string with ``{content}``; ``None``:
+            dict role -> format string with ``{content}`` (the loss on an
+            assistant message's content and what follows it in its format,
+            not the header before it; :func:`render`); ``None``:
             ``'hf'`` when the tokenizer has a chat template, else
             ``'plain'``.
         pad_id: the input id of padding (its targets are ``-100``).
@@ -169,12 +181,11 @@ class SFTDataset(Dataset):
         self.pad_id = pad_id
         self.samples = []
         for path in expand_files(files):
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                if line.strip():
-                    messages = record_messages(json.loads(line),
-                                               f'{path}:{number}')
-                    self.samples.append(render(messages, self.tokenizer,
-                                               self.template))
+            for number, line in jsonl_lines(path):
+                messages = record_messages(json.loads(line),
+                                           f'{path}:{number}')
+                self.samples.append(render(messages, self.tokenizer,
+                                           self.template))
         self.pack = pack
         self.document_attention = document_attention
         self.windows = pack_records(

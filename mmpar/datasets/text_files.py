@@ -13,7 +13,7 @@ import json
 import lzma
 import os
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 from mmpar.datasets.token_shards import (VERSION, read_header,
                                          write_token_shard)
@@ -81,6 +81,17 @@ def read_text(path: Path) -> str:
     return raw.decode('utf-8')
 
 
+def jsonl_lines(path: Path) -> Iterator[Tuple[int, str]]:
+    """``(line number, line)`` of a JSONL file's non-blank lines, split at
+    ``'\\n'`` only (a trailing ``'\\r'`` dropped): ``str.splitlines``
+    would also split at U+2028, U+0085 and other characters that a JSON
+    string may hold raw (``json.dumps(ensure_ascii=False)`` writes them)."""
+    for number, line in enumerate(read_text(path).split('\n'), 1):
+        line = line[:-1] if line.endswith('\r') else line
+        if line.strip():
+            yield number, line
+
+
 def iter_documents(files: Sequence[Path], text_key: str = 'text',
                    separator: Optional[str] = None) -> Iterator[str]:
     """The documents of ``files``, in order.
@@ -103,10 +114,8 @@ def iter_documents(files: Sequence[Path], text_key: str = 'text',
             parts = [text] if separator is None else text.split(separator)
             yield from (p for p in parts if p.strip())
         elif kind == 'jsonl':
-            for number, line in enumerate(read_text(path).splitlines(), 1):
-                if line.strip():
-                    yield _field(json.loads(line), text_key,
-                                 f'{path}:{number}')
+            for number, line in jsonl_lines(path):
+                yield _field(json.loads(line), text_key, f'{path}:{number}')
         else:
             yield from _parquet_texts(path, text_key)
 
@@ -141,6 +150,7 @@ def cache_key(files: Sequence[Path], tokenizer: Tokenizer,
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     described = json.dumps(
         dict(version=VERSION, files=stats, tokenizer=tokenizer.name,
+             tokenizer_digest=tokenizer.digest,
              vocab_size=tokenizer.vocab_size, options=options),
         sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:20]
@@ -167,7 +177,8 @@ def write_documents(prefix: Union[str, Path], files: Sequence[Path],
     return write_token_shard(
         prefix, map(tokenizer.encode,
                     iter_documents(files, text_key, separator)),
-        tokenizer.vocab_size, tokenizer.name, [str(p) for p in files])
+        tokenizer.vocab_size, tokenizer.name, [str(p) for p in files],
+        tokenizer.digest)
 
 
 def tokenize_files(files: Union[str, Sequence[str]], tokenizer: Tokenizer,

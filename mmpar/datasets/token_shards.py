@@ -10,7 +10,9 @@ One shard is three files sharing a prefix (docs/data.md has the format):
   ``idx[0] == 0`` and ``idx[-1] == num_tokens``.
 * ``PREFIX.json``: the header: ``format`` (``'mmpar-tokens'``), ``version``
   (1), ``dtype``, ``num_tokens``, ``num_documents``, ``vocab_size``,
-  ``tokenizer`` (the tokenizer's name) and ``sources`` (what was read).
+  ``tokenizer`` (the tokenizer's name), ``tokenizer_digest`` (its
+  ``digest``; absent in shards written before it was recorded) and
+  ``sources`` (what was read).
 
 The layout of Megatron's indexed datasets and nanoGPT's ``.bin`` files: a
 reader maps both arrays (``np.memmap``) and touches only the pages of the
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
+
+from mmpar.failures import ConfigError
 
 FORMAT, VERSION = 'mmpar-tokens', 1
 SUFFIXES = ('.bin', '.idx', '.json')
@@ -64,17 +68,21 @@ class TokenShardWriter:
             document).
         tokenizer: the tokenizer's name, recorded in the header.
         sources: what the documents were read from, recorded.
+        tokenizer_digest: the tokenizer's ``digest``, recorded.
     """
 
     def __init__(self, prefix: Union[str, Path], vocab_size: int,
-                 tokenizer: str = '', sources: Sequence[str] = ()):
+                 tokenizer: str = '', sources: Sequence[str] = (),
+                 tokenizer_digest: str = ''):
         self.paths = shard_files(prefix)
         self.bin_path, self.idx_path, self.json_path = shard_files(
             f'{prefix}.tmp{os.getpid()}')
         self.vocab_size, self.dtype = vocab_size, token_dtype(vocab_size)
         self.header = dict(format=FORMAT, version=VERSION,
                            dtype=self.dtype.name, vocab_size=vocab_size,
-                           tokenizer=tokenizer, sources=list(sources))
+                           tokenizer=tokenizer,
+                           tokenizer_digest=tokenizer_digest,
+                           sources=list(sources))
         self.offsets = [0]
         self._bin = self._idx = None
 
@@ -117,13 +125,16 @@ class TokenShardWriter:
 def write_token_shard(prefix: Union[str, Path],
                       documents: Iterable[Sequence[int]], vocab_size: int,
                       tokenizer: str = '',
-                      sources: Sequence[str] = ()) -> dict:
-    """Write ``documents`` (token id sequences) as one shard.
+                      sources: Sequence[str] = (),
+                      tokenizer_digest: str = '') -> dict:
+    """Write ``documents`` (token id sequences) as one shard
+    (:class:`TokenShardWriter` has the arguments).
 
     Returns:
         The header written.
     """
-    with TokenShardWriter(prefix, vocab_size, tokenizer, sources) as writer:
+    with TokenShardWriter(prefix, vocab_size, tokenizer, sources,
+                          tokenizer_digest) as writer:
         for ids in documents:
             writer.add(ids)
     return read_header(prefix)
@@ -209,15 +220,43 @@ class TokenShard:
         return np.asarray(starts[lo:hi])
 
 
+def check_shard_tokenizer(shard: TokenShard, tokenizer) -> None:
+    """Refuse a shard written by another tokenizer than ``tokenizer``
+    (its ``name`` and ``digest``): by digest where the header records one,
+    else by name (older shards); a header naming no tokenizer passes.
+
+    Raises:
+        ConfigError: naming the key, both tokenizers and what is allowed.
+    """
+    header = shard.header
+    written = header.get('tokenizer') or ''
+    digest = header.get('tokenizer_digest') or ''
+    same = digest == tokenizer.digest if digest else \
+        not written or written == tokenizer.name
+    if not same:
+        raise ConfigError(
+            f'tokenizer: token shard {shard.prefix!r} was written by '
+            f'tokenizer {written!r} (digest {digest or "not recorded"}); '
+            f'the config\'s tokenizer is {tokenizer.name!r} (digest '
+            f'{tokenizer.digest}); allowed: the tokenizer the shard was '
+            'written with, or re-run tools/prepare_data.py with this one')
+
+
 def open_shards(prefixes: Sequence[Union[str, Path]],
-                vocab_size: Optional[int] = None) -> List[TokenShard]:
+                vocab_size: Optional[int] = None,
+                tokenizer=None) -> List[TokenShard]:
     """Open shards, all written for one vocabulary (``vocab_size`` when
-    given).
+    given) and by ``tokenizer`` when given
+    (:func:`check_shard_tokenizer`).
 
     Raises:
         ValueError: shards of different vocabulary sizes.
+        ConfigError: a shard written by another tokenizer.
     """
     shards = [TokenShard(p) for p in prefixes]
+    if tokenizer is not None:
+        for shard in shards:
+            check_shard_tokenizer(shard, tokenizer)
     sizes = {s.vocab_size for s in shards} | (
         {vocab_size} if vocab_size else set())
     if len(sizes) > 1:

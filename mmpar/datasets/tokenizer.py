@@ -11,8 +11,11 @@
 
 Every tokenizer gives ``token_bytes()``: the UTF-8 bytes of text each token
 id stands for, so the metric reports bits per *byte* whatever the tokenizer
-(:class:`mmpar.evaluation.LanguageModelMetric`).
+(:class:`mmpar.evaluation.LanguageModelMetric`), and ``digest``: a hash of
+what defines its ids (the token cache's key and the shard header record it,
+so tokens of another tokenizer are never reused).
 """
+import hashlib
 import os.path as osp
 from pathlib import Path
 from typing import Iterable, List, Optional, Union
@@ -21,6 +24,29 @@ from mmpar.registry import TOKENIZERS
 
 SHAKESPEARE_BPE_DIR = Path(__file__).parent / 'data' / 'shakespeare_bpe'
 SHAKESPEARE_BPE_VOCAB = 512
+# The files of a Hugging Face tokenizer directory that define its ids (not
+# the model's weights or config, which may sit in the same directory).
+HF_TOKENIZER_FILES = ('tokenizer*', 'vocab*', 'merges*', '*.model',
+                      'special_tokens_map.json', 'added_tokens.json')
+# Bumped when ByteTokenizer's ids change (its digest).
+BYTE_TOKENIZER_VERSION = 1
+
+
+def short_digest(data: bytes) -> str:
+    """The first 16 hex digits of ``data``'s SHA-256."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def tokenizer_files_digest(path: str) -> str:
+    """A digest of the names and bytes of the files in directory ``path``
+    that define a Hugging Face tokenizer (:data:`HF_TOKENIZER_FILES`)."""
+    found = sorted({p for pattern in HF_TOKENIZER_FILES
+                    for p in Path(path).glob(pattern) if p.is_file()})
+    hasher = hashlib.sha256()
+    for file in found:
+        hasher.update(file.name.encode() + b'\0')
+        hasher.update(hashlib.sha256(file.read_bytes()).digest())
+    return hasher.hexdigest()[:16]
 
 
 @TOKENIZERS.register_module()
@@ -29,6 +55,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     name = 'bytes'
+    digest = short_digest(f'ByteTokenizer {BYTE_TOKENIZER_VERSION}'.encode())
 
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text``."""
@@ -66,6 +93,7 @@ class HFTokenizer:
                 'nothing is downloaded')
         self.path = str(path)
         self.name = osp.abspath(path)
+        self.digest = tokenizer_files_digest(path)
         self.tokenizer = import_transformers().AutoTokenizer.from_pretrained(
             self.path, local_files_only=True)
         self.vocab_size = len(self.tokenizer)

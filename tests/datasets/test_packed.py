@@ -65,6 +65,36 @@ def test_sources_blend_by_weight_deterministically(tmp_path):
         blend_counts([1, -1], 10)
 
 
+def test_every_prefix_of_a_blend_holds_the_weights_shares(tmp_path):
+    big = _shard(tmp_path, 'big', [[1] * 401])  # 100 windows of 4
+    small = _shard(tmp_path, 'small', [[2] * 41])  # 10 windows
+    for weights in [(1, 1), (3, 1), (1, 3), (2, 5)]:
+        sources = [dict(shards=big, weight=weights[0]),
+                   dict(shards=small, weight=weights[1])]
+        data = PackedTokenDataset(sources, context_length=4,
+                                  num_windows=1500)
+        share = weights[1] / sum(weights)
+        small_so_far = 0
+        for n in range(1, len(data) + 1):
+            small_so_far += data.locate(n - 1)[0] == 1
+            # Block-relative: the second block starts afresh.
+            m = (n - 1) % 1000 + 1
+            in_block = small_so_far - (n > 1000) * data.counts[1]
+            assert abs(in_block - m * share) <= 1, (weights, n)
+
+
+def test_unblended_val_reads_every_window_of_each_source_once(tmp_path):
+    a = _shard(tmp_path, 'a', [[1] * 50] * 4)
+    b = _shard(tmp_path, 'b', [[2] * 50] * 40)
+    sources = [dict(shards=a, weight=3.0), dict(shards=b, weight=1.0)]
+    val = PackedTokenDataset(sources, context_length=4, split='val',
+                             train_fraction=0.5)
+    assert len(val) == sum(val.source_windows)
+    assert [val.locate(i) for i in range(len(val))] == [
+        (s, w) for s, count in enumerate(val.source_windows)
+        for w in range(count)]
+
+
 def test_train_and_val_splits_cut_at_a_document_start(tmp_path):
     docs = [[d] * 10 for d in range(1, 11)]  # 100 tokens, 10 documents
     train = PackedTokenDataset([_shard(tmp_path, docs=docs)],

@@ -34,16 +34,25 @@ def test_only_answer_tokens_are_targets(tmp_path):
     assert bytes(item['inputs'][:len(text) - 1].tolist()) == \
         text[:-1].encode()
     counted = item['data_samples'][item['data_samples'] != -100]
-    assert bytes(counted.tolist()) == b'### Answer:\nyo\n\n'
+    # The answer's content and the end of its format, not its constant
+    # header '### Answer:\n' (a prompt token, as in the 'hf' path).
+    assert bytes(counted.tolist()) == b'yo\n\n'
     assert (item['inputs'][len(text) - 1:] == 0).all()  # padding
     second = data[1]['data_samples']
-    assert bytes(second[second != -100].tolist()) == b'### Answer:\nab\n\n'
+    assert bytes(second[second != -100].tolist()) == b'ab\n\n'
     # Cut to 8 inputs: the start (all prompt), or the end (the answer).
     right, left = (SFTDataset(files, context_length=8, truncate=t,
                               num_windows=1) for t in ('right', 'left'))
     assert len(right) == 1 and (right[0]['data_samples'] == -100).all()
     assert bytes(left[0]['inputs'].tolist()) == b'wer:\nyo\n'
-    assert bytes(left[0]['data_samples'].tolist()) == b'er:\nyo\n\n'
+    assert left[0]['data_samples'].tolist() == \
+        [-100] * 4 + list(b'yo\n\n')
+    # A dict template: the assistant's format cut at {content}.
+    custom = SFTDataset(files, template={'system': '{content}',
+                                        'user': 'U:{content}\n',
+                                        'assistant': '<a>{content}</a>'})
+    counted = custom[1]['data_samples'][custom[1]['data_samples'] != -100]
+    assert bytes(counted.tolist()) == b'ab</a>'
     with pytest.raises(ValueError, match="truncate='middle' is not"):
         SFTDataset(files, truncate='middle')
     with pytest.raises(KeyError, match='needs "messages"'):
@@ -72,8 +81,8 @@ def test_fine_tuning_lowers_the_masked_loss(tmp_path, one_thread):
     losses = []
     for batch in batches:
         out = model(batch['inputs'], batch['data_samples'], 'loss')
-        # The count is the answer tokens' alone ("### Answer:\n", the sum
-        # and "\n\n" of each record): no prompt token.
+        # The count is the answer tokens' alone (the sum and "\n\n" of
+        # each record): no prompt token, nor the "### Answer:\n" header.
         first = len(losses) * 50
         expected = sum(int(data.samples[i][1][1:].sum())
                        for i in range(first, first + 50))
@@ -201,3 +210,13 @@ def test_shipped_instruction_set_is_regenerated():
     # Every record fits the shipped config's context: none is cut.
     data = SFTDataset('mmpar:shakespeare_sft_train.jsonl')
     assert max(len(ids) for ids, _ in data.samples) <= 129
+
+
+def test_records_may_hold_raw_line_separators(tmp_path):
+    path = tmp_path / 'ls.jsonl'
+    record = dict(prompt='Q\u2028?', response='A\x85!')
+    path.write_text(json.dumps(record, ensure_ascii=False) + '\n',
+                    encoding='utf-8')
+    data = SFTDataset(str(path), context_length=64)
+    assert len(data) == 1
+    assert 'Q\u2028?'.encode() in bytes(data[0]['inputs'].tolist())

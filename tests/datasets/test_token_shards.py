@@ -144,3 +144,28 @@ def test_prepare_data_writes_a_shard(tmp_path):
     assert header['num_documents'] == 2 and header['tokenizer'] == 'bytes'
     assert header['tokens_per_s'] > 0
     assert TokenShard(tmp_path / 'out').document(0).tolist() == [97, 98]
+
+
+def test_prepare_data_keeps_a_non_ascii_separator(tmp_path):
+    text = tmp_path / 'sep.txt'
+    text.write_text('Erster Absatz。Zweiter Absatz\n\nDritter。Vierter',
+                    encoding='utf-8')
+    header = prepare_main([str(tmp_path / 'cjk'), str(text), '--separator', '。'])
+    assert header['num_documents'] == 3
+    shard = TokenShard(tmp_path / 'cjk')
+    assert bytes(shard.document(1).tolist()).decode() == \
+        'Zweiter Absatz\n\nDritter'
+    # Escapes are still read: '\n\n' (backslash, n) splits at paragraphs.
+    header = prepare_main([str(tmp_path / 'par'), str(text), '--separator', r'\n\n'])
+    assert header['num_documents'] == 2
+
+
+def test_jsonl_strings_may_hold_raw_line_separators(tmp_path):
+    # Valid JSON: U+2028, U+0085 and a lone '\r' raw inside strings
+    # (json.dumps(ensure_ascii=False) writes them); lines end at '\n' only.
+    texts = ['one\u2028two', 'three\x85four', 'five\rsix']
+    path = tmp_path / 'ls.jsonl'
+    path.write_bytes(''.join(
+        json.dumps(dict(text=t), ensure_ascii=False) + '\r\n'
+        for t in texts).encode('utf-8'))
+    assert list(iter_documents([path])) == texts
