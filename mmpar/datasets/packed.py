@@ -206,8 +206,8 @@ class PackedTokenDataset(Dataset):
     Raises:
         ValueError: a source with no whole window, shards of another
             vocabulary than ``tokenizer``, a bad split or weight.
-        ConfigError: shards written by another tokenizer (its recorded
-            digest, or name for older shards).
+        ConfigError: shards written by another tokenizer (by the digest
+            the shards record; older shards are not checked).
     """
 
     def __init__(self,

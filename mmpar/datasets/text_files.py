@@ -150,7 +150,7 @@ def cache_key(files: Sequence[Path], tokenizer: Tokenizer,
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     described = json.dumps(
         dict(version=VERSION, files=stats, tokenizer=tokenizer.name,
-             tokenizer_digest=tokenizer.digest,
+             tokenizer_digest=getattr(tokenizer, 'digest', ''),
              vocab_size=tokenizer.vocab_size, options=options),
         sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:20]
@@ -178,7 +178,7 @@ def write_documents(prefix: Union[str, Path], files: Sequence[Path],
         prefix, map(tokenizer.encode,
                     iter_documents(files, text_key, separator)),
         tokenizer.vocab_size, tokenizer.name, [str(p) for p in files],
-        tokenizer.digest)
+        getattr(tokenizer, 'digest', ''))
 
 
 def tokenize_files(files: Union[str, Sequence[str]], tokenizer: Tokenizer,

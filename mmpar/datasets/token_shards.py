@@ -221,25 +221,24 @@ class TokenShard:
 
 
 def check_shard_tokenizer(shard: TokenShard, tokenizer) -> None:
-    """Refuse a shard written by another tokenizer than ``tokenizer``
-    (its ``name`` and ``digest``): by digest where the header records one,
-    else by name (older shards); a header naming no tokenizer passes.
+    """Refuse a shard written by another tokenizer than ``tokenizer``, by
+    the ``digest`` of what defines its ids. A shard written before the
+    digest was recorded, or a tokenizer of the user's without a ``digest``,
+    passes as before (the name alone, an absolute path, would refuse a moved
+    checkout's shards).
 
     Raises:
         ConfigError: naming the key, both tokenizers and what is allowed.
     """
-    header = shard.header
-    written = header.get('tokenizer') or ''
-    digest = header.get('tokenizer_digest') or ''
-    same = digest == tokenizer.digest if digest else \
-        not written or written == tokenizer.name
-    if not same:
+    written = shard.header.get('tokenizer_digest') or ''
+    ours = getattr(tokenizer, 'digest', '') or ''
+    if written and ours and written != ours:
         raise ConfigError(
             f'tokenizer: token shard {shard.prefix!r} was written by '
-            f'tokenizer {written!r} (digest {digest or "not recorded"}); '
-            f'the config\'s tokenizer is {tokenizer.name!r} (digest '
-            f'{tokenizer.digest}); allowed: the tokenizer the shard was '
-            'written with, or re-run tools/prepare_data.py with this one')
+            f'tokenizer {shard.header.get("tokenizer")!r} (digest '
+            f'{written}); the config\'s tokenizer is {tokenizer.name!r} '
+            f'(digest {ours}); allowed: the tokenizer the shard was written '
+            'with, or re-run tools/prepare_data.py with this one')
 
 
 def open_shards(prefixes: Sequence[Union[str, Path]],

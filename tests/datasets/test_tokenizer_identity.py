@@ -58,16 +58,29 @@ def test_a_shard_of_another_tokenizer_is_refused(tmp_path):
     PackedTokenDataset([prefix], context_length=16, tokenizer=moved)
 
 
-def test_shards_without_a_digest_compare_names(tmp_path):
+def test_shards_without_a_digest_load_as_before(tmp_path):
+    """A shard written before the digest was recorded is not checked: its
+    tokenizer name is an absolute path, which a moved checkout changes."""
     docs = [list(range(40))]
-    old = str(tmp_path / 'old')
-    write_token_shard(old, docs, 256, 'bytes')  # written before digests
-    PackedTokenDataset([old], context_length=8)
-    anonymous = str(tmp_path / 'anonymous')
-    write_token_shard(anonymous, docs, 256)
-    PackedTokenDataset([anonymous], context_length=8)
-    other = str(tmp_path / 'other')
-    write_token_shard(other, docs, 256, '/some/tokenizer')
-    with pytest.raises(ConfigError, match="'/some/tokenizer' .*digest not "
-                       "recorded.*'bytes'"):
-        PackedTokenDataset([other], context_length=8)
+    for name in ('bytes', None, '/some/moved/tokenizer'):
+        old = str(tmp_path / f'old{len(name or "")}')
+        write_token_shard(old, docs, 256, *([name] if name else []))
+        PackedTokenDataset([old], context_length=8)
+
+
+class _UsersTokenizer:
+    """A tokenizer of a user's, written before ``digest`` existed."""
+    name, vocab_size = 'users', 256
+
+    def encode(self, text):
+        return list(text.encode())
+
+
+def test_a_users_tokenizer_without_a_digest_still_works(tmp_path):
+    from mmpar.datasets.token_shards import check_shard_tokenizer, open_shards
+    from mmpar.datasets.text_files import cache_key
+    prefix = str(tmp_path / 'shard')
+    write_token_shard(prefix, [list(range(40))], 256, 'x',
+                      tokenizer_digest='abc')
+    check_shard_tokenizer(open_shards([prefix])[0], _UsersTokenizer())
+    assert cache_key([], _UsersTokenizer())
