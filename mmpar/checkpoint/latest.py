@@ -1,5 +1,6 @@
 """Which checkpoint in a work directory to resume from."""
 import glob
+import os
 import os.path as osp
 from typing import Callable, List, Optional
 
@@ -16,9 +17,43 @@ def is_complete_checkpoint(path: str) -> bool:
     return is_complete_file(path)
 
 
+#: Written in the work dir by the first attempt of a torchrun job
+#: (:func:`mark_job_start`): its modification time is the job's start, its
+#: text torchrun's run id.
+JOB_MARKER = '.mmpar_job_start'
+
+
+def _run_id() -> str:
+    return os.environ.get('TORCHELASTIC_RUN_ID', '')
+
+
+def mark_job_start(work_dir: str) -> None:
+    """Record in ``work_dir`` that a job starts now (its first attempt, on
+    rank 0, before any save), replacing an older job's record atomically."""
+    marker = osp.join(work_dir, JOB_MARKER)
+    tmp = f'{marker}.{os.getpid()}.tmp'
+    with open(tmp, 'w') as file:
+        file.write(_run_id())
+    os.replace(tmp, marker)
+
+
+def job_start(work_dir: str) -> float:
+    """When the job whose restart this is started (:func:`mark_job_start`);
+    infinity, so that no checkpoint counts as the job's, when the record is
+    missing or names another torchrun run id."""
+    marker = osp.join(work_dir, JOB_MARKER)
+    try:
+        with open(marker) as file:
+            run_id = file.read().strip()
+        started = osp.getmtime(marker)
+    except OSError:
+        return float('inf')
+    return started if run_id == _run_id() else float('inf')
+
+
 def complete_checkpoints(work_dir: str,
-                         warn: Optional[Callable[[str], None]] = None
-                         ) -> List[str]:
+                         warn: Optional[Callable[[str], None]] = None,
+                         since: Optional[float] = None) -> List[str]:
     """The complete ``epoch_*`` / ``iter_*`` checkpoints (files or sharded
     directories) in ``work_dir``, newest first: the one ``last_checkpoint``
     names (if complete), then the others by modification time.
@@ -27,13 +62,19 @@ def complete_checkpoints(work_dir: str,
         work_dir: the directory to look in.
         warn: told about each incomplete (truncated) checkpoint skipped;
             unfinished saves (``*.tmp``) are skipped silently.
+        since: only checkpoints modified at or after this time (a
+            restart's :func:`job_start`: those its job wrote).
     """
+
+    def recent(path: str) -> bool:
+        return since is None or osp.getmtime(path) >= since
+
     found: List[str] = []
     pointer = osp.join(work_dir, 'last_checkpoint')
     if osp.isfile(pointer):
         with open(pointer) as file:
             pointed = file.read().strip()
-        if is_complete_checkpoint(pointed):
+        if is_complete_checkpoint(pointed) and recent(pointed):
             found.append(pointed)
     # Temporary files and directories of unfinished saves end in '.tmp'.
     candidates = [
@@ -42,7 +83,7 @@ def complete_checkpoints(work_dir: str,
         if not path.endswith('.tmp')
     ]
     for path in sorted(candidates, key=osp.getmtime, reverse=True):
-        if path in found:
+        if path in found or not recent(path):
             continue
         if is_complete_checkpoint(path):
             found.append(path)
