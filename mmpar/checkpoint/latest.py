@@ -2,7 +2,8 @@
 import glob
 import os
 import os.path as osp
-from typing import Callable, List, Optional
+import re
+from typing import Callable, List, Optional, Tuple
 
 from mmpar.checkpoint.files import is_complete_file
 from mmpar.checkpoint.sharded import is_complete_sharded_checkpoint
@@ -51,12 +52,21 @@ def job_start(work_dir: str) -> float:
     return started if run_id == _run_id() else float('inf')
 
 
+def _step_order(path: str) -> Tuple[int, float]:
+    """The step ``epoch_N`` / ``iter_N`` names (-1 for another name), then
+    the modification time: a copy of a work dir that did not keep times
+    still orders its checkpoints as they were saved."""
+    match = re.match(r'(?:epoch|iter)_(\d+)', osp.basename(path))
+    return (int(match.group(1)) if match else -1, osp.getmtime(path))
+
+
 def complete_checkpoints(work_dir: str,
                          warn: Optional[Callable[[str], None]] = None,
                          since: Optional[float] = None) -> List[str]:
     """The complete ``epoch_*`` / ``iter_*`` checkpoints (files or sharded
     directories) in ``work_dir``, newest first: the one ``last_checkpoint``
-    names (if complete), then the others by modification time.
+    names (if complete), then the others by the step in their names, the
+    modification time breaking ties.
 
     Args:
         work_dir: the directory to look in.
@@ -82,7 +92,7 @@ def complete_checkpoints(work_dir: str,
         for path in glob.glob(osp.join(work_dir, pattern))
         if not path.endswith('.tmp')
     ]
-    for path in sorted(candidates, key=osp.getmtime, reverse=True):
+    for path in sorted(candidates, key=_step_order, reverse=True):
         if path in found or not recent(path):
             continue
         if is_complete_checkpoint(path):
