@@ -64,8 +64,9 @@ def complete_checkpoints(work_dir: str,
                          warn: Optional[Callable[[str], None]] = None,
                          since: Optional[float] = None) -> List[str]:
     """The complete ``epoch_*`` / ``iter_*`` checkpoints (files or sharded
-    directories) in ``work_dir``, newest first: the one ``last_checkpoint``
-    names (if complete), then the others by the step in their names, the
+    directories) in ``work_dir`` and in the folder of the one
+    ``last_checkpoint`` names (CheckpointHook's ``out_dir``), newest first:
+    the one ``last_checkpoint`` names (if complete), then the others by the step in their names, the
     modification time breaking ties.
 
     Args:
@@ -80,16 +81,23 @@ def complete_checkpoints(work_dir: str,
         return since is None or osp.getmtime(path) >= since
 
     found: List[str] = []
+    # CheckpointHook's out_dir keeps checkpoints outside the work dir:
+    # where last_checkpoint points is searched too, even when the
+    # checkpoint it names is bad.
+    folders = [work_dir]
     pointer = osp.join(work_dir, 'last_checkpoint')
     if osp.isfile(pointer):
         with open(pointer) as file:
             pointed = file.read().strip()
         if is_complete_checkpoint(pointed) and recent(pointed):
             found.append(pointed)
+        if pointed and osp.abspath(osp.dirname(pointed)) != \
+                osp.abspath(work_dir):
+            folders.append(osp.dirname(pointed))
     # Temporary files and directories of unfinished saves end in '.tmp'.
     candidates = [
-        path for pattern in ('epoch_*', 'iter_*')
-        for path in glob.glob(osp.join(work_dir, pattern))
+        path for folder in folders for pattern in ('epoch_*', 'iter_*')
+        for path in glob.glob(osp.join(folder, pattern))
         if not path.endswith('.tmp')
     ]
     for path in sorted(candidates, key=_step_order, reverse=True):

@@ -28,3 +28,16 @@ def test_same_step_is_ordered_by_time(tmp_path):
         atomic_save(dict(w=torch.ones(1)), str(path))
         os.utime(path, (when, when))
     assert complete_checkpoints(str(tmp_path)) == [str(newer), str(older)]
+
+
+def test_fallback_searches_the_folder_last_checkpoint_names(tmp_path):
+    # CheckpointHook(out_dir=...): the checkpoints are not in the work dir.
+    work, out = tmp_path / 'work', tmp_path / 'out' / 'work'
+    work.mkdir()
+    out.mkdir(parents=True)
+    for step in (1, 2):
+        atomic_save(dict(w=torch.ones(1)), str(out / f'iter_{step}.pth'))
+    newest = out / 'iter_2.pth'
+    newest.write_bytes(newest.read_bytes()[:50])
+    (work / 'last_checkpoint').write_text(str(newest))
+    assert complete_checkpoints(str(work)) == [str(out / 'iter_1.pth')]
