@@ -4,8 +4,11 @@
 builds this hook (the Runner swaps the class, on a copy of the config): the
 train loop blocks only while the state is staged, and ``last_checkpoint``
 moves once the background write has renamed the checkpoint into place, never
-before (docs/fault_tolerance.md). Without ``async_save`` it is MMEngine's
-hook, unchanged.
+before (docs/fault_tolerance.md). The Runner builds it for MMEngine's
+``CheckpointHook`` without ``async_save`` too: there it saves as MMEngine's
+does, except that ``max_keep_ckpts`` removes the oldest checkpoint only once
+the new one is complete and ``last_checkpoint`` names it (MMEngine removes it
+before the save, so a kill during the save left none).
 """
 import os
 import os.path as osp
@@ -33,11 +36,13 @@ def write_pointer(work_dir: str, checkpoint: str) -> None:
 
 @HOOKS.register_module()
 class AsyncCheckpointHook(MMEngineCheckpointHook):
-    """``CheckpointHook`` whose saves write in the background.
+    """``CheckpointHook`` whose saves write in the background, and whose
+    ``max_keep_ckpts`` removes a checkpoint only once the next one is
+    published.
 
     Args:
         async_save: stage the state and write it in the background (the
-            default here; ``False`` is MMEngine's hook).
+            default here; ``False`` saves synchronously, as MMEngine's hook).
         **kwargs: MMEngine's ``CheckpointHook`` arguments.
     """
 
@@ -46,23 +51,26 @@ class AsyncCheckpointHook(MMEngineCheckpointHook):
         self.async_save = check_async_save(async_save)
 
     def _save_checkpoint_with_step(self, runner, step, meta):
-        if not self.async_save:
-            return super()._save_checkpoint_with_step(runner, step, meta)
-        # At most one save in flight: the previous one is complete (or its
-        # failure raised) before max_keep_ckpts removes any checkpoint.
-        runner.checkpoint_writes.wait()
-        # MMEngine's body, except that last_checkpoint is written by the
-        # writer thread after the rename (MMEngine writes it on return).
+        if self.async_save:
+            # At most one save in flight: the previous one is complete (or
+            # its failure raised) before a new one starts.
+            runner.checkpoint_writes.wait()
+        # MMEngine's bookkeeping of keep_ckpt_ids, but the checkpoint that
+        # leaves it is removed only after the new one is published: a kill
+        # during the save keeps it, and last_checkpoint still names it.
+        outdated = None
         if self.max_keep_ckpts > 0 and not (
                 self.keep_ckpt_ids and self.keep_ckpt_ids[-1] == step):
             if len(self.keep_ckpt_ids) == self.max_keep_ckpts:
-                self._remove(self.keep_ckpt_ids.popleft())
+                outdated = self.keep_ckpt_ids.popleft()
             self.keep_ckpt_ids.append(step)
             runner.message_hub.update_info('keep_ckpt_ids',
                                            list(self.keep_ckpt_ids))
         filename = self.filename_tmpl.format(step)
         self.last_ckpt = self.file_backend.join_path(self.out_dir, filename)
         runner.message_hub.update_info('last_ckpt', self.last_ckpt)
+        args = dict(self.args, async_save=True) if self.async_save else \
+            self.args
         runner.save_checkpoint(
             self.out_dir,
             filename,
@@ -72,12 +80,21 @@ class AsyncCheckpointHook(MMEngineCheckpointHook):
             meta=meta,
             by_epoch=self.by_epoch,
             backend_args=self.backend_args,
-            async_save=True,
-            **self.args)
-        if is_main_process():
-            last, work_dir = self.last_ckpt, runner.work_dir
-            runner.checkpoint_writes.then(
-                lambda: write_pointer(work_dir, last))
+            **args)
+        if not is_main_process():
+            return
+        last, work_dir = self.last_ckpt, runner.work_dir
+
+        def publish():
+            write_pointer(work_dir, last)
+            if outdated is not None:
+                self._remove(outdated)
+
+        if self.async_save:
+            # In the writer thread, after the rename; never after a failure.
+            runner.checkpoint_writes.then(publish)
+        else:
+            publish()
 
     def _remove(self, step) -> None:
         if not is_main_process():
@@ -106,22 +123,28 @@ class AsyncCheckpointHook(MMEngineCheckpointHook):
 
 def with_async_hook(default_hooks):
     """``default_hooks`` with :class:`AsyncCheckpointHook` as the checkpoint
-    hook when it asks for ``async_save=True``; the user's dict unchanged.
+    hook where it is MMEngine's ``CheckpointHook`` (named, or MMEngine's
+    default when ``checkpoint`` is absent), with or without ``async_save``;
+    the user's dict unchanged.
 
     Raises:
         ConfigError: ``async_save`` on a checkpoint hook of another type.
     """
-    ckpt = (default_hooks or {}).get('checkpoint')
-    if not isinstance(ckpt, dict) or not ckpt.get('async_save'):
+    hooks = dict(default_hooks or {})
+    # MMEngine's default when the key is absent (None turns it off).
+    ckpt = hooks.get('checkpoint', dict(type='CheckpointHook', interval=1))
+    if not isinstance(ckpt, dict):
         return default_hooks
     kind = ckpt.get('type', 'CheckpointHook')
     if kind in (AsyncCheckpointHook, 'AsyncCheckpointHook'):
         return default_hooks
     if kind not in _MMENGINE_NAMES + (MMEngineCheckpointHook, ):
-        raise ConfigError(
-            f'default_hooks.checkpoint.type={kind!r} with async_save=True: '
-            'only MMEngine\'s CheckpointHook writes in the background; '
-            "allowed: type='CheckpointHook' or async_save=False")
-    hooks = dict(default_hooks)
+        if ckpt.get('async_save'):
+            raise ConfigError(
+                f'default_hooks.checkpoint.type={kind!r} with '
+                'async_save=True: only MMEngine\'s CheckpointHook writes in '
+                "the background; allowed: type='CheckpointHook' or "
+                'async_save=False')
+        return default_hooks
     hooks['checkpoint'] = dict(ckpt, type=AsyncCheckpointHook)
     return hooks

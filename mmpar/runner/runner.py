@@ -21,6 +21,7 @@ from torch import nn
 import mmpar.checkpoint as ckpt
 from mmpar.checkpoint.background import BackgroundSave, stage
 from mmpar.checkpoint.format import sharded_hook_names
+from mmpar.checkpoint.latest import job_start, mark_job_start
 from mmpar.config_check import check_config
 from mmpar.device import local_device
 from mmpar.dist import (check_launcher, init_dist, restart_attempt,
@@ -438,17 +439,26 @@ class Runner(MMEngineRunner):
         """As MMEngine's, but ``resume='auto'`` takes the newest *complete*
         checkpoint, not whatever ``last_checkpoint`` names, and a restarted
         torchrun attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
-        the newest complete checkpoint of the work dir even without
-        ``resume`` (the first attempt's start, ``load_from`` or scratch,
-        when there is none). A checkpoint that fails to load is skipped for
-        the previous one, with a warning."""
+        the newest complete checkpoint its job wrote even without
+        ``resume`` (the first attempt's start, ``resume``, ``load_from`` or
+        scratch, when there is none): the first attempt records its start
+        in the work dir, and a checkpoint older than that (a finished
+        earlier run's, one a ``--resume PATH`` rolled back from) is not
+        this job's. A checkpoint that fails to load is skipped for the
+        previous one, with a warning."""
+        restarted = restart_attempt() > 0
+        if not restarted and is_main_process():
+            mark_job_start(self.work_dir)
         if self._has_loaded:
             return
         auto = self._asked['resume'] and self._asked['load_from'] is None
-        restarted = restart_attempt() > 0
         if auto or restarted:
+            # resume='auto' took the newest of any run on the first attempt
+            # too; otherwise only this job's checkpoints are its progress.
+            since = None if auto else job_start(self.work_dir)
             for path in ckpt.complete_checkpoints(self.work_dir,
-                                                  self.logger.warning):
+                                                  self.logger.warning,
+                                                  since):
                 try:
                     self.resume(path)
                 except ckpt.CheckpointLoadError as err:

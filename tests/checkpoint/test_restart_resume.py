@@ -3,7 +3,7 @@ that loads, skipping a corrupt newest one, and ends bit-identical."""
 import shutil
 import zipfile
 
-from mmpar.checkpoint.latest import complete_checkpoints
+from mmpar.checkpoint.latest import complete_checkpoints, mark_job_start
 from mmpar.dist import restart_attempt
 from tests.checkpoint.test_async_checkpoint import tiny_cfg
 from tests.e2e import assert_same_training_state, load_ckpt
@@ -38,6 +38,7 @@ def test_restart_skips_corrupt_newest_and_ends_bit_identical(
     # (it passes the cheap completeness check, fails to load).
     work = tmp_path / 'work'
     work.mkdir()
+    mark_job_start(str(work))  # the first attempt; its saves come after
     shutil.copy(first / 'iter_1.pth', work / 'iter_1.pth')
     with zipfile.ZipFile(work / 'iter_2.pth', 'w') as archive:
         archive.writestr('iter_2/data.pkl', b'not a pickle')
