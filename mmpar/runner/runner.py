@@ -157,6 +157,10 @@ class Runner(MMEngineRunner):
         # would wrap them a second time (failing on mmpar's class names);
         # parallelize applied it already (compose's step 3).
         ac_cfg = self.cfg.pop('activation_checkpointing', None)
+        if restart_attempt() == 0 and is_main_process():
+            # A training job starts (not val or test, whose runs on the same
+            # work dir must not move it): what a restart may resume.
+            mark_job_start(self.work_dir)
         try:
             model = super().train()
             # A background checkpoint write is complete when train()
@@ -447,8 +451,6 @@ class Runner(MMEngineRunner):
         this job's. A checkpoint that fails to load is skipped for the
         previous one, with a warning."""
         restarted = restart_attempt() > 0
-        if not restarted and is_main_process():
-            mark_job_start(self.work_dir)
         if self._has_loaded:
             return
         auto = self._asked['resume'] and self._asked['load_from'] is None
