@@ -146,5 +146,8 @@ def with_async_hook(default_hooks):
                 "the background; allowed: type='CheckpointHook' or "
                 'async_save=False')
         return default_hooks
-    hooks['checkpoint'] = dict(ckpt, type=AsyncCheckpointHook)
+    # MMEngine's hook saves synchronously unless the config asks otherwise
+    # (this class's own default, for a config naming it, is async).
+    hooks['checkpoint'] = dict(ckpt, type=AsyncCheckpointHook,
+                               async_save=ckpt.get('async_save', False))
     return hooks

@@ -104,6 +104,19 @@ def test_async_save_needs_mmengines_hook(tmp_path):
     assert given['checkpoint']['type'] == 'CheckpointHook'  # not mutated
 
 
+@pytest.mark.parametrize('hooks', [None, dict(checkpoint=dict(
+    type='CheckpointHook', interval=2))], ids=['default', 'named'])
+def test_mmengines_hook_without_async_save_saves_synchronously(hooks):
+    # The hook that keeps the previous checkpoint until the next is complete
+    # stands in for MMEngine's always; it saves in the background only when
+    # the config asks (its own default, for a config naming it, is async).
+    from mmpar.registry import HOOKS
+    from mmpar.runner.checkpoint_hook import with_async_hook
+    hook = HOOKS.build(with_async_hook(hooks)['checkpoint'])
+    assert type(hook).__name__ == 'AsyncCheckpointHook'
+    assert hook.async_save is False
+
+
 # ------------------------------------------------------ runs (in-process)
 
 
