@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-from mmpar.checkpoint.files import CheckpointLoadError
+from mmpar.failures import ConfigError
 from mmpar.parallel.dtensor import distribute_like
 
 STATE, GROUPS, PARAMS = 'state', 'param_groups', 'params'
@@ -73,8 +73,8 @@ def localize_named_optim_state(optimizer: torch.optim.Optimizer,
     shard where the parameter is a DTensor. The optimizer is not changed.
 
     Raises:
-        CheckpointLoadError: a parameter of this rank that the checkpoint's
-            param groups do not list.
+        ConfigError: a parameter of this rank that the checkpoint's param
+            groups do not list.
     """
     group_of = {name: g for g in saved[GROUPS] for name in g[PARAMS]}
     state, groups, index = {}, [], 0
@@ -83,7 +83,9 @@ def localize_named_optim_state(optimizer: torch.optim.Optimizer,
         for param in group[PARAMS]:
             name = names[param]
             if name not in group_of:
-                raise CheckpointLoadError(
+                # Not CheckpointLoadError (a corrupt file, for which resume
+                # tries the previous one): another model's checkpoint.
+                raise ConfigError(
                     f'the checkpoint has no optimizer entry for parameter '
                     f'{name!r}; it was saved from another model. Allowed: a '
                     'checkpoint of this model, or load_from (weights only)')

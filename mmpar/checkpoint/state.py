@@ -18,7 +18,6 @@ from mmengine.runner import load_state_dict
 from torch import nn
 
 from mmpar.checkpoint import pipeline
-from mmpar.checkpoint.files import CheckpointLoadError
 from mmpar.failures import ConfigError
 from mmpar.wrappers import full_state
 from mmpar.wrappers.base import describe
@@ -147,7 +146,7 @@ def localize_optim_state(model: nn.Module, optim_wrapper,
     cannot say which index is which of its parameters.
 
     Raises:
-        CheckpointLoadError: ``resuming`` a pipelined model from index-keyed
+        ConfigError: ``resuming`` a pipelined model from index-keyed
             optimizer state.
     """
     saved = checkpoint.get('optimizer')
@@ -163,7 +162,11 @@ def localize_optim_state(model: nn.Module, optim_wrapper,
                                                        optimizer, saved))
             checkpoint['optimizer'] = local
         elif resuming:
-            raise CheckpointLoadError(
+            # A ConfigError, not CheckpointLoadError: the file is whole, the
+            # layout cannot take it, and an older checkpoint of the same run
+            # would not do better (resume='auto' tries the previous one on a
+            # CheckpointLoadError, with this one's weights already loaded).
+            raise ConfigError(
                 'resume: this checkpoint holds the optimizer state of a '
                 'one-process or DDP run (keyed by index), which a pipelined '
                 'model (parallel.pp > 1) cannot match to its stages; allowed: '

@@ -9,7 +9,6 @@ fixture, read-only) serves every test that starts from a pp checkpoint.
 """
 import pytest
 
-from mmpar.checkpoint.files import CheckpointLoadError
 from tests.checkpoint.test_sharded_checkpoint import (_assert_resumed_state,
                                                       _named_saved_state,
                                                       _resume_and_capture)
@@ -137,22 +136,29 @@ def test_pp_x_tp_sharded_checkpoint_resumes_on_one_process(run_dist,
 
 
 def _resume_pp(work_dir, ckpt, name):
+    from mmpar.failures import ConfigError
     from mmpar.runner import Runner
+    load = dict(load_from=str(ckpt)) if ckpt else {}
     cfg = _small_cfg(PP_CONFIG, work_dir, 2, name, 'full', resume=True,
-                     load_from=str(ckpt), parallel=PIPELINE, **NO_VAL)
-    with pytest.raises(CheckpointLoadError) as err:
+                     parallel=PIPELINE, **load, **NO_VAL)
+    with pytest.raises(ConfigError) as err:
         Runner.from_cfg(cfg).train()
     return str(err.value)
 
 
+@pytest.mark.parametrize('how', ['path', 'auto'])
 def test_index_keyed_optimizer_state_is_refused_under_pp(run_dist,
-                                                         tmp_path):
+                                                         tmp_path, how):
     # A one-process checkpoint keys the optimizer state by index: which
-    # index is which stage's parameter cannot be known under pp.
+    # index is which stage's parameter cannot be known under pp. Refused,
+    # not taken for a corrupt file: resume='auto' then went back through
+    # the older checkpoints and said "training starts from scratch" with
+    # the last one's weights already loaded.
     _train(CONFIGS['MMDistributedDataParallel'], tmp_path / 'one', 1,
            'one_for_pp', 'full', launcher='none', **NO_VAL)
-    messages = run_dist(_resume_pp, tmp_path / 'pp',
-                        tmp_path / 'one' / 'epoch_1.pth', 'one_to_pp')
+    ckpt = tmp_path / 'one' / 'epoch_1.pth' if how == 'path' else None
+    messages = run_dist(_resume_pp, tmp_path / ('pp' if ckpt else 'one'),
+                        ckpt, 'one_to_pp')
     for message in messages:
         assert 'parallel.pp > 1' in message and 'keyed by index' in message
         assert "checkpoint_format='sharded'" in message
