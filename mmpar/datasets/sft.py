@@ -12,7 +12,6 @@ token. Each record is one sample, cut to ``context_length + 1`` tokens and
 padded (targets ``-100``), or with ``pack=True`` several records share a
 window (:mod:`mmpar.datasets.sft_packing`).
 """
-import json
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -24,7 +23,7 @@ from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
 from mmpar.datasets.packed import check_count
 from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
                                         packed_window, record_sample)
-from mmpar.datasets.text_files import expand_files, jsonl_lines
+from mmpar.datasets.text_files import expand_files, jsonl_records
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
 from mmpar.registry import DATASETS
@@ -44,14 +43,28 @@ def record_messages(record: dict, where: str) -> List[dict]:
 
     Raises:
         KeyError: a record with neither.
+        TypeError: a message that is not a dict with a ``role`` and a
+            string ``content`` (a null would be trained as the text
+            "None", a list of parts as its repr).
     """
-    if 'messages' in record:
-        return list(record['messages'])
-    if 'prompt' in record and 'response' in record:
-        return [dict(role='user', content=record['prompt']),
-                dict(role=ANSWER_ROLE, content=record['response'])]
-    raise KeyError(f'{where}: a record needs "messages" or "prompt" and '
-                   f'"response"; its keys: {sorted(record)}')
+    if isinstance(record, dict) and 'messages' in record:
+        messages = list(record['messages'])
+    elif isinstance(record, dict) and 'prompt' in record and \
+            'response' in record:
+        messages = [dict(role='user', content=record['prompt']),
+                    dict(role=ANSWER_ROLE, content=record['response'])]
+    else:
+        keys = sorted(record) if isinstance(record, dict) else \
+            f'none: a {type(record).__name__}'
+        raise KeyError(f'{where}: a record needs "messages" or "prompt" and '
+                       f'"response"; its keys: {keys}')
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and 'role' in message
+                and isinstance(message.get('content'), str)):
+            raise TypeError(
+                f'{where}: message {index} is {message!r}; allowed: '
+                "dict(role=..., content='a string')")
+    return messages
 
 
 def chosen_template(template: Union[str, Dict[str, str], None],
@@ -181,9 +194,8 @@ class SFTDataset(Dataset):
         self.pad_id = pad_id
         self.samples = []
         for path in expand_files(files):
-            for number, line in jsonl_lines(path):
-                messages = record_messages(json.loads(line),
-                                           f'{path}:{number}')
+            for where, record in jsonl_records(path):
+                messages = record_messages(record, where)
                 self.samples.append(render(messages, self.tokenizer,
                                            self.template))
         self.pack = pack

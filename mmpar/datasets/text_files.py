@@ -13,7 +13,7 @@ import json
 import lzma
 import os
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
 
 from mmpar.datasets.token_shards import (VERSION, read_header,
                                          write_token_shard)
@@ -81,6 +81,22 @@ def read_text(path: Path) -> str:
     return raw.decode('utf-8')
 
 
+def jsonl_records(path: Path) -> Iterator[Tuple[str, Any]]:
+    """``(where, record)`` of a JSONL file: ``where`` is ``'PATH:LINE'``.
+
+    Raises:
+        ValueError: a line that is not JSON, naming the file and line.
+    """
+    for number, line in jsonl_lines(path):
+        where = f'{path}:{number}'
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f'{where}: not a JSON record ({err.msg} at '
+                             f'column {err.colno}); allowed: one JSON '
+                             'object per line') from None
+
+
 def jsonl_lines(path: Path) -> Iterator[Tuple[int, str]]:
     """``(line number, line)`` of a JSONL file's non-blank lines, split at
     ``'\\n'`` only (a trailing ``'\\r'`` dropped): ``str.splitlines``
@@ -114,17 +130,29 @@ def iter_documents(files: Sequence[Path], text_key: str = 'text',
             parts = [text] if separator is None else text.split(separator)
             yield from (p for p in parts if p.strip())
         elif kind == 'jsonl':
-            for number, line in jsonl_lines(path):
-                yield _field(json.loads(line), text_key, f'{path}:{number}')
+            for where, record in jsonl_records(path):
+                yield _field(record, text_key, where)
         else:
-            yield from _parquet_texts(path, text_key)
+            for row, text in enumerate(_parquet_texts(path, text_key)):
+                yield _text(text, text_key, f'{path} row {row}')
 
 
-def _field(record: dict, key: str, where: str) -> str:
-    if key not in record:
+def _field(record: Any, key: str, where: str) -> str:
+    if not isinstance(record, dict) or key not in record:
+        keys = sorted(record) if isinstance(record, dict) else \
+            f'none: a {type(record).__name__}'
         raise KeyError(f'{where}: record has no text_key={key!r}; its keys: '
-                       f'{sorted(record)}')
-    return record[key]
+                       f'{keys}')
+    return _text(record[key], key, where)
+
+
+def _text(value: Any, key: str, where: str) -> str:
+    """A record's text: a string (a null or a number would be tokenized as
+    its repr, or fail deep in the tokenizer)."""
+    if not isinstance(value, str):
+        raise TypeError(f'{where}: text_key={key!r} holds {value!r}; '
+                        'allowed: a string')
+    return value
 
 
 def _parquet_texts(path: Path, text_key: str) -> Iterator[str]:

@@ -220,3 +220,23 @@ def test_records_may_hold_raw_line_separators(tmp_path):
     data = SFTDataset(str(path), context_length=64)
     assert len(data) == 1
     assert 'Q\u2028?'.encode() in bytes(data[0]['inputs'].tolist())
+
+
+@pytest.mark.parametrize('line,error,match', [
+    ('{"prompt": "a", "response": }', ValueError,
+     r'bad\.jsonl:2: not a JSON record'),
+    ('{"prompt": "a", "response": null}', TypeError,
+     r"bad\.jsonl:2: message 1 is .*'content': None"),
+    ('{"messages": [{"role": "user", "content": [{"text": "a"}]}]}',
+     TypeError, r'bad\.jsonl:2: message 0'),
+    ('{"messages": [{"content": "a"}]}', TypeError, 'message 0'),
+    ('[1, 2]', KeyError, "its keys: none: a list"),
+], ids=['not json', 'null content', 'list content', 'no role', 'a list'])
+def test_a_bad_record_is_named_by_file_and_line(tmp_path, line, error,
+                                                match):
+    # They failed deep (a bare JSONDecodeError or KeyError naming no file),
+    # or trained the text "None" / a list's repr as the answer.
+    path = tmp_path / 'bad.jsonl'
+    path.write_text('{"prompt": "q", "response": "r"}\n' + line + '\n')
+    with pytest.raises(error, match=match):
+        SFTDataset(str(path), context_length=64)

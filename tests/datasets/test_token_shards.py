@@ -169,3 +169,20 @@ def test_jsonl_strings_may_hold_raw_line_separators(tmp_path):
         json.dumps(dict(text=t), ensure_ascii=False) + '\r\n'
         for t in texts).encode('utf-8'))
     assert list(iter_documents([path])) == texts
+
+
+@pytest.mark.parametrize('line,error,match', [
+    ('{"text": "a", }', ValueError, r'docs\.jsonl:2: not a JSON record'),
+    ('{"text": null}', TypeError, r"docs\.jsonl:2: text_key='text' holds "
+     'None; allowed: a string'),
+    ('{"text": 3}', TypeError, "holds 3"),
+    ('"just a string"', KeyError, 'its keys: none: a str'),
+], ids=['not json', 'null', 'a number', 'not a record'])
+def test_a_bad_jsonl_record_is_named_by_file_and_line(tmp_path, line, error,
+                                                      match):
+    # A bare JSONDecodeError naming no file, or an AttributeError from deep
+    # in the tokenizer ('NoneType' object has no attribute 'encode').
+    path = tmp_path / 'docs.jsonl'
+    path.write_text('{"text": "fine"}\n' + line + '\n')
+    with pytest.raises(error, match=match):
+        list(iter_documents(expand_files(str(path))))
