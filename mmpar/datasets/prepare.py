@@ -15,6 +15,7 @@ import time
 from typing import List, Optional
 
 from mmpar.datasets.text_files import expand_files, write_documents
+from mmpar.datasets.token_shards import shard_files
 from mmpar.datasets.tokenizer import build_tokenizer
 
 
@@ -66,6 +67,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     header = write_documents(args.output, expand_files(args.files),
                              tokenizer, args.text_key, separator)
     seconds = time.perf_counter() - start
+    if not header['num_tokens']:
+        # (Training would refuse the shard later: "has 0 tokens".)
+        for path in shard_files(args.output):
+            path.unlink(missing_ok=True)
+        raise SystemExit(f'prepare_data.py: error: {args.files} hold no '
+                         'document with text; allowed: files with text, '
+                         f'in JSONL records under "{args.text_key}"')
     header['tokens_per_s'] = round(header['num_tokens'] / max(seconds, 1e-9))
     print(json.dumps({k: v for k, v in header.items() if k != 'sources'},
                      indent=1))

@@ -189,6 +189,12 @@ class SFTDataset(Dataset):
                              'pack=True (a padded sample holds one record); '
                              'allowed: pack=True, or document_attention=False')
         self.tokenizer = build_tokenizer(tokenizer)
+        vocab_size = self.tokenizer.vocab_size
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or \
+                not 0 <= pad_id < vocab_size:
+            # (It would fail at the first padded batch, in the embedding.)
+            raise ValueError(f'SFTDataset pad_id={pad_id!r} is not an id of '
+                             f'the tokenizer; allowed: 0 to {vocab_size - 1}')
         self.context_length = context_length
         self.template = chosen_template(template, self.tokenizer)
         self.pad_id = pad_id

@@ -240,3 +240,13 @@ def test_a_bad_record_is_named_by_file_and_line(tmp_path, line, error,
     path.write_text('{"prompt": "q", "response": "r"}\n' + line + '\n')
     with pytest.raises(error, match=match):
         SFTDataset(str(path), context_length=64)
+
+
+@pytest.mark.parametrize('pad_id', [256, -1, 1.5])
+def test_a_pad_id_outside_the_vocabulary_is_refused(tmp_path, pad_id):
+    # It failed at the first padded batch with "index out of range" in the
+    # embedding (bytes: ids 0-255).
+    path = tmp_path / 'r.jsonl'
+    path.write_text('{"prompt": "q", "response": "r"}\n')
+    with pytest.raises(ValueError, match=rf'pad_id={pad_id}.*0 to 255'):
+        SFTDataset(str(path), context_length=64, pad_id=pad_id, pack=False)

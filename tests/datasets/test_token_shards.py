@@ -186,3 +186,12 @@ def test_a_bad_jsonl_record_is_named_by_file_and_line(tmp_path, line, error,
     path.write_text('{"text": "fine"}\n' + line + '\n')
     with pytest.raises(error, match=match):
         list(iter_documents(expand_files(str(path))))
+
+
+def test_prepare_data_refuses_an_empty_corpus(tmp_path):
+    # It wrote a shard of 0 tokens and exited 0; training refused it later.
+    empty = tmp_path / 'empty.txt'
+    empty.write_text('\n\n')
+    with pytest.raises(SystemExit, match='hold no document with text'):
+        prepare_main([str(tmp_path / 'shard'), str(empty)])
+    assert not shard_files(tmp_path / 'shard')[0].exists()
