@@ -111,3 +111,18 @@ def test_dist_scripts_without_nproc_print_their_usage(script, args, usage):
                       check=False)
     assert (helped.returncode, helped.stdout) == \
         (0, f'usage: bash tools/{script} {usage}\n')
+
+
+def test_train_refuses_token_ids_past_the_models_vocabulary(tmp_path):
+    # Byte tokens (256 ids) into a Llama of 128: an index error deep in the
+    # embedding at the first batch, before.
+    proc = run_tool(['python', 'tools/train.py',
+                     'configs/llama_shakespeare/llama_sft.py', '--work-dir',
+                     tmp_path, '--cfg-options', 'model.vocab_size=128'],
+                    timeout=120, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-2000:]
+    assert 'train_dataloader.dataset: its tokenizer gives ids 0 to 255, ' \
+        'but the model has vocab_size=128' in output, output[-2000:]
+    assert 'Traceback' not in output, output[-3000:]
+    assert 'Iter(train)' not in output and 'Epoch(train)' not in output

@@ -20,6 +20,7 @@ import os.path as osp
 from pathlib import Path
 from typing import Iterable, List, Optional, Union
 
+from mmpar.failures import ConfigError
 from mmpar.registry import TOKENIZERS
 
 SHAKESPEARE_BPE_DIR = Path(__file__).parent / 'data' / 'shakespeare_bpe'
@@ -176,3 +177,24 @@ def lm_metainfo(tokenizer: Tokenizer, context_length: int) -> dict:
     return dict(vocab_size=tokenizer.vocab_size,
                 context_length=context_length,
                 token_bytes=tokenizer.token_bytes())
+
+
+def check_model_vocabulary(dataset, model, key: str) -> None:
+    """The token ids a language-model ``dataset`` gives (its ``metainfo``'s
+    ``vocab_size``) fit ``model``'s vocabulary (its ``hf_config``: Llama,
+    HFCausalLM); anything else passes.
+
+    Raises:
+        ConfigError: naming ``key``, both sizes and what is allowed (an id
+            past the embedding failed at the first batch, deep in torch).
+    """
+    ids = (getattr(dataset, 'metainfo', None) or {}).get('vocab_size')
+    size = getattr(getattr(model, 'hf_config', None), 'vocab_size', None)
+    if isinstance(ids, int) and isinstance(size, int) and ids > size:
+        raise ConfigError(
+            f'{key}.dataset: its tokenizer gives ids 0 to {ids - 1}, but the '
+            f'model has vocab_size={size}; allowed: a model vocab_size of '
+            f'at least {ids} (model.vocab_size, or model.config.vocab_size '
+            'for a Hugging Face model), or a tokenizer of at most '
+            f'{size} ids')
+

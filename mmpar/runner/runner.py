@@ -23,6 +23,7 @@ from mmpar.checkpoint.background import BackgroundSave, stage
 from mmpar.checkpoint.format import sharded_hook_names
 from mmpar.checkpoint.latest import job_start, mark_job_start
 from mmpar.config_check import check_config
+from mmpar.datasets.tokenizer import check_model_vocabulary
 from mmpar.device import local_device
 from mmpar.dist import (check_launcher, init_dist, restart_attempt,
                         usable_backend)
@@ -254,6 +255,8 @@ class Runner(MMEngineRunner):
         by_epoch = isinstance(built, MMEngineEpochBasedTrainLoop)
         check_even_work(built.dataloader, 'train_dataloader',
                         every_rank_steps=not by_epoch, same_count=by_epoch)
+        check_model_vocabulary(built.dataloader.dataset,
+                               describe(self.model).model, 'train_dataloader')
         return built
 
     def build_val_loop(self, loop):
