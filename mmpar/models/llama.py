@@ -138,6 +138,12 @@ def llama_no_sp_tp_plan(model: nn.Module, tp_mesh) -> None:
     split_with_moe(model, tp_mesh, TP_PLAN_NO_SP)
 
 
+# The module plans the two apply, for the config check
+# (:func:`mmpar.parallelize.tensor.splits_sequence`).
+llama_tp_plan.plan_data = TP_PLAN
+llama_no_sp_tp_plan.plan_data = TP_PLAN_NO_SP
+
+
 def pipeline_split_points(num_layers: int, num_stages: int) -> List[str]:
     """Default pipeline split points: ``num_stages`` runs of blocks.
 

@@ -105,20 +105,18 @@ def check_tp_plan(cfg: PlanCfg) -> None:
     resolve_tp_plan(cfg)
 
 
-# Registered plans that split the sequence over tp between the blocks
-# (sequence-parallel norms: mmpar/models/llama.py's TP_PLAN). A
-# ``module_plan`` says so by its 'sequence_parallel' entries.
-SEQUENCE_PARALLEL_PLANS = ('llama', )
-
-
 def splits_sequence(cfg: PlanCfg) -> bool:
     """Whether the ``tp_plan`` config splits each rank's sequence over
-    tp (sequence parallelism), so that its length must divide by tp."""
+    tp (sequence parallelism), so that its length must divide by tp: a
+    ``module_plan``, or a registered plan function that declares the
+    module plan it applies (its ``plan_data``, as Llama's do), with a
+    ``'sequence_parallel'`` entry."""
     plan, kwargs = resolve_tp_plan(cfg)
-    if plan is module_plan:
-        return any(entry['style'] == 'sequence_parallel' for entry in
-                   check_module_plan_data(kwargs['plan']).values())
-    return any(plan is _lookup(name) for name in SEQUENCE_PARALLEL_PLANS)
+    data = kwargs['plan'] if plan is module_plan else \
+        getattr(plan, 'plan_data', None)
+    return data is not None and any(
+        entry['style'] == 'sequence_parallel'
+        for entry in check_module_plan_data(data).values())
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: PlanCfg,
