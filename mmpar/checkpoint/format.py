@@ -58,6 +58,10 @@ def check_published_keys(cfg) -> None:
             'one full file')
 
 
+# MMEngine's Runner's checkpoint hook when ``default_hooks`` names none.
+MMENGINE_CHECKPOINT_HOOK = dict(type='CheckpointHook', interval=1)
+
+
 def sharded_hook_names(default_hooks: Optional[dict]) -> Optional[dict]:
     """``default_hooks`` with CheckpointHook naming directories without
     ``.pth`` (``epoch_{}`` / ``iter_{}``) unless the user chose a template.

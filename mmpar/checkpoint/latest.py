@@ -66,8 +66,8 @@ def complete_checkpoints(work_dir: str,
     """The complete ``epoch_*`` / ``iter_*`` checkpoints (files or sharded
     directories) in ``work_dir`` and in the folder of the one
     ``last_checkpoint`` names (CheckpointHook's ``out_dir``), newest first:
-    the one ``last_checkpoint`` names (if complete), then the others by the step in their names, the
-    modification time breaking ties.
+    the one ``last_checkpoint`` names (if complete), then the others by the
+    step in their names, the modification time breaking ties.
 
     Args:
         work_dir: the directory to look in.

@@ -16,7 +16,8 @@ import os.path as osp
 from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook as MMEngineCheckpointHook
 
-from mmpar.checkpoint.format import check_async_save
+from mmpar.checkpoint.format import (MMENGINE_CHECKPOINT_HOOK,
+                                     check_async_save)
 from mmpar.failures import ConfigError
 from mmpar.registry import HOOKS
 
@@ -132,7 +133,7 @@ def with_async_hook(default_hooks):
     """
     hooks = dict(default_hooks or {})
     # MMEngine's default when the key is absent (None turns it off).
-    ckpt = hooks.get('checkpoint', dict(type='CheckpointHook', interval=1))
+    ckpt = hooks.get('checkpoint', MMENGINE_CHECKPOINT_HOOK)
     if not isinstance(ckpt, dict):
         return default_hooks
     kind = ckpt.get('type', 'CheckpointHook')

@@ -20,7 +20,8 @@ from torch import nn
 
 import mmpar.checkpoint as ckpt
 from mmpar.checkpoint.background import BackgroundSave, stage
-from mmpar.checkpoint.format import sharded_hook_names
+from mmpar.checkpoint.format import (MMENGINE_CHECKPOINT_HOOK,
+                                     sharded_hook_names)
 from mmpar.checkpoint.latest import job_start, mark_job_start
 from mmpar.config_check import check_config
 from mmpar.datasets.tokenizer import check_model_vocabulary
@@ -299,8 +300,7 @@ class Runner(MMEngineRunner):
         if self.checkpoint_format == 'sharded':
             # Sharded checkpoints are directories: epoch_N, not epoch_N.pth.
             default_hooks = sharded_hook_names(
-                default_hooks or
-                dict(checkpoint=dict(type='CheckpointHook', interval=1)))
+                default_hooks or dict(checkpoint=MMENGINE_CHECKPOINT_HOOK))
         # async_save=True: the hook that moves last_checkpoint only once the
         # background write is complete.
         default_hooks = with_async_hook(default_hooks)
@@ -453,10 +453,10 @@ class Runner(MMEngineRunner):
         earlier run's, one a ``--resume PATH`` rolled back from) is not
         this job's. A checkpoint that fails to load is skipped for the
         previous one, with a warning."""
-        restarted = restart_attempt() > 0
         if self._has_loaded:
             return
         auto = self._asked['resume'] and self._asked['load_from'] is None
+        restarted = restart_attempt() > 0
         if auto or restarted:
             # resume='auto' took the newest of any run on the first attempt
             # too; otherwise only this job's checkpoints are its progress.
