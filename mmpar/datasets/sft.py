@@ -23,7 +23,8 @@ from mmpar.datasets.chat_template import (ANSWER_ROLE, has_chat_template,
 from mmpar.datasets.packed import check_count
 from mmpar.datasets.sft_packing import (TRUNCATIONS, pack_records,
                                         packed_window, record_sample)
-from mmpar.datasets.text_files import expand_files, jsonl_records
+from mmpar.datasets.text_files import (expand_files, jsonl_records,
+                                       record_keys)
 from mmpar.datasets.tokenizer import (Tokenizer, build_tokenizer,
                                       lm_metainfo)
 from mmpar.registry import DATASETS
@@ -54,10 +55,8 @@ def record_messages(record: dict, where: str) -> List[dict]:
         messages = [dict(role='user', content=record['prompt']),
                     dict(role=ANSWER_ROLE, content=record['response'])]
     else:
-        keys = sorted(record) if isinstance(record, dict) else \
-            f'none: a {type(record).__name__}'
         raise KeyError(f'{where}: a record needs "messages" or "prompt" and '
-                       f'"response"; its keys: {keys}')
+                       f'"response"; its keys: {record_keys(record)}')
     for index, message in enumerate(messages):
         if not (isinstance(message, dict) and 'role' in message
                 and isinstance(message.get('content'), str)):

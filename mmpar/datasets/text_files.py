@@ -137,12 +137,16 @@ def iter_documents(files: Sequence[Path], text_key: str = 'text',
                 yield _text(text, text_key, f'{path} row {row}')
 
 
+def record_keys(record: Any) -> str:
+    """A JSONL record's keys for a message (a line may hold a non-dict)."""
+    return str(sorted(record)) if isinstance(record, dict) else \
+        f'none: a {type(record).__name__}'
+
+
 def _field(record: Any, key: str, where: str) -> str:
     if not isinstance(record, dict) or key not in record:
-        keys = sorted(record) if isinstance(record, dict) else \
-            f'none: a {type(record).__name__}'
         raise KeyError(f'{where}: record has no text_key={key!r}; its keys: '
-                       f'{keys}')
+                       f'{record_keys(record)}')
     return _text(record[key], key, where)
 
 

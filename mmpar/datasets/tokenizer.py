@@ -197,4 +197,3 @@ def check_model_vocabulary(dataset, model, key: str) -> None:
             f'at least {ids} (model.vocab_size, or model.config.vocab_size '
             'for a Hugging Face model), or a tokenizer of at most '
             f'{size} ids')
-
