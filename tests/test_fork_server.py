@@ -148,7 +148,8 @@ torch.cuda._raw_device_count_nvml = lambda: nvml.append(1) or 1
 sys.path.insert(0, 'tests')
 import fork_server
 fork_server.preload()
-print('nvml asked', len(nvml), 'inits', inits, 'why not', fork_server.cuda_in_use())
+print('nvml asked', len(nvml), 'inits', inits, 'why not',
+      fork_server.cuda_in_use())
 '''
 
 

@@ -150,13 +150,15 @@ def test_prepare_data_keeps_a_non_ascii_separator(tmp_path):
     text = tmp_path / 'sep.txt'
     text.write_text('Erster Absatz。Zweiter Absatz\n\nDritter。Vierter',
                     encoding='utf-8')
-    header = prepare_main([str(tmp_path / 'cjk'), str(text), '--separator', '。'])
+    header = prepare_main([str(tmp_path / 'cjk'), str(text),
+                           '--separator', '。'])
     assert header['num_documents'] == 3
     shard = TokenShard(tmp_path / 'cjk')
     assert bytes(shard.document(1).tolist()).decode() == \
         'Zweiter Absatz\n\nDritter'
     # Escapes are still read: '\n\n' (backslash, n) splits at paragraphs.
-    header = prepare_main([str(tmp_path / 'par'), str(text), '--separator', r'\n\n'])
+    header = prepare_main([str(tmp_path / 'par'), str(text),
+                           '--separator', r'\n\n'])
     assert header['num_documents'] == 2
 
 

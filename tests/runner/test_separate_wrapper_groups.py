@@ -127,8 +127,8 @@ def test_own_call_constructor_under_wrapped_children():
 
 def test_paramwise_rules_under_wrapped_children():
     """The rules, made on the plain names, reach the wrapped parameters."""
-    cfg = dict(SGD, paramwise_cfg=dict(bias_decay_mult=0.0,
-                                       custom_keys={'disc': dict(lr_mult=0.5)}))
+    cfg = dict(SGD, paramwise_cfg=dict(
+        bias_decay_mult=0.0, custom_keys={'disc': dict(lr_mult=0.5)}))
     plain = TwoNetGAN()
     expected = _options(build_optim_wrapper(plain, copy.deepcopy(cfg))
                         .optimizer)
